@@ -1,0 +1,217 @@
+"""The Flax decoder for Llama / Qwen2 / Qwen3, with an explicit per-row KV cache.
+
+Parameters carry logical axis names (`embed`, `mlp`, `heads`, `kv_heads`, `head_dim`, `vocab`, `layers`);
+`aepo_jax.parallel` maps them onto the mesh. Layers are stacked with `nn.scan` (one compiled layer body,
+parameters with a leading `layers` axis), which keeps compile time flat in depth.
+
+Two call modes share the same layer code:
+  * full sequence (training, scoring): `attention_mask_bt` marks valid tokens, attention is causal over
+    the row's token index, positions are explicit per row (left or right padding both work);
+  * cached (rollout engine): `cache` holds K/V rows of shape [L, S, T_max, K, D]; row b writes its T new
+    entries at its own offset `write_index_b[b]` and attends to cache entries j <= write_index_b[b] + t.
+    Flax's built-in decode cache has one index for the whole batch, hence this layer keeps its own.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aepo_jax.model._config import ModelConfig
+
+_NEG_INF = -1e30  # finite, so a query row with no valid key gives a uniform softmax, never NaN
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def _param(init, axes):
+  return nn.with_logical_partitioning(init, axes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------------
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [head_dim/2] with the checkpoint's rope_theta and rope scaling (HF semantics)."""
+  d = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+  scaling = config.rope_scaling_dict
+  if not scaling:
+    return inv_freq.astype(np.float32)
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return inv_freq.astype(np.float32)
+  if kind == "linear":
+    return (inv_freq / scaling["factor"]).astype(np.float32)
+  if kind == "llama3":  # transformers' _compute_llama3_parameters
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    out = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, out).astype(np.float32)
+  raise NotImplementedError(
+      f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3). "
+      "Remove rope_scaling from config.json or add the type to aepo_jax/model/_decoder.py:rope_inv_freq.")
+
+
+def apply_rope(x_btnd, positions_bt, inv_freq):
+  """HF 'rotate_half' RoPE (non-interleaved halves); cos/sin in float32."""
+  freqs_btf = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)[None, None, :]
+  emb_btd = jnp.concatenate([freqs_btf, freqs_btf], axis=-1)
+  cos = jnp.cos(emb_btd)[:, :, None, :].astype(x_btnd.dtype)
+  sin = jnp.sin(emb_btd)[:, :, None, :].astype(x_btnd.dtype)
+  x1, x2 = jnp.split(x_btnd, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_btnd * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: str
+  param_dtype: str
+  axis_name: str = "embed"
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", _param(nn.initializers.ones, (self.axis_name,)), (x.shape[-1],),
+                       _dtype(self.param_dtype))
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(jnp.float32)).astype(_dtype(self.dtype))
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt, mask_bts, layer_cache, write_index_b):
+    cfg = self.config
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    init = nn.initializers.normal(0.02)
+
+    def proj(name, heads, axis):
+      return nn.DenseGeneral(
+          features=(heads, d), axis=-1, use_bias=cfg.attention_bias, dtype=dt, param_dtype=pdt, name=name,
+          kernel_init=_param(init, ("embed", axis, "head_dim")),
+          bias_init=_param(nn.initializers.zeros, (axis, "head_dim")))
+
+    q_btnd = proj("q_proj", h, "heads")(x_btd)
+    k_btkd = proj("k_proj", k, "kv_heads")(x_btd)
+    v_btkd = proj("v_proj", k, "kv_heads")(x_btd)
+    if cfg.qk_norm:
+      q_btnd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, "head_dim", name="q_norm")(q_btnd)
+      k_btkd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, "head_dim", name="k_norm")(k_btkd)
+    inv_freq = rope_inv_freq(cfg)
+    q_btnd = apply_rope(q_btnd, positions_bt, inv_freq)
+    k_btkd = apply_rope(k_btkd, positions_bt, inv_freq)
+
+    new_cache = None
+    if layer_cache is not None:
+      # Each row writes its T new entries at its own offset. Callers guarantee offset + T <= T_max
+      # (dynamic_update_slice would otherwise clamp the start and overwrite earlier entries).
+      write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (i, 0, 0)))
+      k_cache = write(layer_cache["k"], k_btkd, write_index_b)
+      v_cache = write(layer_cache["v"], v_btkd, write_index_b)
+      new_cache = {"k": k_cache, "v": v_cache}
+      k_bskd, v_bskd = k_cache.astype(dt), v_cache.astype(dt)
+    else:
+      k_bskd, v_bskd = k_btkd, v_btkd
+
+    b, t = x_btd.shape[:2]
+    g = h // k
+    q_btkgd = q_btnd.reshape(b, t, k, g, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd).astype(jnp.float32) / math.sqrt(d)
+    logits = jnp.where(mask_bts[:, None, None, :, :], logits, _NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+    out_btnd = out_btkgd.reshape(b, t, h, d)
+    out = nn.DenseGeneral(
+        features=cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=dt, param_dtype=pdt, name="o_proj",
+        kernel_init=_param(init, ("heads", "head_dim", "embed")))(out_btnd)
+    return out, new_cache
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd):
+    cfg = self.config
+    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    init = nn.initializers.normal(0.02)
+    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=pdt)
+    gate = dense(cfg.intermediate_size, name="gate_proj", kernel_init=_param(init, ("embed", "mlp")))(x_btd)
+    up = dense(cfg.intermediate_size, name="up_proj", kernel_init=_param(init, ("embed", "mlp")))(x_btd)
+    hidden = nn.with_logical_constraint(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "mlp"))
+    return dense(cfg.hidden_size, name="down_proj", kernel_init=_param(init, ("mlp", "embed")))(hidden)
+
+
+class Block(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, h_btd, layer_cache, positions_bt, mask_bts, write_index_b):
+    cfg = self.config
+    norm = functools.partial(RMSNorm, cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
+    attn, new_cache = Attention(cfg, name="self_attn")(
+        norm(name="input_layernorm")(h_btd), positions_bt, mask_bts, layer_cache, write_index_b)
+    h_btd = h_btd + attn
+    h_btd = h_btd + MLP(cfg, name="mlp")(norm(name="post_attention_layernorm")(h_btd))
+    h_btd = nn.with_logical_constraint(h_btd, ("activation_batch", "activation_length", "activation_embed"))
+    return h_btd, new_cache
+
+
+class Decoder(nn.Module):
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embed_tokens = nn.Embed(
+        cfg.vocab_size, cfg.hidden_size, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
+        embedding_init=_param(nn.initializers.normal(0.02), ("vocab", "embed")))
+    block = Block
+    if cfg.remat:
+      block = nn.remat(Block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+    self.layers = nn.scan(
+        block, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), out_axes=0, length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+    self.norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = nn.Dense(
+          cfg.vocab_size, use_bias=False, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
+          kernel_init=_param(nn.initializers.normal(0.02), ("embed", "vocab")))
+
+  def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index_b=None):
+    """Returns (final hidden states [B,T,D] after the last norm, new cache or None)."""
+    h_btd = self.embed_tokens(tokens_bt)
+    h_btd = nn.with_logical_constraint(h_btd, ("activation_batch", "activation_length", "activation_embed"))
+    h_btd, new_cache = self.layers(h_btd, cache, positions_bt, mask_bts, write_index_b)
+    return self.norm(h_btd), new_cache
+
+  def unembed(self, h_btd):
+    if self.config.tie_word_embeddings:
+      logits = self.embed_tokens.attend(h_btd)
+    else:
+      logits = self.lm_head(h_btd)
+    return logits.astype(jnp.float32)
+
+  def init_all(self, tokens_bt, positions_bt, mask_bts):
+    h, _ = self(tokens_bt, positions_bt, mask_bts)
+    return self.unembed(h)

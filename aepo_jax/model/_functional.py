@@ -1,0 +1,101 @@
+"""Functional surface of the policy model: plain functions of (config, params, arrays).
+
+Params are an unboxed nested dict (`{'embed_tokens': ..., 'layers': ..., 'norm': ..., ['lm_head']}`), layer
+parameters stacked on a leading `layers` axis. All functions are jit-able with `config` static.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from aepo_jax.model._config import ModelConfig
+from aepo_jax.model._decoder import Decoder
+
+
+def _module(config: ModelConfig) -> Decoder:
+  return Decoder(config)
+
+
+def default_positions(attention_mask_bt):
+  """Positions that skip left padding: the i-th valid token of a row gets position i."""
+  return jnp.maximum(jnp.cumsum(attention_mask_bt.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _causal_mask(attention_mask_bt):
+  t = attention_mask_bt.shape[1]
+  causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  return causal_ts[None] & attention_mask_bt.astype(bool)[:, None, :]
+
+
+def init_params(config: ModelConfig, rng, *, boxed: bool = False):
+  """Random parameters (normal(0.02) kernels, unit norms). `boxed=True` keeps flax's logical-axis boxes."""
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  mask = jnp.ones((1, 4), jnp.int32)
+  variables = _module(config).init(rng, tokens, default_positions(mask), _causal_mask(mask),
+                                   method=Decoder.init_all)
+  params = variables["params"]
+  return params if boxed else nn.unbox(params)
+
+
+def param_logical_axes(config: ModelConfig):
+  """Pytree (same structure as params) of `PartitionSpec`s of logical axis names."""
+  boxed = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), boxed=True))
+  return nn.get_partition_spec(boxed)
+
+
+def forward_hidden(config: ModelConfig, params, tokens_bt, positions_bt=None, attention_mask_bt=None):
+  """Final-norm hidden states [B, T, D] (compute dtype) of a full (uncached) forward."""
+  if attention_mask_bt is None:
+    attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+  if positions_bt is None:
+    positions_bt = default_positions(attention_mask_bt)
+  h_btd, _ = _module(config).apply({"params": params}, tokens_bt, positions_bt, _causal_mask(attention_mask_bt))
+  return h_btd
+
+
+def unembed(config: ModelConfig, params, h_btd):
+  """Logits (float32) from hidden states; tied or untied head as the config says."""
+  return _module(config).apply({"params": params}, h_btd, method=Decoder.unembed)
+
+
+def forward(config: ModelConfig, params, tokens, positions=None, attention_mask=None):
+  """Float32 logits [B, T, V]. `attention_mask` [B, T] marks valid tokens (left or right padding);
+  `positions` default to the running count of valid tokens in each row."""
+  return unembed(config, params, forward_hidden(config, params, tokens, positions, attention_mask))
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV cache (used by the rollout engine)
+# ----------------------------------------------------------------------------------------------------
+def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype: Optional[str] = None):
+  """Zeroed K/V cache {'k','v'}: [layers, slots, max_len, kv_heads, head_dim]."""
+  shape = (config.num_layers, num_slots, max_len, config.num_kv_heads, config.head_dim)
+  dt = jnp.dtype(dtype or config.dtype)
+  return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
+
+
+CACHE_LOGICAL_AXES = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim")
+
+
+def forward_cached(config: ModelConfig, params, tokens_bt, positions_bt, cache, write_index_b, *,
+                   return_hidden: bool = False):
+  """One chunk of T tokens per row against the cache.
+
+  Row b's tokens are written at cache[:, b, write_index_b[b] : write_index_b[b] + T] and token t attends to
+  every cache entry j <= write_index_b[b] + t. Entries at or beyond a row's true length must never be
+  needed: the caller keeps rows contiguous from index 0 and guarantees write_index_b + T <= max_len.
+  Right padding inside the chunk is harmless (written past the row's length, overwritten later).
+  Returns (logits [B,T,V] float32 or hidden [B,T,D], new_cache).
+  """
+  t = tokens_bt.shape[1]
+  s = cache["k"].shape[2]
+  query_index_bt = write_index_b[:, None] + jnp.arange(t)[None, :]
+  mask_bts = jnp.arange(s)[None, None, :] <= query_index_bt[:, :, None]
+  module = _module(config)
+  h_btd, new_cache = module.apply({"params": params}, tokens_bt, positions_bt, mask_bts, cache, write_index_b)
+  if return_hidden:
+    return h_btd, new_cache
+  return module.apply({"params": params}, h_btd, method=Decoder.unembed), new_cache
