@@ -1,0 +1,140 @@
+"""Readers for the ARPO files in ../shared/data/arpo: RL parquet sets and the evaluation JSONL sets.
+
+Field differences are normalised into `Example` (see data/README.md there): `Question` (gaia) vs
+`problem` (aime25) vs `question`; answers as int (aime25), str, JSON list, or a GSM8K worked solution
+ending in `#### <number>`. The parquet files' stored system prompt is never used (backspace bug,
+spec §4); `build_messages` rebuilds it, and the loader checks that the stored one is that prompt.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from aepo_jax.data._records import Example, RecordError, answers_from, require
+from aepo_jax.data.prompts import CODE_SEARCH, fix_backspace_bug, has_backspace_bug
+
+DATA_ENV = "AEPO_ARPO_DATA"
+
+
+def arpo_data_root() -> Path:
+    """$AEPO_ARPO_DATA, else `<repo>/../shared/data/arpo` (where CI and sessions keep it)."""
+    if os.environ.get(DATA_ENV):
+        return Path(os.environ[DATA_ENV])
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "arpo"
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    name: str
+    path: str  # relative to the data root
+    family: str
+    question_key: str = "question"
+    gsm8k_answer: bool = False
+    bundled: bool = True
+
+
+# The 14 evaluation sets of the ARPO/AEPO repo (spec §2.5); families as the papers group them.
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in [
+    Benchmark("aime24", "eval/aime24/test.jsonl", "math", "problem"),
+    Benchmark("aime25", "eval/aime25/test.jsonl", "math", "problem"),
+    Benchmark("math500", "eval/math500/test.jsonl", "math"),
+    Benchmark("gsm8k", "eval/gsm8k/test.jsonl", "math", gsm8k_answer=True),
+    Benchmark("math", "eval/math/test.jsonl", "math", "problem", bundled=False),
+    Benchmark("hotpotqa", "eval/hotpotqa/test.jsonl", "qa"),
+    Benchmark("2wiki", "eval/2wiki/test.jsonl", "qa"),
+    Benchmark("musique", "eval/musique/test.jsonl", "qa"),
+    Benchmark("bamboogle", "eval/bamboogle/test.jsonl", "qa"),
+    Benchmark("webwalker", "eval/webwalker/test.jsonl", "deep_search"),
+    Benchmark("gaia", "eval/gaia/test.jsonl", "deep_search", "Question"),
+    Benchmark("hle", "eval/hle/top.jsonl", "deep_search"),
+    Benchmark("xbench", "eval/xbench/test.jsonl", "deep_search"),
+    Benchmark("simpleqa", "eval/SimpleQA/test.jsonl", "deep_search"),
+]}
+
+_META_SKIP = {"question", "Question", "problem", "answer", "solution", "rationale", "canary"}
+
+
+def _gsm8k_answer(text: str, path, line) -> str:
+    if "####" not in text:
+        raise RecordError(path, line, "answer", "GSM8K answer has no '#### <number>' line")
+    return text.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def read_jsonl(path: str | os.PathLike, *, name: str, family: str, question_key: str = "question",
+               gsm8k_answer: bool = False) -> list[Example]:
+    """Parse one evaluation JSONL file strictly: a bad line raises RecordError(path, line, field)."""
+    path = Path(path)
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(path, line_no, "<json>", f"invalid JSON ({e.msg} at column {e.colno})") from None
+            # aime24 has both `problem` and `question`; fall back to `question` when the key is absent.
+            key = question_key if isinstance(rec, dict) and question_key in rec else "question"
+            question = require(rec, key, str, path, line_no)
+            raw = require(rec, "answer", (str, int, list), path, line_no)
+            if gsm8k_answer:
+                answers = [_gsm8k_answer(require(rec, "answer", str, path, line_no), path, line_no)]
+            else:
+                answers = answers_from(raw, path, line_no)
+            meta = {k: v for k, v in rec.items() if k not in _META_SKIP and isinstance(v, (str, int, float, bool))}
+            if gsm8k_answer:
+                meta["solution"] = raw
+            out.append(Example(f"{name}:{line_no}", question, answers, name, family, meta))
+    return out
+
+
+def load_benchmark(name: str, root: str | os.PathLike | None = None) -> list[Example]:
+    """All examples of one evaluation set by registry name (see `BENCHMARKS`)."""
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; known: {sorted(BENCHMARKS)}")
+    b = BENCHMARKS[name]
+    path = Path(root or arpo_data_root()) / b.path
+    if not path.exists():
+        hint = ("it is not in the bundled ARPO snapshot (upstream stores it as a large file); put it "
+                "there yourself" if not b.bundled else f"set ${DATA_ENV} to the ARPO data folder")
+        raise FileNotFoundError(f"benchmark {name!r}: {path} not found; {hint}")
+    return read_jsonl(path, name=name, family=b.family, question_key=b.question_key,
+                      gsm8k_answer=b.gsm8k_answer)
+
+
+ARPO_RL_FILES = ("train_10k", "valid", "hard_search_1k", "gaia_test", "hle_test")
+_FAMILY_OF_FILE = {"hard_search_1k": "deep_search", "gaia_test": "deep_search", "hle_test": "deep_search"}
+
+
+def load_arpo_parquet(name_or_path: str | os.PathLike, root: str | os.PathLike | None = None) -> list[Example]:
+    """One ARPO RL parquet file (verl schema) as Examples; `name` is a stem from `ARPO_RL_FILES`.
+
+    The stored system prompt is checked, not used: metadata['stored_prompt_backspace_bug'] records
+    the bug, and a stored prompt that is not the code_search prompt even after the fix raises.
+    """
+    import pyarrow.parquet as pq  # lazy: only this reader needs it
+
+    path = Path(name_or_path)
+    if path.suffix != ".parquet":
+        path = Path(root or arpo_data_root()) / "train" / f"{name_or_path}.parquet"
+    rows = pq.read_table(path).to_pylist()
+    out = []
+    for i, row in enumerate(rows):
+        prompt = require(row, "prompt", list, path, i)
+        if len(prompt) != 2 or prompt[0].get("role") != "system" or prompt[1].get("role") != "user":
+            raise RecordError(path, i, "prompt", "expected [system, user] messages", unit="row")
+        stored = prompt[0]["content"]
+        if fix_backspace_bug(stored) != CODE_SEARCH:
+            raise RecordError(path, i, "prompt[0].content",
+                              "stored system prompt is not the code_search prompt", unit="row")
+        rm = require(row, "reward_model", dict, path, i)
+        gt = require(rm, "ground_truth", str, path, i)
+        extra = row.get("extra_info") or {}
+        ability = row.get("ability")
+        family = _FAMILY_OF_FILE.get(path.stem, ability if ability in ("math", "qa") else "qa")
+        meta = {"data_source": row.get("data_source"), "ability": ability, "split": extra.get("split"),
+                "index": extra.get("index"), "stored_prompt_backspace_bug": has_backspace_bug(stored)}
+        out.append(Example(f"{path.stem}:{i}", prompt[1]["content"], [gt], path.stem, family, meta))
+    return out

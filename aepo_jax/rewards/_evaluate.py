@@ -1,0 +1,34 @@
+"""Evaluation-time correctness (spec §2.5): math sets by `math_equal`; QA and deep-search sets by
+the LLM judge OR'ed with `math_equal`. Training uses `deep_research` instead (spec §4)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from aepo_jax.rewards._extract import extract_answer
+from aepo_jax.rewards._judge import JudgeClient
+from aepo_jax.rewards._math import math_equal
+
+FAMILIES = ("math", "qa", "deep_search")
+
+
+def eval_correct(response_text: str, answers: Sequence[str], family: str, *, question: str = "",
+                 judge: JudgeClient | None = None) -> bool:
+    """Whether one evaluation response is correct under the official protocol.
+
+    Without a judge, QA and deep-search answers fall back to `math_equal` OR normalised exact match
+    (say so when reporting: the official numbers use a judge).
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    pred = extract_answer(response_text)
+    if not pred:
+        return False
+    if any(math_equal(pred, a) for a in answers):
+        return True
+    if family == "math":
+        return False
+    if judge is None:
+        from aepo_jax.rewards._qa import exact_match
+
+        return exact_match(pred, list(answers))
+    return judge.judge(question, list(answers), pred)

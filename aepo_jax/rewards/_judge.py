@@ -1,0 +1,105 @@
+"""LLM-as-judge for evaluation (spec §2.5): a `JudgeClient` protocol and an OpenAI-compatible client.
+
+The prompt follows the judge of the official ARPO/AEPO evaluation, inherited from the
+Search-o1 / WebThinker evaluation scripts: the judge sees the question, the labeled answer and the
+predicted answer and must answer "Correct" or "Incorrect". The official text could not be read from
+the ARPO tree in this environment; this is a faithful rendering of that prompt (same fields, same
+question, same two verdict words), not a byte copy. The official runs used Qwen2.5-72B-Instruct.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from typing import Protocol, runtime_checkable
+
+JUDGE_PROMPT = (
+    "You are an evaluation assistant. Please determine if the predicted answer is equivalent "
+    "to the labeled answer.\n\n"
+    "Question: {question}\n\n"
+    "Labeled Answer: {labeled_answer}\n\n"
+    "Predicted Answer: {pred_answer}\n\n"
+    'Are these answers equivalent? Please respond with "Correct" if they are equivalent, '
+    'or "Incorrect" if they are not equivalent. Do not include any other text.\n'
+)
+
+
+class JudgeError(RuntimeError):
+    """The judge endpoint failed after all retries, or answered neither Correct nor Incorrect."""
+
+
+@runtime_checkable
+class JudgeClient(Protocol):
+    """Anything that decides whether a predicted answer matches a labeled one."""
+
+    def judge(self, question: str, labeled_answer: str, predicted_answer: str) -> bool: ...
+
+
+def format_judge_prompt(question: str, labeled_answer, predicted_answer: str) -> str:
+    if isinstance(labeled_answer, (list, tuple)):  # aliases: the official eval shows the list
+        labeled_answer = labeled_answer[0] if len(labeled_answer) == 1 else list(labeled_answer)
+    return JUDGE_PROMPT.format(question=question, labeled_answer=labeled_answer,
+                               pred_answer=predicted_answer)
+
+
+def parse_verdict(text: str) -> bool:
+    """'Correct' -> True, 'Incorrect' -> False (checked first: it contains 'correct')."""
+    t = text.strip().lower()
+    if "incorrect" in t:
+        return False
+    if "correct" in t:
+        return True
+    raise JudgeError(f"judge answered neither 'Correct' nor 'Incorrect': {text[:200]!r}")
+
+
+class OpenAICompatibleJudge:
+    """`POST {base_url}/chat/completions` (OpenAI schema: vLLM, SGLang, our own server, a hosted API).
+
+    The API key is read from the environment variable `api_key_env` (never passed in code); an
+    unset variable sends no Authorization header, which local servers accept. Timeouts, connection
+    errors, HTTP 429 and 5xx are retried `retries` times with exponential backoff; other 4xx fail fast.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
+                 timeout: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
+                 temperature: float = 0.0, max_tokens: int = 16):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model, self.api_key_env = model, api_key_env
+        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
+        self.temperature, self.max_tokens = temperature, max_tokens
+
+    def _post(self, payload: dict) -> dict:
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.api_key_env)
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(self.url, data=json.dumps(payload).encode(), headers=headers,
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return json.loads(resp.read().decode())
+
+    def complete(self, prompt: str) -> str:
+        payload = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                   "temperature": self.temperature, "max_tokens": self.max_tokens}
+        last_err: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                return self._post(payload)["choices"][0]["message"]["content"]
+            except urllib.error.HTTPError as e:
+                last_err = e
+                if e.code != 429 and e.code < 500:
+                    raise JudgeError(f"{self.url} answered HTTP {e.code}; check model name and key "
+                                     f"(${self.api_key_env})") from e
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                last_err = e
+            except (KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
+                raise JudgeError(f"{self.url} returned a non-OpenAI response: {e!r}") from e
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
+        raise JudgeError(f"{self.url} failed after {self.retries + 1} attempts: {last_err!r}")
+
+    def judge(self, question: str, labeled_answer, predicted_answer: str) -> bool:
+        return parse_verdict(self.complete(format_judge_prompt(question, labeled_answer,
+                                                               predicted_answer)))

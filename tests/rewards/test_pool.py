@@ -1,0 +1,68 @@
+"""RewardPool: a pathological item costs its timeout and no more; the pool keeps serving."""
+import time
+
+import pytest
+
+from aepo_jax.rewards import RewardPool, deep_research, math_equal
+
+import _hostile_scorers as hs
+
+GOOD = "<think> x </think> <answer> \\boxed{Paris} </answer>"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(num_workers=2, timeout_s=2.0, memory_limit_mb=2048) as p:
+        yield p
+
+
+def test_scores_match_in_process(pool):
+    items = [(GOOD, ["Paris"]), (GOOD, "Lyon"), ("junk", "x")]
+    assert pool.map(deep_research, items) == [deep_research(*it) for it in items] == [1.0, 0.0, -1.0]
+
+
+def test_hostile_items_cannot_hang_a_step(pool):
+    evil = "a" * 64  # the naive regex would take ~2^64 steps
+    t0 = time.monotonic()
+    res = pool.map_results(hs.naive_regex_scorer, [("aaab",), (evil,)], timeout_s=1.5)
+    assert [r.status for r in res] == ["ok", "timeout"]
+    assert res[0].value == 1.0  # "aaab" matches quickly
+    res = pool.map_results(hs.slow_scorer, [(0.01,), (60.0,)], timeout_s=1.5)
+    assert [r.status for r in res] == ["ok", "timeout"]
+    assert time.monotonic() - t0 < 20  # two timeouts plus worker restarts, never the 60 s sleep
+    assert pool.stats["timeouts"] >= 2 and pool.stats["restarts"] >= 2
+
+
+def test_sympy_blowup_is_cut_by_the_pool(pool):
+    # math-verify's own guard is 5 s; the pool's 1.5 s deadline wins and the item gets the default.
+    t0 = time.monotonic()
+    out = pool.map(math_equal, [("10^{10^{9}}-1", "5"), ("025", "25")], timeout_s=1.5, default=False)
+    assert out == [False, True]
+    assert time.monotonic() - t0 < 15
+
+
+def test_crash_error_and_memory_bomb_are_reported(pool):
+    res = pool.map_results(hs.crashing_scorer, [()])
+    assert res[0].status == "error" and "died" in res[0].error
+    res = pool.map_results(hs.raising_scorer, [()])
+    assert res[0].status == "error" and "ValueError: bad ground truth" in res[0].error
+    res = pool.map_results(hs.memory_bomb_scorer, [()])
+    assert res[0].status == "error" and "MemoryError" in res[0].error
+    assert pool.map(deep_research, [(GOOD, "Paris")]) == [1.0]  # still serving
+
+
+def test_items_run_in_parallel_workers(pool):
+    pids = set(pool.map(hs.pid_scorer, [()] * 8))
+    assert len(pids) == 2
+    t0 = time.monotonic()
+    pool.map(hs.slow_scorer, [(0.5,)] * 4)
+    assert time.monotonic() - t0 < 1.9  # 4 x 0.5 s on 2 workers ~ 1 s
+
+
+def test_workers_stay_light(pool):
+    assert pool.map(hs.heavy_modules_loaded, [()]) == [[]]  # spawn: nothing inherited from the trainer
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardPool(num_workers=0)
