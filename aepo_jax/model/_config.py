@@ -69,7 +69,8 @@ def _scaling(**kw) -> tuple:
   return tuple(sorted(kw.items()))
 
 
-# Published sizes (values from the checkpoints' config.json files).
+# Published sizes (values from the checkpoints' config.json files; eos ids from the instruct models'
+# generation_config.json). tests/model/test_config.py checks them against those files' contents.
 PRESETS = {
     "smollm2-135m": ModelConfig(
         family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -92,6 +93,30 @@ PRESETS = {
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         attention_bias=True, max_position_embeddings=32768, eos_token_ids=(151645, 151643),
         pad_token_id=151643),
+    "qwen2.5-14b": ModelConfig(
+        family="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
+        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        attention_bias=True, max_position_embeddings=32768, eos_token_ids=(151645, 151643),
+        pad_token_id=151643),
+    "llama-3.2-1b": ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
+        rope_scaling=_scaling(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192),
+        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
+    "llama-3.2-3b": ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
+        num_heads=24, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
+        rope_scaling=_scaling(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192),
+        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
+    "qwen3-4b": ModelConfig(
+        family="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, qk_norm=True, max_position_embeddings=40960,
+        eos_token_ids=(151645, 151643), pad_token_id=151643),
     "qwen3-0.6b": ModelConfig(
         family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
         num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,

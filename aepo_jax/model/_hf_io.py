@@ -1,0 +1,309 @@
+"""Hugging Face safetensors checkpoints <-> our parameter tree.
+
+`load_hf` streams tensor by tensor: with a mesh, each parameter is placed straight onto its NamedSharding
+through `jax.make_array_from_callback`, so a host holds its own shards plus at most one full HF tensor.
+Our layout (flax DenseGeneral) vs HF (torch Linear, weight [out, in]):
+  q/k/v kernel [L, D, N, hd] <- weight [N*hd, D] transposed;   o kernel [L, H, hd, D] <- weight [D, H*hd].T
+  q/k/v bias   [L, N, hd]    <- bias [N*hd];                   mlp kernels [L, in, out] <- weight.T
+  lm_head kernel [D, V] <- lm_head.weight.T;  embedding [V, D] and norm scales as they are.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from aepo_jax.model._config import ModelConfig
+from aepo_jax.model._hf_config import from_hf_config, to_hf_config
+from aepo_jax.model._sharding import param_shapes, param_shardings
+
+_INDEX = "model.safetensors.index.json"
+
+# Our path below the root (layer params below 'layers') -> (HF name, kind). '{i}' is the layer index.
+_LAYER = {
+    ("self_attn", "q_proj", "kernel"): ("model.layers.{i}.self_attn.q_proj.weight", "in_heads"),
+    ("self_attn", "k_proj", "kernel"): ("model.layers.{i}.self_attn.k_proj.weight", "in_heads"),
+    ("self_attn", "v_proj", "kernel"): ("model.layers.{i}.self_attn.v_proj.weight", "in_heads"),
+    ("self_attn", "q_proj", "bias"): ("model.layers.{i}.self_attn.q_proj.bias", "reshape"),
+    ("self_attn", "k_proj", "bias"): ("model.layers.{i}.self_attn.k_proj.bias", "reshape"),
+    ("self_attn", "v_proj", "bias"): ("model.layers.{i}.self_attn.v_proj.bias", "reshape"),
+    ("self_attn", "o_proj", "kernel"): ("model.layers.{i}.self_attn.o_proj.weight", "transpose"),
+    ("self_attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", "same"),
+    ("self_attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", "same"),
+    ("mlp", "gate_proj", "kernel"): ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
+    ("mlp", "up_proj", "kernel"): ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
+    ("mlp", "down_proj", "kernel"): ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
+    ("input_layernorm", "scale"): ("model.layers.{i}.input_layernorm.weight", "same"),
+    ("post_attention_layernorm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", "same"),
+}
+_TOP = {
+    ("embed_tokens", "embedding"): ("model.embed_tokens.weight", "same"),
+    ("norm", "scale"): ("model.norm.weight", "same"),
+    ("lm_head", "kernel"): ("lm_head.weight", "transpose"),
+}
+
+
+def _to_ours(w, kind: str, shape: tuple):
+  """One HF tensor -> our layout for one layer (`shape` excludes the layers axis)."""
+  if kind == "in_heads":  # [N*hd, D] -> [D, N, hd]
+    return w.T.reshape(shape)
+  if kind == "transpose":  # [out, in] -> [in, out]; o_proj: [D, H*hd] -> [H, hd, D]
+    return w.T.reshape(shape)
+  return w.reshape(shape)
+
+
+def _to_hf(x, kind: str):
+  """Inverse of `_to_ours` for one layer."""
+  if kind == "in_heads":
+    return x.reshape(x.shape[0], -1).T
+  if kind == "transpose":
+    return x.reshape(-1, x.shape[-1]).T
+  return x.reshape(-1) if kind == "reshape" else x
+
+
+def _hf_shape(kind: str, shape: tuple) -> tuple:
+  if kind == "in_heads":
+    return (math.prod(shape[1:]), shape[0])
+  if kind == "transpose":
+    return (shape[-1], math.prod(shape[:-1]))
+  return (math.prod(shape),) if kind == "reshape" else tuple(shape)
+
+
+def _entries(config: ModelConfig, shapes):
+  """(our path, [HF names per layer or one], kind, our per-layer shape) for every parameter."""
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    keys = tuple(k.key for k in path)
+    if keys[0] == "layers":
+      name, kind = _LAYER[keys[1:]]
+      out.append((keys, [name.format(i=i) for i in range(config.num_layers)], kind, tuple(leaf.shape[1:])))
+    else:
+      name, kind = _TOP[keys]
+      out.append((keys, [name], kind, tuple(leaf.shape)))
+  return out
+
+
+def _set(tree: dict, keys: tuple, value):
+  for k in keys[:-1]:
+    tree = tree.setdefault(k, {})
+  tree[keys[-1]] = value
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------------
+def read_hf_config(path: str, dtype: str = "float32") -> ModelConfig:
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"load_hf: checkpoint directory {path!r} does not exist.")
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.isfile(cfg_path):
+    raise FileNotFoundError(f"load_hf: {cfg_path} is missing; a Hugging Face checkpoint directory needs it.")
+  try:
+    with open(cfg_path) as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"load_hf: {cfg_path} is not valid JSON ({e}).") from None
+  return from_hf_config(hf, dtype=dtype, source=cfg_path)
+
+
+def _weight_files(path: str) -> dict:
+  """HF tensor name -> safetensors file, from the index file or the files' own headers."""
+  index = os.path.join(path, _INDEX)
+  if os.path.isfile(index):
+    with open(index) as f:
+      weight_map = json.load(f).get("weight_map")
+    if not weight_map:
+      raise ValueError(f"load_hf: {index} has no 'weight_map'.")
+    files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+    for fname in sorted(set(files.values())):
+      if not os.path.isfile(fname):
+        raise FileNotFoundError(f"load_hf: {fname} is listed in {index} but does not exist (partial download?).")
+    for fname in sorted(set(files.values())):  # validate every header up front
+      with _open(fname):
+        pass
+    return files
+  names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+  if not names:
+    raise FileNotFoundError(f"load_hf: no *.safetensors weights in {path} (expected model.safetensors or "
+                            f"shards with {_INDEX}).")
+  files = {}
+  for fname in names:
+    with _open(os.path.join(path, fname)) as f:
+      files.update({k: os.path.join(path, fname) for k in f.keys()})
+  return files
+
+
+def _open(fname: str):
+  try:
+    return safe_open(fname, framework="numpy")
+  except (SafetensorError, OSError) as e:
+    raise ValueError(f"load_hf: {fname} is not a readable safetensors file ({e}); re-download or re-export it.") \
+        from None
+
+
+class _Reader:
+  """Reads one HF tensor at a time, keeping the open file handles."""
+
+  def __init__(self, files: dict, path: str):
+    self.files, self.path, self._open = files, path, {}
+
+  def _handle(self, name: str):
+    if name not in self.files:
+      where = os.path.join(self.path, _INDEX) if os.path.isfile(os.path.join(self.path, _INDEX)) else self.path
+      raise KeyError(f"load_hf: tensor {name!r} is missing from the checkpoint ({where}); the checkpoint is "
+                     "partial or does not match config.json.")
+    fname = self.files[name]
+    if fname not in self._open:
+      self._open[fname] = _open(fname).__enter__()
+    return self._open[fname], fname
+
+  def check_shape(self, name: str, expected: tuple):
+    handle, fname = self._handle(name)
+    try:
+      found = tuple(handle.get_slice(name).get_shape())
+    except SafetensorError as e:
+      raise KeyError(f"load_hf: tensor {name!r} is missing from {fname} ({e}).") from None
+    if found != tuple(expected):
+      raise ValueError(f"load_hf: tensor {name!r} in {fname} has shape {list(found)} but config.json implies "
+                       f"{list(expected)}.")
+
+  def close(self):
+    for handle in self._open.values():
+      handle.__exit__(None, None, None)
+    self._open.clear()
+
+  def get(self, name: str) -> np.ndarray:
+    handle, fname = self._handle(name)
+    try:
+      return handle.get_tensor(name)
+    except SafetensorError as e:
+      raise ValueError(f"load_hf: could not read tensor {name!r} from {fname} ({e}); the file is corrupt.") \
+          from None
+
+
+def load_hf(path: str, dtype: str = "float32", mesh=None, rules=None):
+  """(config, params) from a local Hugging Face directory of a Llama / Qwen2 / Qwen3 checkpoint.
+
+  `dtype` sets both parameter and compute dtype of the returned config. With `mesh`, each parameter lands on
+  the NamedSharding that `param_logical_axes` + `rules` (default `DEFAULT_RULES`) give it.
+  """
+  config = read_hf_config(path, dtype)
+  reader = _Reader(_weight_files(path), path)
+  try:
+    return config, _read_params(config, reader, dtype, mesh, rules)
+  finally:
+    reader.close()
+
+
+def _read_params(config: ModelConfig, reader: _Reader, dtype: str, mesh, rules) -> dict:
+  entries = _entries(config, param_shapes(config))
+  for _, names, kind, shape in entries:  # fail on any missing tensor or shape mismatch before reading data
+    for name in names:
+      reader.check_shape(name, _hf_shape(kind, shape))
+  flat_shardings = None
+  if mesh is not None:
+    shardings = param_shardings(config, mesh, rules)
+    flat_shardings = {tuple(k.key for k in p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+  np_dtype = jnp.dtype(dtype)
+  params = {}
+  for keys, names, kind, shape in entries:
+    stacked = keys[0] == "layers"
+    full_shape = (len(names),) + shape if stacked else shape
+
+    def tensors(names=names, kind=kind, shape=shape):
+      for i, name in enumerate(names):
+        yield i, _to_ours(reader.get(name), kind, shape).astype(np_dtype)
+
+    if flat_shardings is None:
+      value = np.empty(full_shape, np_dtype)
+      for i, w in tensors():
+        if stacked:
+          value[i] = w
+        else:
+          value[...] = w
+      _set(params, keys, jnp.asarray(value))
+    else:
+      _set(params, keys, _place(tensors(), full_shape, stacked, np_dtype, flat_shardings[keys]))
+  return params
+
+
+def _place(tensors, full_shape, stacked, np_dtype, sharding):
+  """Fill only this host's (unique) shards, one HF tensor at a time, then build the global array."""
+  index_map = sharding.addressable_devices_indices_map(full_shape)
+  buffers = {}
+  for index in index_map.values():
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in buffers:
+      buffers[key] = (index, np.empty(_slice_shape(full_shape, index), np_dtype))
+  for i, w in tensors:
+    for index, buf in buffers.values():
+      if stacked:
+        lo = index[0].start or 0
+        hi = full_shape[0] if index[0].stop is None else index[0].stop
+        if lo <= i < hi:
+          buf[i - lo] = w[index[1:]]
+      else:
+        buf[...] = w[index]
+  return jax.make_array_from_callback(
+      full_shape, sharding, lambda index: buffers[tuple((s.start, s.stop) for s in index)][1])
+
+
+def _slice_shape(shape, index):
+  return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------------------
+def save_hf(config: ModelConfig, params, path: str, *, max_shard_bytes: int = 2 * 1024 ** 3,
+            dtype: Optional[str] = None):
+  """Write `path/config.json`, `generation_config.json` and safetensors shards (+ index when more than one).
+
+  `dtype` (default: the params' dtype) sets the stored dtype. Tied embeddings store no `lm_head.weight`.
+  """
+  os.makedirs(path, exist_ok=True)
+  shapes = param_shapes(config)
+  leaves = {tuple(k.key for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+  expected = {e[0] for e in _entries(config, shapes)}
+  if set(leaves) != expected:
+    raise ValueError(f"save_hf: params do not match config (missing {sorted(expected - set(leaves))}, "
+                     f"unexpected {sorted(set(leaves) - expected)}).")
+  out_dtype = jnp.dtype(dtype) if dtype else None
+  shards, current, size = [], {}, 0
+  for keys, names, kind, _ in _entries(config, shapes):
+    value = np.asarray(jax.device_get(leaves[keys]))
+    if out_dtype is not None:
+      value = value.astype(out_dtype)
+    per_layer = value if keys[0] == "layers" else value[None]
+    for name, x in zip(names, per_layer):
+      t = np.ascontiguousarray(_to_hf(x, kind))
+      if current and size + t.nbytes > max_shard_bytes:
+        shards.append(current)
+        current, size = {}, 0
+      current[name] = t
+      size += t.nbytes
+  shards.append(current)
+  total = sum(t.nbytes for s in shards for t in s.values())
+  weight_map = {}
+  for n, shard in enumerate(shards):
+    fname = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+    weight_map.update({name: fname for name in shard})
+  if len(shards) > 1:
+    with open(os.path.join(path, _INDEX), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+  stored = str(out_dtype or jnp.dtype(jax.tree.leaves(params)[0].dtype))
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(to_hf_config(config, torch_dtype=stored), f, indent=2)
+  generation = {"bos_token_id": config.bos_token_id, "pad_token_id": config.pad_token_id,
+                "eos_token_id": list(config.eos_token_ids) or None}
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
+  return path
