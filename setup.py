@@ -28,6 +28,7 @@ setuptools.setup(
         "tensorboardX",
         "matplotlib",
         "tqdm",
+        "jinja2>=3.1",
     ],
     extras_require={
         # Reference checks against transformers/torch (tests, benchmarks, GGUF cross-checks).
