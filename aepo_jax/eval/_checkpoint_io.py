@@ -1,0 +1,151 @@
+"""The policy to evaluate, from any of: a named pretrained model, an HF directory, or an Orbax training checkpoint
+(local or gs://). The Orbax path reads only the `params` of the `state` item (never the optimizer state) with
+the trainer's own `Checkpointer`, and the ModelConfig and tokenizer from the checkpoint's `meta`.
+
+  resolve_checkpoint(path) -> CheckpointRef     cheap: existence and kind, no arrays read (runs before compute)
+  load_policy(path_or_ref, tokenizer=None) -> Policy(config, params, tokenizer, source)
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from typing import Any, Optional
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+  """The --checkpoint path does not exist or holds nothing we can load."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+  """kind: 'pretrained' | 'hf' | 'orbax'. For orbax: `directory` (the phase dir) and `step`."""
+  path: str
+  kind: str
+  directory: str = ""
+  step: Optional[int] = None
+
+
+@dataclasses.dataclass
+class Policy:
+  config: Any       # aepo_jax.model.ModelConfig
+  params: Any
+  tokenizer: Any    # aepo_jax.model.Tokenizer
+  source: str       # description for the report
+
+
+def _epath(path: str):
+  from etils import epath
+  return epath.Path(path)
+
+
+def _is_step_dir(p) -> bool:
+  return p.name.isdigit() and p.is_dir()
+
+
+def _has_steps(p) -> bool:
+  return p.is_dir() and any(c.name.isdigit() and c.is_dir() for c in p.iterdir())
+
+
+def resolve_checkpoint(path: str) -> CheckpointRef:
+  """What `path` is, checked without reading weights. Raises CheckpointNotFoundError with the fix."""
+  from aepo_jax.model import PRETRAINED
+  if path in PRETRAINED:
+    return CheckpointRef(path, "pretrained")
+  p = _epath(path)
+  if not p.exists():
+    raise CheckpointNotFoundError(
+        f"--checkpoint {path!r} does not exist. Give an Orbax checkpoint (a step dir like .../checkpoints/rl/6, "
+        f"a phase dir .../checkpoints/rl, or a training workdir), an HF directory with config.json, or a "
+        f"pretrained name ({', '.join(sorted(PRETRAINED))}).")
+  if (p / "config.json").exists():
+    return CheckpointRef(path, "hf")
+  if _is_step_dir(p):
+    return CheckpointRef(path, "orbax", str(p.parent), int(p.name))
+  for cand in (p, p / "checkpoints" / "rl", p / "checkpoints" / "sft"):
+    if cand.exists() and _has_steps(cand):
+      return CheckpointRef(path, "orbax", str(cand), None)
+  raise CheckpointNotFoundError(
+      f"--checkpoint {path!r} exists but holds neither config.json (HF) nor numbered Orbax step directories "
+      "(nor checkpoints/rl or checkpoints/sft below it).")
+
+
+def _local_dir(path: str) -> str:
+  """A gs:// directory copied (flat) to a temporary local one; local paths unchanged."""
+  if not str(path).startswith("gs://"):
+    return str(path)
+  local = tempfile.mkdtemp(prefix="aepo_eval_")
+  for f in _epath(path).iterdir():
+    if f.is_file():
+      (_epath(local) / f.name).write_bytes(f.read_bytes())
+  return local
+
+
+def load_tokenizer(path_or_name: str):
+  """Tokenizer of a pretrained name or an HF directory (local or gs://)."""
+  from aepo_jax.model import PRETRAINED, Tokenizer, pretrained_dir
+  if path_or_name in PRETRAINED:
+    return Tokenizer.from_dir(pretrained_dir(path_or_name))
+  return Tokenizer.from_dir(_local_dir(path_or_name))
+
+
+def _orbax_tokenizer_source(meta: dict) -> Optional[str]:
+  """model.tokenizer, else model.name (a pretrained name or HF dir) of the training config saved in meta."""
+  import json
+  cfg = meta.get("config")
+  if isinstance(cfg, str):
+    cfg = json.loads(cfg)
+  model = (cfg or {}).get("model", {})
+  for key in ("tokenizer", "name"):
+    value = model.get(key)
+    if value:
+      return value
+  return None
+
+
+def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype: str = "float32") -> Policy:
+  """(config, params, tokenizer) of a checkpoint; `tokenizer` (name or dir) overrides the checkpoint's own."""
+  import jax
+
+  from aepo_jax import model as model_lib
+  ref = resolve_checkpoint(ref) if isinstance(ref, str) else ref
+  if ref.kind == "pretrained":
+    cfg, params = model_lib.load_pretrained(ref.path, dtype=dtype)
+    tok = load_tokenizer(tokenizer or ref.path)
+    return Policy(cfg, params, tok, f"pretrained {ref.path}")
+  if ref.kind == "hf":
+    local = _local_dir(ref.path)
+    cfg, params = model_lib.load_hf(local, dtype=dtype)
+    try:
+      tok = load_tokenizer(tokenizer) if tokenizer else model_lib.Tokenizer.from_dir(local)
+    except FileNotFoundError as e:
+      raise CheckpointNotFoundError(f"{e} Or pass --tokenizer DIR_OR_NAME.") from e
+    return Policy(cfg, params, tok, f"hf {ref.path}")
+  from aepo_jax.train import _checkpoint
+  ckpt = _checkpoint.Checkpointer(ref.directory, async_save=False)
+  try:
+    step = ckpt.latest_step() if ref.step is None else ref.step
+    if step is None:
+      raise CheckpointNotFoundError(f"no committed checkpoint in {ref.directory!r} (an interrupted save?).")
+    meta = ckpt.restore_meta(step)
+    if "model_config" not in meta:
+      raise CheckpointNotFoundError(f"checkpoint {ref.directory}/{step} holds no model_config in its meta; "
+                                    "was it written by aepo_jax.train?")
+    cfg = _checkpoint.model_config_from_json(meta["model_config"])
+    if dtype:
+      cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+    params = jax.device_get(ckpt.restore_params(step, shapes))
+    if dtype:  # a checkpoint saved in bfloat16 evaluates in the requested compute dtype
+      params = jax.tree.map(lambda x: x.astype(dtype), params)
+  finally:
+    ckpt.close()
+  source = tokenizer or _orbax_tokenizer_source(meta)
+  if not source:
+    raise CheckpointNotFoundError(f"checkpoint {ref.directory}/{step} names no tokenizer (config.model.tokenizer "
+                                  "or model.name); pass --tokenizer DIR_OR_NAME.")
+  try:
+    tok = load_tokenizer(source)
+  except (FileNotFoundError, ValueError) as e:
+    raise CheckpointNotFoundError(f"tokenizer {source!r} of checkpoint {ref.directory}/{step} cannot be loaded "
+                                  f"({e}); pass --tokenizer DIR_OR_NAME.") from e
+  return Policy(cfg, params, tok, f"orbax {ref.directory} step {step}")
