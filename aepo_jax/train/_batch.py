@@ -1,0 +1,168 @@
+"""Host-side batch construction: trajectories or SFT demonstrations -> padded micro-batches [K, mb, T].
+
+Every array of a batch is aligned with `tokens` (column t describes token t, as in `Trajectories`):
+  tokens          int32    token ids, right padded with `pad_id`
+  attention_mask  int32    1 on prompt + response tokens
+  loss_mask       int32    1 on tokens that are trained on (model-generated response tokens; SFT: the
+                           assistant's own tokens, never tool results or the prompt)
+  advantages      float32  per-token advantage (RL)
+  old_log_prob    float32  log-prob of token t under the rollout policy (RL; filled by `make_logprob_fn`)
+  ref_log_prob    float32  reference-policy log-prob (RL with a KL term)
+  sampler_log_prob float32 the engine's log-prob (for sampler/trainer mismatch metrics)
+Rows are padded up to whole micro-batches with empty rows (all masks 0), which no aggregation counts.
+`T` is padded to `seq_len` so one compiled step serves every batch. Batches are numpy until
+`shard_batch` puts them on the mesh; in a multi-process run each process builds the rows it owns and
+`shard_batch` assembles the global array.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from aepo_jax.parallel import DEFAULT_RULES, logical_to_mesh
+
+_INT_KEYS = ("tokens", "attention_mask", "loss_mask")
+
+# A batch is [micro-batch index, rows, T]; rows are split over the batch mesh axes.
+BATCH_LOGICAL_SPEC = PartitionSpec(None, "batch", None)
+
+
+def _field(traj, name):
+  return traj[name] if isinstance(traj, Mapping) else getattr(traj, name)
+
+
+def micro_batches(arrays_nt: Mapping[str, np.ndarray], *, micro_batch_size: int, pad_id: int,
+                  seq_len: Optional[int] = None, rows_multiple: int = 1,
+                  seq_multiple: int = 64) -> dict[str, np.ndarray]:
+  """{name: [N, T]} -> {name: [K, micro_batch_size, seq_len]}, K·micro_batch_size a multiple of rows_multiple.
+
+  seq_len: the padded length T (default: the longest row rounded up to `seq_multiple`). Give a fixed
+  value in training so every step has the same shape and the update step compiles once.
+  rows_multiple: pad N to a multiple of this many rows (micro_batch_size · micro-batches per update).
+  """
+  if "tokens" not in arrays_nt:
+    raise ValueError(f"micro_batches needs a 'tokens' array; got keys {sorted(arrays_nt)}")
+  if micro_batch_size < 1:
+    raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
+  n, t = np.shape(arrays_nt["tokens"])
+  for name, x in arrays_nt.items():
+    if np.shape(x) != (n, t):
+      raise ValueError(f"batch array {name!r} has shape {np.shape(x)}; every array must be [N={n}, T={t}]")
+  if n == 0:
+    raise ValueError("micro_batches got 0 rows; there is nothing to train on")
+  mask = np.asarray(arrays_nt.get("attention_mask", np.ones((n, t))))
+  used_t = int(np.max(np.nonzero(mask.any(0))[0]) + 1) if mask.any() else 1
+  if seq_len is None:
+    seq_len = -(-used_t // seq_multiple) * seq_multiple
+  if used_t > seq_len:
+    raise ValueError(f"a row holds {used_t} tokens but seq_len={seq_len}; raise seq_len (the config's "
+                     "maximum sequence length) or shorten the rollouts")
+  step_rows = int(np.lcm(micro_batch_size, rows_multiple))
+  n_pad = -(-n // step_rows) * step_rows
+  out = {}
+  for name, x in arrays_nt.items():
+    x = np.asarray(x)[:, :min(t, seq_len)]
+    dtype = np.int32 if name in _INT_KEYS else np.float32
+    fill = pad_id if name == "tokens" else 0
+    padded = np.full((n_pad, seq_len), fill, dtype)
+    padded[:n, :x.shape[1]] = x
+    out[name] = padded.reshape(n_pad // micro_batch_size, micro_batch_size, seq_len)
+  return out
+
+
+def trajectories_batch(traj, advantages_bt, *, micro_batch_size: int, pad_id: int,
+                       seq_len: Optional[int] = None, rows_multiple: int = 1,
+                       ref_log_prob_bt=None) -> dict[str, np.ndarray]:
+  """RL batch from rollout `Trajectories` (docs/rollout_contract.md) and per-token advantages [N, T].
+
+  `old_log_prob` is left out: recompute it with `make_logprob_fn` on the device batch (spec §1.5: verl's
+  actor recomputes old log-probs; the sampler's are kept as `sampler_log_prob` for mismatch metrics).
+  """
+  tokens = np.asarray(_field(traj, "tokens_bt"))
+  arrays = {
+      "tokens": tokens,
+      "attention_mask": np.asarray(_field(traj, "attention_mask_bt")),
+      "loss_mask": np.asarray(_field(traj, "loss_mask_bt")),
+      "advantages": np.asarray(advantages_bt, np.float32),
+      "sampler_log_prob": np.asarray(_field(traj, "sampler_logprob_bt"), np.float32),
+  }
+  if ref_log_prob_bt is not None:
+    arrays["ref_log_prob"] = np.asarray(ref_log_prob_bt, np.float32)
+  return micro_batches(arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
+                       rows_multiple=rows_multiple)
+
+
+def sft_example(segments: Sequence[tuple[Sequence[int], bool]]) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens, loss_mask) of one demonstration from (token_ids, trained) segments in order.
+
+  Mark the assistant's own turns (reasoning, tool calls, answer, closing tags, EOS) trained=True; the
+  prompt and every tool result trained=False, as the cold-start SFT of ARPO/AEPO masks tool outputs.
+  """
+  if not segments:
+    raise ValueError("sft_example got no segments")
+  tokens = np.concatenate([np.asarray(ids, np.int32).reshape(-1) for ids, _ in segments])
+  mask = np.concatenate([np.full(len(ids), int(bool(trained)), np.int32) for ids, trained in segments])
+  if not mask.any():
+    raise ValueError("sft_example: no segment is marked trained=True, so the example has no loss tokens")
+  return tokens, mask
+
+
+def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, micro_batch_size: int, pad_id: int,
+              seq_len: Optional[int] = None, rows_multiple: int = 1, truncate: bool = False
+              ) -> dict[str, np.ndarray]:
+  """SFT batch from (tokens, loss_mask) pairs. `truncate=True` cuts rows longer than seq_len instead of
+  raising (an SFT trace is still a valid prefix; an RL trajectory is not, so RL never truncates)."""
+  if not examples:
+    raise ValueError("sft_batch got no examples")
+  lengths = [len(tok) for tok, _ in examples]
+  t = max(lengths) if seq_len is None else seq_len
+  if seq_len is not None and max(lengths) > seq_len and not truncate:
+    raise ValueError(f"an SFT example has {max(lengths)} tokens but seq_len={seq_len}; raise seq_len "
+                     "or pass truncate=True")
+  tokens = np.full((len(examples), t), pad_id, np.int32)
+  loss_mask = np.zeros((len(examples), t), np.int32)
+  attn = np.zeros((len(examples), t), np.int32)
+  for i, (tok, m) in enumerate(examples):
+    if len(tok) != len(m):
+      raise ValueError(f"SFT example {i}: tokens ({len(tok)}) and loss_mask ({len(m)}) differ in length")
+    k = min(len(tok), t)
+    tokens[i, :k], loss_mask[i, :k], attn[i, :k] = np.asarray(tok)[:k], np.asarray(m)[:k], 1
+  return micro_batches({"tokens": tokens, "attention_mask": attn, "loss_mask": loss_mask},
+                       micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
+                       rows_multiple=rows_multiple)
+
+
+def split_updates(batch: Mapping[str, jax.Array], micro_batches_per_update: int) -> Iterator[dict]:
+  """Yields the [M, mb, T] mini-batches (one optimizer update each) of a [K, mb, T] batch, in order."""
+  k = next(iter(batch.values())).shape[0]
+  if k % micro_batches_per_update:
+    raise ValueError(f"the batch has {k} micro-batches, not a multiple of micro_batches_per_update="
+                     f"{micro_batches_per_update}; build it with rows_multiple = micro_batch_size · "
+                     "micro_batches_per_update")
+  for i in range(0, k, micro_batches_per_update):
+    yield {name: x[i:i + micro_batches_per_update] for name, x in batch.items()}
+
+
+def batch_sharding(mesh, rules=DEFAULT_RULES):
+  """NamedSharding of every [K, mb, T] batch array: rows over the batch axes ('data', 'fsdp')."""
+  return jax.sharding.NamedSharding(mesh, logical_to_mesh(BATCH_LOGICAL_SPEC, rules))
+
+
+def shard_batch(batch_np: Mapping[str, np.ndarray], mesh, rules=DEFAULT_RULES) -> dict[str, jax.Array]:
+  """Global device arrays from this process's rows. With P processes each passes [K, mb/P, T] (its own
+  contiguous share of every micro-batch); on one process this is a plain device_put."""
+  sharding = batch_sharding(mesh, rules)
+  n_proc = jax.process_count()
+  out = {}
+  for name, x in batch_np.items():
+    x = np.asarray(x)
+    global_shape = (x.shape[0], x.shape[1] * n_proc) + x.shape[2:]
+    rows_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    if global_shape[1] % rows_devices:
+      raise ValueError(f"batch {name!r}: {global_shape[1]} rows per micro-batch cannot be split over the "
+                       f"mesh's data×fsdp = {rows_devices} devices; make micro_batch_size a multiple of it")
+    out[name] = jax.make_array_from_process_local_data(sharding, x, global_shape)
+  return out

@@ -1,0 +1,299 @@
+"""The jitted update steps (RL and SFT) and the batched log-prob recomputation.
+
+`make_update_step` / `make_sft_step` return ONE jitted pure function
+    (params, opt_state, batch) -> (params, opt_state, metrics)
+compiled once per batch shape, with explicit in/out shardings from the logical-axis rules (parameters and
+optimizer state as the model names them, batch rows over ('data', 'fsdp')), donated params/opt_state,
+and gradient accumulation over the M micro-batches of a [M, mb, T] batch inside the jit (lax.scan).
+
+Log-probs come from final hidden states through chunked unembedding (`token_logprobs_and_entropy`), with
+logits divided by the rollout temperature (spec §1.5), so no [mb, T, V] tensor exists for the whole row.
+
+Aggregation under accumulation (spec §1.5, §5 item 10), `aggregation=`:
+  'global'  (default) each micro-batch's loss is Σ ℓ·m over its tokens divided by the normalizer of the
+            WHOLE mini-batch (its total valid token count for token-mean), computed before the scan, and
+            the micro-batch losses are summed: loss and gradient equal one big batch exactly.
+  'verl'    each micro-batch's own aggregate, weighted by its share of sequences (verl use_dynamic_bsz).
+Statistics a loss takes over the tokens it sees (AEPO's entropy standardisation, spec §2.3) stay per
+micro-batch in both modes, as in the official code.
+
+A non-finite loss or gradient norm skips the update (params and optimizer state unchanged) and reports
+`train/nonfinite_skipped` = 1; the trainer counts these and stops after its limit.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from aepo_jax import objectives
+from aepo_jax.model import ModelConfig, forward_hidden, init_params, param_logical_axes, unembed
+from aepo_jax.parallel import DEFAULT_RULES, logical_sharding, make_mesh
+from aepo_jax.train._batch import batch_sharding
+from aepo_jax.train._optim import current_lr
+
+AGGREGATIONS = ("global", "verl")
+DEFAULT_LOGPROB_CHUNK = 256
+
+
+def _mesh(mesh: Optional[Mesh]) -> Mesh:
+  return mesh if mesh is not None else make_mesh((1, 1, 1), devices=jax.devices()[:1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shardings and state
+# ----------------------------------------------------------------------------------------------------
+def param_shardings(model_config: ModelConfig, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
+  """NamedShardings of the parameter pytree, from the model's logical axes and the rules table."""
+  mesh = _mesh(mesh)
+  shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.PRNGKey(0)))
+  return logical_sharding(param_logical_axes(model_config), shapes, mesh, rules)
+
+
+def opt_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,
+                        mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
+  """Optimizer-state shardings: moments like their parameters, counters and hyperparameters replicated."""
+  mesh = _mesh(mesh)
+  p_sh = param_shardings(model_config, mesh, rules)
+  shapes = jax.eval_shape(lambda: optimizer.init(init_params(model_config, jax.random.PRNGKey(0))))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return optax.tree_map_params(optimizer, lambda _, s: s, shapes, p_sh,
+                               transform_non_params=lambda _: replicated)
+
+
+def init_train_state(model_config: ModelConfig, params, optimizer: optax.GradientTransformation,
+                     mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
+  """(params, opt_state) placed on the mesh. `params` are host or device arrays holding the same values
+  on every process (same checkpoint or same seed); each process keeps only its own shards."""
+  mesh = _mesh(mesh)
+  p_sh = param_shardings(model_config, mesh, rules)
+  params = jax.tree.map(_place, params, p_sh)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(model_config, optimizer, mesh, rules)
+                      )(params)
+  return params, opt_state
+
+
+def _place(x, sharding):
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard on device
+    return jax.jit(lambda y: y, out_shardings=sharding)(x)
+  host = np.asarray(jax.device_get(x))
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Log-probs
+# ----------------------------------------------------------------------------------------------------
+def _shift_left(x_bt):
+  """Column t gets column t+1 (the last gets 0): the hidden state at t predicts token t+1."""
+  return jnp.concatenate([x_bt[:, 1:], jnp.zeros_like(x_bt[:, :1])], axis=1)
+
+
+def next_token_logprobs(model_config, params, tokens_bt, attention_mask_bt, *, temperature=1.0,
+                        chunk=DEFAULT_LOGPROB_CHUNK):
+  """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target)."""
+  h_btd = forward_hidden(model_config, params, tokens_bt, None, attention_mask_bt)
+  return objectives.token_logprobs_and_entropy(
+      h_btd, lambda h: unembed(model_config, params, h), _shift_left(tokens_bt), temperature, chunk)
+
+
+def _unshift(x_bt):
+  """Back to token alignment: column t describes token t (column 0, the first prompt token, is 0)."""
+  return jnp.concatenate([jnp.zeros_like(x_bt[:, :1]), x_bt[:, :-1]], axis=1)
+
+
+def make_logprob_fn(model_config: ModelConfig, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES, *,
+                    temperature: float = 1.0, chunk: int = DEFAULT_LOGPROB_CHUNK):
+  """Jitted `fn(params, tokens [K, mb, T], attention_mask [K, mb, T]) -> (log_prob, entropy) [K, mb, T]`.
+
+  Aligned with the tokens (column t: log π(token t | tokens < t) at logits / temperature; column 0 is 0).
+  Micro-batches run one after another (lax.map), so memory is that of one [mb, T] forward. Outputs keep
+  the batch sharding, ready to be put into the batch as `old_log_prob` / `ref_log_prob`.
+  """
+  mesh = _mesh(mesh)
+  p_sh, b_sh = param_shardings(model_config, mesh, rules), batch_sharding(mesh, rules)
+
+  def one(params, xs):
+    logp, ent = next_token_logprobs(model_config, params, xs[0], xs[1], temperature=temperature, chunk=chunk)
+    return _unshift(logp), _unshift(ent)
+
+  def fn(params, tokens, attention_mask):
+    return jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask))
+
+  return jax.jit(fn, in_shardings=(p_sh, b_sh, b_sh), out_shardings=(b_sh, b_sh))
+
+
+@jax.jit
+def logprob_mismatch_metrics(trainer_log_prob, sampler_log_prob, loss_mask):
+  """Sampler vs trainer log-probs on the same tokens (different code paths; spec issue 6)."""
+  valid = loss_mask > 0
+  diff = jnp.where(valid, jnp.abs(trainer_log_prob - sampler_log_prob), 0.0)
+  prob_diff = jnp.where(valid, jnp.abs(jnp.exp(trainer_log_prob) - jnp.exp(sampler_log_prob)), 0.0)
+  n = jnp.maximum(jnp.sum(valid), 1)
+  return {
+      "mismatch/logprob_abs_diff_mean": jnp.sum(diff) / n,
+      "mismatch/logprob_abs_diff_max": jnp.max(diff),
+      "mismatch/prob_abs_diff_mean": jnp.sum(prob_diff) / n,
+      "mismatch/prob_abs_diff_max": jnp.max(prob_diff),
+  }
+
+
+# ----------------------------------------------------------------------------------------------------
+# The update step
+# ----------------------------------------------------------------------------------------------------
+def _combine_metrics(metrics_m, weights_m):
+  """Per-micro-batch metrics [M] -> one value: max/min for extremes, else valid-token-weighted mean."""
+  out = {}
+  for k, v in metrics_m.items():
+    if k.endswith("_max"):
+      out[k] = jnp.max(v)
+    elif k.endswith("_min"):
+      out[k] = jnp.min(v)
+    else:
+      out[k] = jnp.sum(v * weights_m) / jnp.maximum(jnp.sum(weights_m), 1.0)
+  return out
+
+
+def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches, agg, aggregation):
+  """micro_loss(params, mb, normalizer, scale) -> (loss, aux dict). Shared by RL and SFT steps."""
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"aggregation={aggregation!r} is unknown; choose one of {AGGREGATIONS}")
+  if micro_batches < 1:
+    raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+  mesh = _mesh(mesh)
+  p_sh = param_shardings(model_config, mesh, rules)
+  o_sh = opt_state_shardings(model_config, optimizer, mesh, rules)
+  b_sh = batch_sharding(mesh, rules)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+  def step(params, opt_state, batch):
+    m_count = batch["tokens"].shape[0]
+    if m_count != micro_batches:
+      raise ValueError(f"batch has {m_count} micro-batches but the step was built with micro_batches="
+                       f"{micro_batches}; use split_updates(batch, {micro_batches})")
+    mask_all = _shift_left(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]))
+    normalizer = objectives.loss_normalizer(mask_all, agg)
+    total_seqs = jnp.maximum(objectives.num_sequences(mask_all), 1.0)
+
+    def body(grads_acc, mb):
+      if aggregation == "global":
+        norm, scale = normalizer, 1.0
+      else:
+        norm, scale = None, objectives.num_sequences(_shift_left(mb["loss_mask"])) / total_seqs
+      (loss, aux), grads = grad_fn(params, mb, norm, scale)
+      return jax.tree.map(jnp.add, grads_acc, grads), (loss, aux)
+
+    zeros = jax.tree.map(lambda p, s: jax.lax.with_sharding_constraint(jnp.zeros_like(p), s), params, p_sh)
+    grads, (loss_m, aux_m) = jax.lax.scan(body, zeros, batch)
+
+    loss = jnp.sum(loss_m)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+    def apply(operand):
+      p, s = operand
+      updates, s = optimizer.update(grads, s, p)
+      return optax.apply_updates(p, updates), s
+
+    params, opt_state = jax.lax.cond(finite, apply, lambda operand: operand, (params, opt_state))
+
+    tokens_m = aux_m.pop("tokens")
+    entropy_sum = aux_m.pop("entropy_sum")
+    sums = {k[len("sum:"):]: jnp.sum(aux_m.pop(k)) for k in list(aux_m) if k.startswith("sum:")}
+    metrics = _combine_metrics(aux_m, tokens_m)
+    metrics.update(sums)
+    metrics.update({
+        "train/loss": loss,
+        "train/grad_norm": grad_norm,
+        "train/nonfinite_skipped": 1.0 - finite.astype(jnp.float32),
+        "train/tokens": jnp.sum(tokens_m),
+        "train/sequences": objectives.num_sequences(mask_all),
+        "actor/entropy_mean": jnp.sum(entropy_sum) / jnp.maximum(jnp.sum(tokens_m), 1.0),
+    })
+    lr = current_lr(opt_state)
+    if lr is not None:
+      metrics["train/lr"] = lr
+    return params, opt_state, metrics
+
+  return jax.jit(step, in_shardings=(p_sh, o_sh, b_sh), out_shardings=(p_sh, o_sh, replicated),
+                 donate_argnums=(0, 1))
+
+
+def _loss_agg(loss_fn, loss_hp):
+  if "agg" in loss_hp:
+    return loss_hp["agg"]
+  param = inspect.signature(loss_fn).parameters.get("agg")
+  return param.default if param is not None and param.default is not inspect.Parameter.empty else "token-mean"
+
+
+def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable], loss_hp: Optional[dict] = None,
+                     optimizer: optax.GradientTransformation, micro_batches: int, mesh: Optional[Mesh] = None,
+                     rules=DEFAULT_RULES, temperature: float = 1.0, kl_name: Optional[str] = None,
+                     kl_coef: float = 0.0, need_entropy: bool = False, logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+                     aggregation: str = "global"):
+  """The RL update step. batch: tokens, attention_mask, loss_mask, old_log_prob, advantages (+ ref_log_prob
+  when kl_coef != 0), each [micro_batches, mb, T] and aligned with the tokens (see `_batch`).
+
+  loss_fn: a registered policy-loss name (`objectives.policy_loss`) or a callable with its signature
+    fn(log_prob, old_log_prob, advantages, mask, entropy=None, **loss_hp) -> (loss, metrics).
+  need_entropy: pass the current policy's entropy to the loss (AEPO's entropy-aware advantage, §2.3).
+    The entropy is computed in the same chunked pass either way and reported as `actor/entropy_mean`.
+  kl_name / kl_coef: a KL loss term kl_coef · aggregate(kl(log_prob, ref_log_prob)) (verl use_kl_loss).
+  """
+  fn = objectives.policy_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn
+  hp = dict(loss_hp or {})
+  if "normalizer" in hp:
+    raise ValueError("loss_hp['normalizer'] is set by the update step (see `aggregation=`); remove it")
+  agg = _loss_agg(fn, hp)
+  hp["agg"] = agg
+  use_kl = kl_coef != 0.0
+  if use_kl and not kl_name:
+    raise ValueError(f"kl_coef={kl_coef} needs kl_name (one of {objectives.list_kl_estimators()})")
+
+  def micro_loss(params, mb, normalizer, scale):
+    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
+                                    temperature=temperature, chunk=logprob_chunk)
+    mask = _shift_left(mb["loss_mask"])
+    pg_loss, metrics = fn(logp, _shift_left(mb["old_log_prob"]), _shift_left(mb["advantages"]), mask,
+                          entropy=jax.lax.stop_gradient(ent) if need_entropy else None,
+                          normalizer=normalizer, **hp)
+    pg_loss = pg_loss * scale
+    loss = pg_loss
+    metrics = dict(metrics)
+    metrics["sum:actor/pg_loss"] = pg_loss
+    if use_kl:
+      kl_loss = objectives.kl_loss(logp, _shift_left(mb["ref_log_prob"]), mask, estimator=kl_name, agg=agg,
+                                   normalizer=normalizer) * scale
+      loss = loss + kl_coef * kl_loss
+      metrics["sum:actor/kl_loss"] = kl_loss
+    metrics.pop("actor/pg_loss", None)
+    valid = mask > 0
+    metrics["tokens"] = jnp.sum(valid).astype(jnp.float32)
+    metrics["entropy_sum"] = jnp.sum(jnp.where(valid, jax.lax.stop_gradient(ent), 0.0))
+    return loss, metrics
+
+  return _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches, agg, aggregation)
+
+
+def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransformation, micro_batches: int,
+                  mesh: Optional[Mesh] = None, rules=DEFAULT_RULES, temperature: float = 1.0,
+                  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global"):
+  """Cold-start SFT step: masked NLL, token-mean over the loss_mask (prompt and tool results excluded).
+  batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T]."""
+
+  def micro_loss(params, mb, normalizer, scale):
+    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
+                                    temperature=temperature, chunk=logprob_chunk)
+    mask = _shift_left(mb["loss_mask"])
+    nll = objectives.aggregate(-logp, mask, "token-mean", normalizer) * scale
+    valid = mask > 0
+    aux = {"sum:sft/nll": nll, "tokens": jnp.sum(valid).astype(jnp.float32),
+           "entropy_sum": jnp.sum(jnp.where(valid, jax.lax.stop_gradient(ent), 0.0))}
+    return nll, aux
+
+  return _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches, "token-mean", aggregation)

@@ -1,0 +1,165 @@
+"""The jitted RL update step on one device: accumulation, references, masking, NaN skipping, log-probs."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aepo_jax.train._batch import shard_batch
+from aepo_jax.train._optim import make_optimizer
+from aepo_jax.train._step import init_train_state, make_logprob_fn, make_update_step
+from test_step_fixtures import (CFG, M, MB, TEMPERATURE, T, host_params, max_abs_diff, reference_entropy,
+                                reference_grads, reference_logprobs, rl_arrays, rl_batch, sgd)
+
+ONE = jax.devices()[:1]
+
+
+@functools.lru_cache(maxsize=None)
+def _step(micro, loss="ppo", aggregation="global", need_entropy=False):
+  return make_update_step(CFG, loss_fn=loss, optimizer=sgd(), micro_batches=micro, temperature=TEMPERATURE,
+                          aggregation=aggregation, need_entropy=need_entropy, logprob_chunk=8)
+
+
+def _run(step, batch_np, params_np=None, optimizer=None, mesh=None):
+  """One step from fresh state (the step donates params and opt_state). Returns (params, opt_state,
+  metrics) as host numpy, plus the gradient implied by SGD(lr=1)."""
+  from aepo_jax.parallel import make_mesh
+  mesh = mesh or make_mesh((1, 1, 1), ONE)
+  params_np = params_np or host_params()
+  p, s = init_train_state(CFG, params_np, optimizer or sgd(), mesh)
+  p, s, metrics = step(p, s, shard_batch(batch_np, mesh))
+  p, s, metrics = jax.device_get((p, s, metrics))
+  grads = jax.tree.map(lambda old, new: old - new, params_np, p)
+  return p, s, metrics, grads
+
+
+@pytest.mark.slow
+def test_accumulation_over_micro_batches_equals_one_big_batch():
+  """Global token-mean (spec §5.10): 4 micro-batches of 2 rows == 1 batch of 8 rows, grads and params."""
+  p4, _, m4, g4 = _run(_step(M), rl_batch(M))
+  p1, _, m1, g1 = _run(_step(1), rl_batch(1))
+  assert max_abs_diff(g4, g1) <= 1e-6
+  assert max_abs_diff(p4, p1) <= 1e-6
+  assert abs(m4["train/loss"] - m1["train/loss"]) <= 1e-6
+  assert m4["train/tokens"] == m1["train/tokens"] == rl_arrays()["loss_mask"][:, 1:].sum()
+  assert m4["train/nonfinite_skipped"] == 0.0
+  # the micro-batches really hold different token counts, so a per-micro-batch mean would differ
+  counts = rl_batch(M)["loss_mask"][:, :, 1:].sum(axis=(1, 2))
+  assert len(set(counts.tolist())) > 1
+
+
+def test_step_gradient_matches_full_logits_reference():
+  """Chunked unembedding + temperature + token shift == jax.grad of the loss on full log_softmax logits."""
+  _, _, metrics, grads = _run(_step(M), rl_batch(M))
+  arrays = {k: jnp.asarray(v) for k, v in rl_arrays().items()}
+  ref = jax.device_get(reference_grads(host_params(), arrays, "ppo"))
+  scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(ref))
+  assert scale > 1e-3  # the test is not vacuous
+  assert max_abs_diff(grads, ref) <= 2e-6
+  assert {"actor/pg_clipfrac", "actor/ppo_kl", "train/grad_norm", "train/lr", "actor/entropy_mean"} <= set(metrics)
+  assert metrics["actor/pg_clipfrac"] > 0  # old log-probs are perturbed, so some tokens clip
+
+
+@pytest.mark.slow
+def test_verl_aggregation_is_sequence_weighted_micro_batch_token_mean():
+  _, _, _, grads = _run(_step(M, aggregation="verl"), rl_batch(M))
+  arrays = {k: jnp.asarray(v) for k, v in rl_arrays().items()}
+  parts = tuple((i * MB, (i + 1) * MB) for i in range(M))
+  ref = jax.device_get(reference_grads(host_params(), arrays, "ppo", weights=parts))
+  assert max_abs_diff(grads, ref) <= 2e-6
+  global_ref = jax.device_get(reference_grads(host_params(), arrays, "ppo"))
+  assert max_abs_diff(ref, global_ref) > 1e-4  # the two aggregations really differ on this batch
+
+
+@pytest.mark.slow
+def test_aepo_with_entropy_matches_reference():
+  """need_entropy=True feeds the current policy's entropy (logits / T) into AEPO's advantage (spec §2.3)."""
+  _, _, metrics, grads = _run(_step(1, loss="aepo", need_entropy=True), rl_batch(1))
+  arrays = {k: jnp.asarray(v) for k, v in rl_arrays().items()}
+  ref = jax.device_get(reference_grads(host_params(), arrays, "aepo"))
+  # Looser than ppo: standardising the entropy (÷ its std) amplifies the ~1e-7 chunked-vs-full differences.
+  assert max_abs_diff(grads, ref) <= 1e-5
+  assert "actor/entropy_adv_factor_mean" in metrics
+
+
+@pytest.mark.slow
+def test_kl_loss_term_matches_reference():
+  """kl_coef · low_var_kl against ref_log_prob, aggregated like the policy loss (verl use_kl_loss)."""
+  arrays = rl_arrays()
+  arrays["ref_log_prob"] = arrays["old_log_prob"] + 0.5 * arrays["loss_mask"]
+  batch = {k: v.reshape(M, MB, T) for k, v in arrays.items()}
+  step = make_update_step(CFG, loss_fn="ppo", optimizer=sgd(), micro_batches=M, temperature=TEMPERATURE,
+                          kl_name="low_var_kl", kl_coef=0.5, logprob_chunk=8)
+  _, _, metrics, grads = _run(step, batch)
+  ref = jax.device_get(reference_grads(host_params(), {k: jnp.asarray(v) for k, v in arrays.items()},
+                                       "ppo", kl_coef=0.5))
+  assert max_abs_diff(grads, ref) <= 2e-6
+  assert metrics["actor/kl_loss"] > 0
+  np.testing.assert_allclose(metrics["train/loss"], metrics["actor/pg_loss"] + 0.5 * metrics["actor/kl_loss"],
+                             rtol=1e-6)
+  with pytest.raises(ValueError, match="kl_name"):
+    make_update_step(CFG, loss_fn="ppo", optimizer=sgd(), micro_batches=M, kl_coef=0.1)
+
+
+def test_masked_tokens_do_not_affect_gradients():
+  """Padding tokens, and advantages / old log-probs (even NaN) where loss_mask is 0, change nothing."""
+  batch = rl_batch(M)
+  other = {k: v.copy() for k, v in batch.items()}
+  rng = np.random.default_rng(1)
+  pad = other["attention_mask"] == 0
+  other["tokens"][pad] = rng.integers(3, CFG.vocab_size, pad.sum())
+  off = other["loss_mask"] == 0
+  other["advantages"][off] = np.nan
+  other["old_log_prob"][off] = rng.normal(size=off.sum()) * 100
+  _, _, m_a, g_a = _run(_step(M), batch)
+  _, _, m_b, g_b = _run(_step(M), other)
+  assert m_b["train/nonfinite_skipped"] == 0.0
+  assert max_abs_diff(g_a, g_b) <= 1e-7
+
+
+def test_nonfinite_loss_skips_update_and_is_reported():
+  batch = rl_batch(M)
+  bad = {k: v.copy() for k, v in batch.items()}
+  k, i, j = np.argwhere(bad["loss_mask"][:, :, 1:] > 0)[0]
+  bad["advantages"][k, i, j + 1] = np.nan
+  p_bad, s_bad, m_bad, _ = _run(_step(M), bad)
+  assert m_bad["train/nonfinite_skipped"] == 1.0
+  assert max_abs_diff(p_bad, host_params()) == 0.0
+  assert int(s_bad.count) == 0  # optimizer state untouched (inject_hyperparams step counter)
+  p_ok, s_ok, m_ok, _ = _run(_step(M), batch)
+  assert m_ok["train/nonfinite_skipped"] == 0.0 and int(s_ok.count) == 1
+  assert max_abs_diff(p_ok, host_params()) > 0
+
+
+@pytest.mark.slow
+def test_step_compiles_once_and_adamw_lr_is_reported():
+  from aepo_jax.parallel import make_mesh
+  opt = make_optimizer(1e-3, warmup_steps=2)
+  step = make_update_step(CFG, loss_fn="ppo", optimizer=opt, micro_batches=M, temperature=TEMPERATURE,
+                          logprob_chunk=8)
+  mesh = make_mesh((1, 1, 1), ONE)
+  p, s = init_train_state(CFG, host_params(), opt, mesh)
+  lrs = []
+  for _ in range(3):
+    p, s, metrics = step(p, s, shard_batch(rl_batch(M), mesh))
+    lrs.append(float(metrics["train/lr"]))
+  assert step._cache_size() == 1
+  np.testing.assert_allclose(lrs, [0.0, 5e-4, 1e-3], atol=1e-9)  # linear warm-up from 0 (torch/verl)
+
+
+def test_logprob_fn_equals_full_log_softmax():
+  arrays = rl_arrays()
+  batch = {k: arrays[k].reshape(M, MB, T) for k in ("tokens", "attention_mask")}
+  from aepo_jax.parallel import make_mesh
+  mesh = make_mesh((1, 1, 1), ONE)
+  params, _ = init_train_state(CFG, host_params(), sgd(), mesh)
+  fn = make_logprob_fn(CFG, temperature=TEMPERATURE, chunk=5)  # chunk does not divide T
+  lp, ent = fn(params, *shard_batch(batch, mesh).values())
+  ref_lp = reference_logprobs(host_params(), arrays["tokens"], arrays["attention_mask"])
+  ref_ent = reference_entropy(host_params(), arrays["tokens"], arrays["attention_mask"])
+  valid = arrays["attention_mask"].astype(bool)
+  valid[:, 0] = False
+  np.testing.assert_allclose(np.asarray(lp).reshape(-1, T)[valid], np.asarray(ref_lp)[valid], atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ent).reshape(-1, T)[valid], np.asarray(ref_ent)[valid], atol=1e-5)
+  assert np.all(np.asarray(lp)[:, :, 0] == 0)
