@@ -1,0 +1,284 @@
+"""The slot engine: a static KV cache of max_slots x max_len rows, one sequence per row ("slot").
+
+Every per-token operation (forward, sampling, log-prob, entropies, stop detection) runs on device inside one
+jitted `decode` call (a lax.scan over steps, the state donated so the cache is updated in place). The host only
+validates inputs, chunks prefill/extend, and reads small per-slot summaries. See docs/rollout_contract.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from aepo_jax.model import ModelConfig
+from aepo_jax.rollout import _ops
+from aepo_jax.rollout import _state as st
+from aepo_jax.rollout._sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSpec:
+  """Static settings of the decode step (hashable)."""
+  sampling: SamplingParams
+  with_entropy: bool
+  topk_entropy: int
+  entropy_window: int
+  eos_ids: tuple
+  stop_ids_key: tuple  # the stop sequences as a tuple of tuples (hash/eq); arrays below are derived
+  attend_len: int  # cache entries read by attention (a bucket >= every row's length during the call)
+
+  @property
+  def stop_ids(self) -> np.ndarray:
+    return _stop_matrix(self.stop_ids_key)[0]
+
+  @property
+  def stop_lens(self) -> np.ndarray:
+    return _stop_matrix(self.stop_ids_key)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _stop_matrix(seqs: tuple):
+  """Right-aligned [M, W] matrix of stop sequences (-1 = wildcard on the left) and their lengths [M]."""
+  width = max([len(s) for s in seqs], default=1)
+  ids = np.full((len(seqs), width), -1, np.int32)
+  for i, seq in enumerate(seqs):
+    ids[i, width - len(seq):] = seq
+  return ids, np.asarray([len(s) for s in seqs], np.int32)
+
+
+# Module-level jitted functions (static: config, spec, sizes), so engines of the same model share compilations.
+# The state argument is donated: the KV cache is updated in place.
+_decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1), donate_argnums=(3,))
+_start = jax.jit(_ops.start_rows, static_argnums=(7, 8, 9), donate_argnums=(0,))
+_copy = jax.jit(_ops.copy_rows, donate_argnums=(0,))
+_truncate = jax.jit(_ops.truncate_rows, static_argnums=(3, 4), donate_argnums=(0,))
+_release = jax.jit(_ops.release_rows, donate_argnums=(0,))
+
+
+def _bucket(n: int, lo: int = 1) -> int:
+  return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+class Engine:
+  """Slot-based generation engine (contract: docs/rollout_contract.md, section Engine)."""
+
+  def __init__(self, model_config: ModelConfig, *, max_slots: int, max_len: int, eos_ids: Sequence[int] = None,
+               stop_sequences: Sequence[Sequence[int]] = (), sampling: SamplingParams = SamplingParams(),
+               entropy_window: int = 20, topk_entropy: int = 10, mesh=None, prefill_chunk: int = 128,
+               cache_dtype: Optional[str] = None):
+    if max_slots < 1 or max_len < 2:
+      raise ValueError(f"Engine: max_slots={max_slots} must be >= 1 and max_len={max_len} >= 2.")
+    self.config = model_config
+    self.max_slots, self.max_len = int(max_slots), int(max_len)
+    self.eos_ids = tuple(int(e) for e in (model_config.eos_token_ids if eos_ids is None else eos_ids))
+    seqs = []
+    for seq in stop_sequences:
+      seq = tuple(int(t) for t in seq)
+      if not seq or min(seq) < 0 or max(seq) >= model_config.vocab_size:
+        raise ValueError(f"Engine: stop sequence {seq} must be non-empty token ids in [0, {model_config.vocab_size}).")
+      seqs.append(seq)
+    self.stop_sequences = tuple(dict.fromkeys(seqs))
+    self.sampling = sampling
+    self.entropy_window, self.topk_entropy = int(entropy_window), int(topk_entropy)
+    if self.topk_entropy > model_config.vocab_size:
+      raise ValueError(f"Engine: topk_entropy={topk_entropy} exceeds the vocabulary ({model_config.vocab_size}).")
+    self.tail_width = max([len(s) for s in self.stop_sequences], default=1)
+    self.prefill_chunk = int(prefill_chunk)
+    self.mesh = mesh
+    self.cache_dtype = cache_dtype
+  # ------------------------------------------------------------------------------------------------
+  # JetStream-style sizes
+  # ------------------------------------------------------------------------------------------------
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.max_slots
+
+  def step_spec(self, sampling: Optional[SamplingParams] = None, with_entropy: bool = True,
+                attend_len: Optional[int] = None) -> _StepSpec:
+    return _StepSpec(sampling or self.sampling, bool(with_entropy), self.topk_entropy, self.entropy_window,
+                     self.eos_ids, self.stop_sequences, int(attend_len or self.max_len))
+
+  def attend_bucket(self, max_length: int) -> int:
+    """Attention window for a decode call whose rows end at most at `max_length` tokens: a power of two
+    (>= 128) so that only a few variants compile, capped at max_len."""
+    return min(self.max_len, _bucket(max_length, lo=128))
+
+  # ------------------------------------------------------------------------------------------------
+  # State
+  # ------------------------------------------------------------------------------------------------
+  def init_decode_state(self) -> st.DecodeState:
+    state = st.empty_state(self.config, self.max_slots, self.max_len, self.tail_width, self.cache_dtype)
+    if self.mesh is not None:
+      from aepo_jax.parallel import logical_sharding
+      from aepo_jax.model import CACHE_LOGICAL_AXES
+      from jax.sharding import NamedSharding, PartitionSpec
+      specs = {k: PartitionSpec(*CACHE_LOGICAL_AXES) for k in state.cache}
+      cache = jax.device_put(state.cache, logical_sharding(specs, state.cache, self.mesh))
+      state = jax.device_put(state.replace(cache={}), NamedSharding(self.mesh, PartitionSpec()))
+      state = state.replace(cache=cache)
+    return state
+
+  def host_info(self, state: st.DecodeState) -> dict:
+    """Per-slot summaries as numpy arrays (one small device-to-host transfer)."""
+    names = ("length", "active", "stop_reason", "n_generated", "budget", "seg_start", "seg_count",
+             "seg_entropy_sum", "seg_topk_entropy_sum")
+    return dict(zip(names, jax.device_get([getattr(state, n) for n in names])))
+
+  def slot_tokens(self, state: st.DecodeState, slot: int) -> np.ndarray:
+    """The tokens of one slot (prompt, generated and inserted), as numpy."""
+    self._check_slots([slot], "slot")
+    length = int(jax.device_get(state.length[slot]))
+    return np.asarray(jax.device_get(state.tokens[slot, :length]))
+
+  # ------------------------------------------------------------------------------------------------
+  # Input checks (before any compute)
+  # ------------------------------------------------------------------------------------------------
+  def _check_slots(self, slots, what="slots", unique=True) -> np.ndarray:
+    arr = np.asarray(list(slots), np.int64).reshape(-1)
+    bad = arr[(arr < 0) | (arr >= self.max_slots)]
+    if bad.size:
+      raise ValueError(f"Engine: {what} {bad.tolist()} out of range; slots are 0..{self.max_slots - 1}.")
+    if unique and len(set(arr.tolist())) != arr.size:
+      raise ValueError(f"Engine: {what} {arr.tolist()} contain duplicates; each slot may appear once per call.")
+    return arr.astype(np.int32)
+
+  def _check_tokens(self, token_lists, what) -> list:
+    out = []
+    for i, toks in enumerate(token_lists):
+      arr = np.asarray(toks, np.int64).reshape(-1)
+      if arr.size and (arr.min() < 0 or arr.max() >= self.config.vocab_size):
+        raise ValueError(f"Engine: {what}[{i}] has token ids outside [0, {self.config.vocab_size}).")
+      out.append(arr.astype(np.int32))
+    return out
+
+  def _rows(self, slots, token_arrays, offsets):
+    """[n, max_len] rows holding token_arrays[i] at offsets[i] (zeros elsewhere)."""
+    rows = np.zeros((len(slots), self.max_len), np.int32)
+    for i, (toks, off) in enumerate(zip(token_arrays, offsets)):
+      rows[i, off:off + toks.size] = toks
+    return rows
+
+  # ------------------------------------------------------------------------------------------------
+  # Prefill / extend
+  # ------------------------------------------------------------------------------------------------
+  def _fill_ranges(self, params, state, slots: np.ndarray, begin: np.ndarray, end: np.ndarray):
+    """Writes KV of tokens[slot, begin:end] for each slot, in chunks (one jitted call per chunk)."""
+    need = end - begin
+    if not need.size or need.max() <= 0:
+      return state
+    chunk = min(self.prefill_chunk, self.max_len, _bucket(int(need.max()), lo=16))
+    k = 0
+    while True:
+      start = begin + k * chunk
+      rows = np.nonzero(start < end)[0]
+      if not rows.size:
+        return state
+      # Clamp the window inside the cache: recomputing a few already-valid entries gives the same values,
+      # while dynamic_update_slice would silently clamp a window that runs past max_len.
+      win = np.minimum(start[rows], self.max_len - chunk)
+      n = _bucket(rows.size)
+      pad = n - rows.size
+      slots_n = np.concatenate([slots[rows], np.repeat(slots[rows[:1]], pad)]).astype(np.int32)
+      starts_n = np.concatenate([win, np.repeat(win[:1], pad)]).astype(np.int32)
+      state = _fill(self.config, chunk, params, state, jnp.asarray(slots_n), jnp.asarray(starts_n))
+      k += 1
+
+  def add(self, params, state, slots, token_lists, seeds, max_new_tokens):
+    """Prefills prompts into slots (overwriting them) and makes them active.
+
+    seeds: one int per slot (its PRNG key). max_new_tokens: an int or one per slot.
+    """
+    slots = self._check_slots(slots)
+    toks = self._check_tokens(token_lists, "token_lists")
+    if len(toks) != slots.size or len(list(seeds)) != slots.size:
+      raise ValueError(f"Engine.add: got {slots.size} slots, {len(toks)} token lists and {len(list(seeds))} "
+                       "seeds; pass one of each per slot.")
+    for i, t in enumerate(toks):
+      if t.size == 0:
+        raise ValueError(f"Engine.add: token_lists[{i}] is empty; a prompt needs at least one token (e.g. BOS).")
+      if t.size > self.max_len:
+        raise ValueError(f"Engine.add: prompt {i} has {t.size} tokens but the cache holds max_len={self.max_len}; "
+                         "shorten it or build the Engine with a larger max_len.")
+    budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy()
+    lengths = np.asarray([t.size for t in toks], np.int32)
+    keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))), np.uint32) for s in seeds])
+    state = _start(state, jnp.asarray(slots), jnp.asarray(self._rows(slots, toks, [0] * len(toks))),
+                   jnp.asarray(lengths), jnp.zeros(slots.shape, jnp.int32), jnp.asarray(keys),
+                   jnp.asarray(budget), True, self.entropy_window, self.tail_width)
+    return self._fill_ranges(params, state, slots, np.zeros_like(lengths), lengths - 1)
+
+  def extend(self, params, state, slots, token_lists, max_new_tokens=None):
+    """Appends tokens (e.g. a tool result) to paused slots and resumes them. An empty list only resumes.
+    Starts a new entropy segment. max_new_tokens None keeps each slot's remaining budget."""
+    slots = self._check_slots(slots)
+    toks = self._check_tokens(token_lists, "token_lists")
+    if len(toks) != slots.size:
+      raise ValueError(f"Engine.extend: {slots.size} slots but {len(toks)} token lists.")
+    info = self.host_info(state)
+    length, active = info["length"][slots], info["active"][slots]
+    if active.any():
+      raise ValueError(f"Engine.extend: slots {slots[active].tolist()} are still decoding; extend only paused "
+                       "slots (stopped on a stop sequence/EOS/budget, or truncated).")
+    if (length == 0).any():
+      raise ValueError(f"Engine.extend: slots {slots[length == 0].tolist()} are empty; use add() first.")
+    new_len = length + np.asarray([t.size for t in toks], np.int32)
+    over = new_len > self.max_len
+    if over.any():
+      raise ValueError(f"Engine.extend: slots {slots[over].tolist()} would hold {new_len[over].tolist()} tokens, "
+                       f"more than max_len={self.max_len}; end those trajectories instead.")
+    budget = None if max_new_tokens is None else jnp.asarray(
+        np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
+    state = _start(state, jnp.asarray(slots), jnp.asarray(self._rows(slots, toks, length)),
+                   jnp.asarray(new_len), jnp.asarray(length), None, budget, False, self.entropy_window,
+                   self.tail_width)
+    return self._fill_ranges(params, state, slots, length - 1, new_len - 1)
+
+  # ------------------------------------------------------------------------------------------------
+  # Decode and slot edits
+  # ------------------------------------------------------------------------------------------------
+  def decode(self, params, state, num_steps: int, *, sampling: Optional[SamplingParams] = None,
+             with_entropy: bool = True):
+    """num_steps decode steps for all active slots in one jitted call -> (state, StepOutputs [S, num_steps])."""
+    if num_steps < 1:
+      raise ValueError(f"Engine.decode: num_steps={num_steps} must be >= 1.")
+    # Attention reads only the cache prefix any row can reach in this call (one small host read).
+    reach = int(jax.device_get(jnp.max(state.length))) + int(num_steps)
+    spec = self.step_spec(sampling, with_entropy, self.attend_bucket(reach))
+    return _decode(self.config, spec, int(num_steps), params, state)
+
+  def copy_slots(self, state, src, dst, seeds=None):
+    """Forks src slots into dst slots on device. seeds: one int per child for a fresh key, or None (or a
+    None entry) to give the child its parent's key (it then reproduces the parent's continuation)."""
+    src = self._check_slots(src, "src", unique=False)
+    dst = self._check_slots(dst, "dst")
+    if src.size != dst.size:
+      raise ValueError(f"Engine.copy_slots: {src.size} src but {dst.size} dst slots.")
+    if set(src.tolist()) & set(dst.tolist()):
+      raise ValueError(f"Engine.copy_slots: src {src.tolist()} and dst {dst.tolist()} overlap.")
+    seeds = [None] * src.size if seeds is None else list(seeds)
+    if len(seeds) != src.size:
+      raise ValueError(f"Engine.copy_slots: {len(seeds)} seeds for {src.size} forks.")
+    parent = np.asarray(jax.device_get(state.rng))[src]
+    keys = np.stack([parent[i] if s is None else np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
+                     for i, s in enumerate(seeds)]).astype(np.uint32)
+    return _copy(state, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(keys))
+
+  def truncate(self, state, slots, lengths):
+    """Rewinds slots to `lengths` tokens (1 <= length <= current) and pauses them; resume with extend."""
+    slots = self._check_slots(slots)
+    lengths = np.asarray(lengths, np.int32).reshape(-1)
+    cur = self.host_info(state)["length"][slots]
+    if lengths.size != slots.size or (lengths < 1).any() or (lengths > cur).any():
+      raise ValueError(f"Engine.truncate: lengths {lengths.tolist()} must be one per slot within "
+                       f"1..current length {cur.tolist()}.")
+    return _truncate(state, jnp.asarray(slots), jnp.asarray(lengths), self.entropy_window, self.tail_width)
+
+  def release(self, state, slots):
+    """Frees slots (inactive, empty)."""
+    slots = self._check_slots(slots)
+    return _release(state, jnp.asarray(slots))

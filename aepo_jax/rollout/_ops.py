@@ -1,0 +1,169 @@
+"""Device functions of the engine (pure, jitted by `Engine`): the decode scan, chunked KV filling, row edits.
+
+All take and return a `DecodeState`; the engine donates it, so the KV cache is updated in place.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from aepo_jax.model import forward_cached
+from aepo_jax.rollout import _state as st
+from aepo_jax.rollout._decode_forward import decode_forward
+from aepo_jax.rollout._sampling import sample_step
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------------------
+def decode_step(config, params, state: st.DecodeState, spec):
+  """One token for every active slot. `spec` is the engine's static `_StepSpec`."""
+  s, max_len = state.tokens.shape
+  rows = jnp.arange(s)
+  # Paused/free rows also write: the KV of their own last_token at length-1, which is the correct value.
+  write_s = jnp.clip(state.length - 1, 0, max_len - 1)
+  logits_sv, cache = decode_forward(config, params, state.last_token, write_s, state.cache, spec.attend_len)
+  token_s, logprob_s, entropy_s, topk_s, rng = sample_step(
+      logits_sv, state.rng, spec.sampling, with_entropy=spec.with_entropy, topk=spec.topk_entropy)
+  act = state.active
+  token_s = jnp.where(act, token_s, 0)
+  put_s = jnp.where(act, state.length, max_len)  # out of range -> dropped
+  length = state.length + act
+  seg_count = state.seg_count + act
+  in_window = act & (state.seg_count < spec.entropy_window)
+  tail = jnp.where(act[:, None], jnp.concatenate([state.tail[:, 1:], token_s[:, None]], axis=1), state.tail)
+
+  reason = jnp.zeros_like(state.stop_reason)
+  reason = jnp.where(length >= max_len, st.STOP_CACHE_FULL, reason)
+  budget = state.budget - act
+  reason = jnp.where(budget <= 0, st.STOP_BUDGET, reason)
+  if spec.stop_ids.shape[0]:
+    ids_mw, len_m = jnp.asarray(spec.stop_ids), jnp.asarray(spec.stop_lens)
+    w = ids_mw.shape[1]
+    eq_smw = (tail[:, None, -w:] == ids_mw[None]) | (ids_mw[None] < 0)
+    hit_s = jnp.any(jnp.all(eq_smw, axis=-1) & (seg_count[:, None] >= len_m[None]), axis=-1)
+    reason = jnp.where(hit_s, st.STOP_SEQUENCE, reason)
+  if spec.eos_ids:
+    reason = jnp.where(jnp.isin(token_s, jnp.asarray(spec.eos_ids)), st.STOP_EOS, reason)
+  reason = jnp.where(act, reason, state.stop_reason)
+
+  state = state.replace(
+      cache=cache,
+      tokens=state.tokens.at[rows, put_s].set(token_s, mode="drop"),
+      generated=state.generated.at[rows, put_s].set(True, mode="drop"),
+      entropy_buf=state.entropy_buf.at[rows, put_s].set(entropy_s, mode="drop"),
+      topk_entropy_buf=state.topk_entropy_buf.at[rows, put_s].set(topk_s, mode="drop"),
+      length=length, last_token=jnp.where(act, token_s, state.last_token),
+      active=act & (reason == st.RUNNING), rng=jnp.where(act[:, None], rng, state.rng),
+      budget=budget, n_generated=state.n_generated + act, stop_reason=reason, tail=tail, seg_count=seg_count,
+      seg_entropy_sum=state.seg_entropy_sum + jnp.where(in_window, entropy_s, 0.0),
+      seg_topk_entropy_sum=state.seg_topk_entropy_sum + jnp.where(in_window, topk_s, 0.0))
+  out = st.StepOutputs(token=token_s, logprob=jnp.where(act, logprob_s, 0.0),
+                       entropy=jnp.where(act, entropy_s, 0.0), topk_entropy=jnp.where(act, topk_s, 0.0), valid=act)
+  return state, out
+
+
+def decode(config, spec, num_steps: int, params, state):
+  def body(carry, _):
+    return decode_step(config, params, carry, spec)
+
+  state, out = jax.lax.scan(body, state, None, length=num_steps)
+  return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV filling (prefill and extend): write KV of tokens[start : start + T] for a few rows
+# ----------------------------------------------------------------------------------------------------
+def fill_chunk(config, chunk: int, params, state, slots_n, start_n):
+  """Computes and writes the KV entries of tokens[slot, start : start + chunk] (start + chunk <= max_len).
+
+  Rows are gathered, run through `forward_cached` (hidden states only; no logits are needed, see the
+  invariant in _state.py) and scattered back. Duplicate rows (padding) write identical values.
+  """
+  rows_tok = state.tokens[slots_n]
+  tok_nt = jax.vmap(lambda r, s: jax.lax.dynamic_slice(r, (s,), (chunk,)))(rows_tok, start_n)
+  pos_nt = start_n[:, None] + jnp.arange(chunk)[None, :]
+  sub = jax.tree.map(lambda c: c[:, slots_n], state.cache)
+  _, sub = forward_cached(config, params, tok_nt, pos_nt, sub, start_n, return_hidden=True)
+  cache = jax.tree.map(lambda c, u: c.at[:, slots_n].set(u), state.cache, sub)
+  return state.replace(cache=cache)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Row edits
+# ----------------------------------------------------------------------------------------------------
+def start_rows(state, slots_n, tokens_nl, length_n, keep_from_n, rng_n2, budget_n, reset_generated: bool,
+               window: int, width: int):
+  """Writes tokens[slot, keep_from:length] from tokens_nl (the rest of the row is kept), sets length,
+  last_token, budget, a new segment starting at `length`, and the run/stop flags. Used by add and extend.
+  rng_n2 / budget_n None keep the slot's own."""
+  max_len = state.tokens.shape[1]
+  pos_l = jnp.arange(max_len)[None, :]
+  new_nl = pos_l >= keep_from_n[:, None]
+  old_tok = state.tokens[slots_n]
+  row_tok = jnp.where(new_nl, tokens_nl, old_tok)
+  row_gen = jnp.where(new_nl, False, state.generated[slots_n])
+  row_gen = jnp.where(reset_generated, False, row_gen)
+  zero_n = jnp.zeros_like(length_n)
+  rng_n2 = state.rng[slots_n] if rng_n2 is None else rng_n2
+  budget_n = state.budget[slots_n] if budget_n is None else budget_n
+  reason_n = jnp.where(budget_n <= 0, st.STOP_BUDGET, st.RUNNING)
+  reason_n = jnp.where(length_n >= max_len, st.STOP_CACHE_FULL, reason_n)
+  last_n = jnp.take_along_axis(row_tok, jnp.maximum(length_n - 1, 0)[:, None], axis=1)[:, 0]
+  n_gen = jnp.sum(row_gen & (pos_l < length_n[:, None]), axis=1).astype(jnp.int32)
+  return state.replace(
+      tokens=state.tokens.at[slots_n].set(row_tok), generated=state.generated.at[slots_n].set(row_gen),
+      length=state.length.at[slots_n].set(length_n), last_token=state.last_token.at[slots_n].set(last_n),
+      active=state.active.at[slots_n].set(reason_n == st.RUNNING), rng=state.rng.at[slots_n].set(rng_n2),
+      budget=state.budget.at[slots_n].set(budget_n), n_generated=state.n_generated.at[slots_n].set(n_gen),
+      stop_reason=state.stop_reason.at[slots_n].set(reason_n),
+      tail=state.tail.at[slots_n].set(st.tail_from_tokens(row_tok, length_n, width)),
+      seg_start=state.seg_start.at[slots_n].set(length_n), seg_count=state.seg_count.at[slots_n].set(zero_n),
+      seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(0.0),
+      seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(0.0))
+
+
+def copy_rows(state, src_n, dst_n, rng_n2):
+  """Fork: every per-slot field of src (KV rows included) copied to dst, with the given keys."""
+  def cp(x):
+    return x.at[dst_n].set(x[src_n])
+  cache = jax.tree.map(lambda c: c.at[:, dst_n].set(c[:, src_n]), state.cache)
+  fields = {f: cp(getattr(state, f)) for f in (
+      "tokens", "generated", "entropy_buf", "topk_entropy_buf", "length", "last_token", "active", "budget",
+      "n_generated", "stop_reason", "tail", "seg_start", "seg_count", "seg_entropy_sum", "seg_topk_entropy_sum")}
+  return state.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2), **fields)
+
+
+def truncate_rows(state, slots_n, length_n, window: int, width: int):
+  """Rewinds rows to `length_n` tokens (KV beyond is simply ignored); the slot is left paused. Counters and
+  segment sums are recomputed from the per-position buffers; the segment start moves back if needed."""
+  max_len = state.tokens.shape[1]
+  pos_l = jnp.arange(max_len)[None, :]
+  tok = state.tokens[slots_n]
+  keep = pos_l < length_n[:, None]
+  gen = state.generated[slots_n] & keep
+  n_gen = jnp.sum(gen, axis=1).astype(jnp.int32)
+  removed = state.n_generated[slots_n] - n_gen
+  seg_start = jnp.minimum(state.seg_start[slots_n], length_n)
+  seg_count = jnp.sum(gen & (pos_l >= seg_start[:, None]), axis=1).astype(jnp.int32)
+  ent, topk = state.entropy_buf[slots_n], state.topk_entropy_buf[slots_n]
+  return state.replace(
+      generated=state.generated.at[slots_n].set(gen),
+      length=state.length.at[slots_n].set(length_n),
+      last_token=state.last_token.at[slots_n].set(
+          jnp.take_along_axis(tok, jnp.maximum(length_n - 1, 0)[:, None], axis=1)[:, 0]),
+      active=state.active.at[slots_n].set(False),
+      budget=state.budget.at[slots_n].add(removed), n_generated=state.n_generated.at[slots_n].set(n_gen),
+      stop_reason=state.stop_reason.at[slots_n].set(st.RUNNING),
+      tail=state.tail.at[slots_n].set(st.tail_from_tokens(tok, length_n, width)),
+      seg_start=state.seg_start.at[slots_n].set(seg_start), seg_count=state.seg_count.at[slots_n].set(seg_count),
+      seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(st.segment_sums(ent, seg_start, seg_count, window)),
+      seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(
+          st.segment_sums(topk, seg_start, seg_count, window)))
+
+
+def release_rows(state, slots_n):
+  zero = jnp.zeros_like(slots_n)
+  return state.replace(length=state.length.at[slots_n].set(zero), active=state.active.at[slots_n].set(False),
+                       stop_reason=state.stop_reason.at[slots_n].set(zero),
+                       budget=state.budget.at[slots_n].set(zero))

