@@ -95,21 +95,43 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(_dtype(self.dtype))
 
 
+class Einsum(nn.Module):
+  """A projection `y = einsum(spec, x, kernel) (+ bias)` whose kernel is created in its final (multi-axis) shape.
+
+  Replaces `nn.DenseGeneral`, which creates a flattened 2-D kernel and then fails when a 3-axis logical
+  constraint is attached under `nn.logical_axis_rules` (flax 0.12). Parameter names stay 'kernel'/'bias'.
+  """
+  spec: str
+  kernel_shape: tuple
+  kernel_axes: tuple
+  bias_axes: Optional[tuple] = None  # None: no bias
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", _param(nn.initializers.normal(0.02), self.kernel_axes), self.kernel_shape,
+                        _dtype(self.param_dtype))
+    y = jnp.einsum(self.spec, x.astype(_dtype(self.dtype)), kernel.astype(_dtype(self.dtype)))
+    if self.bias_axes is not None:
+      bias_shape = self.kernel_shape[len(self.kernel_shape) - len(self.bias_axes):]
+      bias = self.param("bias", _param(nn.initializers.zeros, self.bias_axes), bias_shape, _dtype(self.param_dtype))
+      y = y + bias.astype(_dtype(self.dtype))
+    return y
+
+
 class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, mask_bts, layer_cache, write_index_b):
     cfg = self.config
-    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
+    dt = _dtype(cfg.dtype)
     h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    init = nn.initializers.normal(0.02)
 
     def proj(name, heads, axis):
-      return nn.DenseGeneral(
-          features=(heads, d), axis=-1, use_bias=cfg.attention_bias, dtype=dt, param_dtype=pdt, name=name,
-          kernel_init=_param(init, ("embed", axis, "head_dim")),
-          bias_init=_param(nn.initializers.zeros, (axis, "head_dim")))
+      return Einsum("btd,dnh->btnh", (cfg.hidden_size, heads, d), ("embed", axis, "head_dim"),
+                    (axis, "head_dim") if cfg.attention_bias else None, cfg.dtype, cfg.param_dtype, name=name)
 
     q_btnd = proj("q_proj", h, "heads")(x_btd)
     k_btkd = proj("k_proj", k, "kv_heads")(x_btd)
@@ -141,9 +163,8 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
     out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
     out_btnd = out_btkgd.reshape(b, t, h, d)
-    out = nn.DenseGeneral(
-        features=cfg.hidden_size, axis=(-2, -1), use_bias=False, dtype=dt, param_dtype=pdt, name="o_proj",
-        kernel_init=_param(init, ("heads", "head_dim", "embed")))(out_btnd)
+    out = Einsum("btnh,nhd->btd", (h, d, cfg.hidden_size), ("heads", "head_dim", "embed"), None,
+                 cfg.dtype, cfg.param_dtype, name="o_proj")(out_btnd)
     return out, new_cache
 
 
