@@ -1,0 +1,25 @@
+"""Rollout: the slot engine and what drives it.
+
+Engine (docs/rollout_contract.md):
+  Engine(model_config, *, max_slots, max_len, eos_ids, stop_sequences, sampling, entropy_window, topk_entropy, ...)
+    .init_decode_state() .add() .decode() .extend() .copy_slots() .truncate() .release() .host_info()
+  DecodeState, StepOutputs, SamplingParams, stop-reason codes (STOP_*)
+  generate(config, params, prompts, *, max_new_tokens, ...)   one-call generation (tests, benchmarks, evals)
+  stop_sequences_from_strings(tokenizer, strings)              stop strings -> token-id sequences
+  JetStreamEngine(model_config, params, *, max_slots, max_len, tokenizer, ...)  JetStream 0.2.2 Engine adapter
+                                                (optional extra; jetstream is imported only when it is called)
+"""
+from aepo_jax.rollout._engine import Engine
+from aepo_jax.rollout._sampling import SamplingParams, entropy_from_logits, topk_entropy
+from aepo_jax.rollout._state import (RUNNING, STOP_BUDGET, STOP_CACHE_FULL, STOP_EOS, STOP_REASON_NAMES,
+                                     STOP_SEQUENCE, DecodeState, StepOutputs)
+
+# Agent loop and rollout policies (docs/rollout.md):
+#   AgentLoop(engine, tokenizer, tools, AgentConfig(...)).rollout(params, prompts, policy, seed=0) -> Trajectories
+#   rollout_policy('none' | 'arpo' | 'aepo', PolicyConfig(...), **overrides), register_rollout_policy(name)
+from aepo_jax.rollout._agent import AgentConfig, AgentLoop
+from aepo_jax.rollout._trajectories import Trajectories, TrajectoryRecord
+from aepo_jax.rollout.policies import PolicyConfig, RolloutPolicy, register_rollout_policy, rollout_policy
+from aepo_jax.rollout._generate import generate
+from aepo_jax.rollout._stop import StopStringChecker, stop_sequences_from_strings
+from aepo_jax.rollout._jetstream import JetStreamEngine  # jetstream itself is imported only when called

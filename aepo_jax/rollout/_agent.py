@@ -1,0 +1,448 @@
+"""The multi-turn agent loop: drives the engine in chunks, pauses slots for tools, forks and refills by rounds.
+
+Per iteration: admit queued trajectories into free slots (engine.add), resume slots whose tool result is in
+(engine.extend, the result tokenized once), run `chunk_steps` decode steps for every decoding slot in one jitted
+call, read the per-slot summary once, and submit the tool call of every slot that stopped on a closing tag to
+the ToolSet's thread pool at once, so tools run while the other slots keep decoding.
+
+Rounds (spec §1.2 step 2): round r closes when every trajectory alive in r has generated its r-th segment and
+its tool has returned; then the policy decides branches and refills (policies/_base.py). A slot whose tool
+returned early may already generate its next segment (`lookahead`, at most one round ahead); forks are made at a
+recorded position (copy_slots + truncate), so running ahead changes neither the decisions nor the trees.
+Token-in/token-out: the host keeps every id; text is decoded only to parse a tool call and, at the end, for
+the reward.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from aepo_jax.rollout import _state as st
+from aepo_jax.rollout._trajectories import Segment, TrajectoryRecord, Trajectories, assemble
+from aepo_jax.rollout.policies import RolloutPolicy, rollout_policy, tree_stats, window_statistic
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+  """max_response_len: L, response tokens per trajectory including tool results (truncated at the end).
+  max_tool_calls: per trajectory; the next call appends EOS and ends it (training, spec §1.2 2.3).
+  chunk_steps: decode steps per jitted call. lookahead: let a slot start its next round's segment early.
+  check_stop_strings: also find tool closing tags in the decoded text (any tokenization) and rewind the slot.
+  result_mode: 'train' (" <result>\\n..\\n</result>") or 'eval' ("<result>..</result>")."""
+  max_response_len: int = 1024
+  max_tool_calls: int = 3
+  chunk_steps: int = 16
+  tool_tags: tuple = ("search", "python")
+  result_mode: str = "train"
+  lookahead: bool = True
+  check_stop_strings: bool = True
+  tool_poll_s: float = 0.05
+
+  def __post_init__(self):
+    if self.max_response_len < 1 or self.chunk_steps < 1 or self.max_tool_calls < 0:
+      raise ValueError(f"AgentConfig: max_response_len={self.max_response_len} and chunk_steps={self.chunk_steps} "
+                       f"must be >= 1, max_tool_calls={self.max_tool_calls} >= 0.")
+
+
+def _encode(tokenizer, text: str) -> list:
+  """Ids of a tool result appended after existing tokens: no BOS, special-token strings kept as text."""
+  if hasattr(tokenizer, "encode_continuation"):
+    return list(tokenizer.encode_continuation(text))
+  try:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+  except TypeError:
+    return list(tokenizer.encode(text))
+
+
+class _Run:
+  """Mutable state of one rollout call."""
+
+  def __init__(self, engine, params, num_prompts: int, seed: int):
+    self.engine, self.params = engine, params
+    self.state = engine.init_decode_state()
+    self.records: list = []
+    self.queue: collections.deque = collections.deque()
+    self.slot_rec: dict = {}
+    self.free = list(range(engine.max_slots))
+    self.decoding: set = set()
+    self.futures: dict = {}              # record index -> (future, decoded tokens at submit)
+    self.round = 0
+    self.counts_p = np.zeros((num_prompts,), np.int32)
+    self.seed = int(seed)
+    self.key = jax.random.PRNGKey(self.seed)
+    self.decoded_tokens = 0              # tokens sampled by all slots so far
+    self.tool_overlap: list = []         # tokens decoded by other slots while each tool ran
+    self.decisions: list = []
+    self.restarts: dict = collections.Counter()
+
+
+class AgentLoop:
+  """Runs rollouts of a policy over prompts with an Engine and a ToolSet (docs/rollout.md)."""
+
+  def __init__(self, engine, tokenizer, tools, config: AgentConfig = AgentConfig(), *, pad_id: Optional[int] = None):
+    from aepo_jax.tools import format_result, parse_tool_call  # tools never import jax; we import tools lazily
+    self._format, self._parse = format_result, parse_tool_call
+    self.engine, self.tokenizer, self.tools, self.config = engine, tokenizer, tools, config
+    if not engine.eos_ids:
+      raise ValueError("AgentLoop: the engine has no eos_ids; the loop needs one to end trajectories.")
+    self.eos_id = int(engine.eos_ids[0])
+    cfg_pad = getattr(engine.config, "pad_token_id", None)
+    self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else self.eos_id))
+    self.last_run: Optional[_Run] = None
+    self.stop_checker = None
+    if config.check_stop_strings:
+      from aepo_jax.rollout._stop import StopStringChecker
+      self.stop_checker = StopStringChecker(tokenizer, [f"</{t}>" for t in config.tool_tags],
+                                            engine.config.vocab_size)
+
+  # ------------------------------------------------------------------------------------------------ API
+  def rollout(self, params, prompts: Sequence[Sequence[int]], policy, *, seed: int = 0) -> Trajectories:
+    """Exactly policy.config.n trajectories per prompt, rows prompt-major in creation order."""
+    if isinstance(policy, str):
+      policy = rollout_policy(policy)
+    prompts = [list(map(int, p)) for p in prompts]
+    self._check_prompts(prompts)
+    window = getattr(self.engine, "entropy_window", policy.config.entropy_window)
+    if window != policy.config.entropy_window:  # the engine sums entropies over ITS window
+      raise ValueError(f"PolicyConfig.entropy_window={policy.config.entropy_window} differs from the engine's "
+                       f"entropy_window={window}; build both with the same value.")
+    probe = (lambda: self._probe(params, prompts, policy, seed)) if policy.needs_probe() else None
+    m_p = policy.initial_counts(len(prompts), probe)
+    policy.begin(len(prompts))
+    run = _Run(self.engine, params, len(prompts), seed)
+    for p, m in enumerate(m_p):
+      for _ in range(int(m)):
+        self._new_record(run, p, "global", prompts[p], first_round=0)
+    self._drive(run, policy)
+    n = policy.config.n
+    if (run.counts_p != n).any():
+      raise RuntimeError(f"rollout budget violated: trajectories per prompt {run.counts_p.tolist()}, expected {n}.")
+    records = sorted(run.records, key=lambda r: (r.prompt, r.index))
+    stats = self._stats(run, records, policy)
+    self.last_run = run
+    return assemble(records, pad_id=self.pad_id, decode=self.tokenizer.decode, stats=stats)
+
+  def _check_prompts(self, prompts) -> None:
+    if not prompts:
+      raise ValueError("AgentLoop.rollout: no prompts.")
+    for i, p in enumerate(prompts):
+      if not p:
+        raise ValueError(f"AgentLoop.rollout: prompt {i} is empty.")
+      if len(p) + self.config.max_response_len > self.engine.max_len:
+        raise ValueError(f"AgentLoop.rollout: prompt {i} ({len(p)} tokens) + max_response_len "
+                         f"{self.config.max_response_len} exceeds the engine's max_len={self.engine.max_len}; "
+                         "build the Engine with a larger max_len or lower AgentConfig.max_response_len.")
+
+  # ------------------------------------------------------------------------------------------------ probe
+  def _probe(self, params, prompts, policy: RolloutPolicy, seed: int):
+    """AEPO pre-monitoring (spec §2.1): per prompt, an H_root sample of probe_tokens tokens and one full
+    tool-using probe trajectory; both discarded. Returns (H_root, mean segment entropy of the probe) per prompt."""
+    cfg = policy.config
+    run = _Run(self.engine, params, len(prompts), seed + 7_654_321)
+    for p, prompt in enumerate(prompts):
+      self._new_record(run, p, "probe", prompt, 0, max_len=min(cfg.probe_tokens, self.config.max_response_len),
+                       max_calls=0)
+      self._new_record(run, p, "probe", prompt, 0)
+    self._drive(run, rollout_policy("none"))
+    stat = lambda accums: np.asarray(window_statistic(
+        np.asarray([a[0] for a in accums], np.int32), np.asarray([a[1] for a in accums], np.float32),
+        np.asarray([a[2] for a in accums], np.float32), estimator=cfg.estimator, window=cfg.entropy_window,
+        vocab_size=self.engine.config.vocab_size))
+    h_root, h_tool = np.zeros(len(prompts), np.float32), np.zeros(len(prompts), np.float32)
+    for p in range(len(prompts)):
+      root, full = run.records[2 * p], run.records[2 * p + 1]
+      h_root[p] = stat([root.segments[0].accum])[0]
+      segs = [s.accum for s in full.segments if s.end >= 0]
+      h_tool[p] = stat(segs).mean() if segs else h_root[p]
+    return h_root, h_tool
+
+  # ------------------------------------------------------------------------------------------------ records
+  def _seed(self, run: _Run, index: int) -> int:
+    return (run.seed * 1_000_003 + index * 92_821 + run.restarts[index] * 7_919 + 17) % (2 ** 31 - 1)
+
+  def _new_record(self, run, p, kind, prompt, first_round, *, max_len=None, max_calls=None):
+    rec = TrajectoryRecord(
+        index=len(run.records), prompt=p, kind=kind, prompt_tokens=prompt, first_round=first_round,
+        max_response_len=max_len or self.config.max_response_len,
+        max_tool_calls=self.config.max_tool_calls if max_calls is None else max_calls, seed=0,
+        call_state=self._new_call_state())
+    rec.seed = self._seed(run, rec.index)
+    run.records.append(rec)
+    run.queue.append(rec.index)
+    if kind != "probe":
+      run.counts_p[p] += 1
+    return rec
+
+  def _new_call_state(self):
+    from aepo_jax.tools import CallState
+    return CallState()
+
+  def _end(self, rec, reason: str) -> None:
+    rec.done, rec.stop_reason = True, reason
+    rec.end_round = rec.segments[-1].round if rec.segments else rec.first_round
+
+  def _start_segment(self, rec) -> None:
+    rec.segments.append(Segment(round=rec.first_round + len(rec.segments), start=rec.response_len))
+
+  # ------------------------------------------------------------------------------------------------ driving
+  def _drive(self, run: _Run, policy: RolloutPolicy) -> None:
+    while True:
+      self._admit(run)
+      self._resume(run)
+      if run.decoding:
+        self._decode_chunk(run)
+      elif run.futures:
+        concurrent.futures.wait([f for f, _ in run.futures.values()], timeout=self.config.tool_poll_s,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+      self._collect_tools(run)
+      while self._round_closed(run):
+        if not self._end_round(run, policy):
+          self._release(run, list(run.slot_rec))
+          return
+      if not run.decoding and not run.futures and not self._progress_possible(run):
+        self._evict_paused(run)
+
+  def _next_round(self, rec) -> int:
+    return rec.first_round + len(rec.segments)
+
+  def _may_start(self, run, rec) -> bool:
+    return self._next_round(rec) <= run.round + (1 if self.config.lookahead else 0)
+
+  def _admit(self, run: _Run) -> None:
+    ready = [i for i in run.queue if self._may_start(run, run.records[i])]
+    if not ready:
+      return
+    if len(ready) > len(run.free):  # free slots held by finished trajectories (kept for possible forks)
+      self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done][:len(ready) - len(run.free)])
+    take = ready[:len(run.free)]
+    if not take:
+      return
+    slots = [run.free.pop(0) for _ in take]
+    recs = [run.records[i] for i in take]
+    for i in take:
+      run.queue.remove(i)
+    run.state = self.engine.add(run.params, run.state, slots, [r.prompt_tokens + r.tokens for r in recs],
+                                [self._seed(run, r.index) for r in recs], [r.room for r in recs])
+    for s, r in zip(slots, recs):
+      r.slot, r.device_len = s, r.response_len
+      run.slot_rec[s] = r.index
+      self._start_segment(r)
+      run.decoding.add(s)
+
+  def _resume(self, run: _Run) -> None:
+    """Extends paused slots with their tool results (already on the host record) when the round allows."""
+    recs = [run.records[i] for i in run.slot_rec.values()]
+    recs = [r for r in recs if not r.done and r.slot not in run.decoding and r.index not in run.futures
+            and r.device_len < r.response_len and self._may_start(run, r)]
+    if not recs:
+      return
+    run.state = self.engine.extend(run.params, run.state, [r.slot for r in recs],
+                                   [r.tokens[r.device_len:] for r in recs], [r.room for r in recs])
+    for r in recs:
+      r.device_len = r.response_len
+      self._start_segment(r)
+      run.decoding.add(r.slot)
+
+  def _decode_chunk(self, run: _Run) -> None:
+    run.state, out = self.engine.decode(run.params, run.state, self.config.chunk_steps)
+    tok, lp, ent, valid = jax.device_get((out.token, out.logprob, out.entropy, out.valid))
+    info = self.engine.host_info(run.state)
+    run.decoded_tokens += int(valid.sum())
+    stopped, cuts = [], []
+    for s in sorted(run.decoding):
+      rec = run.records[run.slot_rec[s]]
+      v = np.asarray(valid[s], bool)
+      rec.append(tok[s][v], lp[s][v], ent[s][v], mask=1)
+      rec.device_len = rec.response_len
+      cut = self._missed_stop(rec, tok[s][v], int(info["stop_reason"][s]))
+      if cut is not None:
+        cuts.append((s, cut))
+      elif not info["active"][s] and info["stop_reason"][s] != st.RUNNING:
+        stopped.append((s, int(info["stop_reason"][s])))
+    if cuts:  # a stop string the device's token sequences missed: rewind the slot to just after it
+      run.state = self.engine.truncate(run.state, [s for s, _ in cuts],
+                                       [len(run.records[run.slot_rec[s]].prompt_tokens) + c for s, c in cuts])
+      info = self.engine.host_info(run.state)
+      for s, c in cuts:
+        rec = run.records[run.slot_rec[s]]
+        del rec.tokens[c:], rec.loss_mask[c:], rec.logprob[c:], rec.entropy[c:]
+        rec.device_len = c
+        stopped.append((s, st.STOP_SEQUENCE))
+    for s, reason in stopped:
+      rec = run.records[run.slot_rec[s]]
+      run.decoding.discard(s)
+      seg = rec.segments[-1]
+      seg.end = rec.response_len
+      seg.accum = (int(info["seg_count"][s]), float(info["seg_entropy_sum"][s]),
+                   float(info["seg_topk_entropy_sum"][s]))
+      if rec.initial_accum is None:  # corrected mode's H_initial: the first segment (a branch inherits it)
+        rec.initial_accum = seg.accum
+      self._on_stop(run, rec, reason)
+
+  def _missed_stop(self, rec, new_tokens, reason: int) -> Optional[int]:
+    """Response offset just after the first tool closing tag of the open segment, when the device did not stop
+    there (its stop sequences cover the usual tokenizations only; contract: StopStringChecker)."""
+    if self.stop_checker is None or not self.stop_checker.has_candidate(new_tokens):
+      return None
+    seg = rec.segments[-1]
+    k = self.stop_checker.first_stop(rec.tokens[seg.start:])
+    if k is None or (reason == st.STOP_SEQUENCE and seg.start + k == rec.response_len):
+      return None
+    return seg.start + k
+
+  def _on_stop(self, run: _Run, rec, reason: int) -> None:
+    seg = rec.segments[-1]
+    if reason == st.STOP_SEQUENCE:
+      # Like the official rollout, parse the last <tag>...</tag> of the whole sequence (the opening tag may sit
+      # in the prompt when a caller prefills it). Decoded for parsing only; nothing is re-encoded.
+      text = self.tokenizer.decode(rec.prompt_tokens + rec.tokens[:seg.end])
+      call = self._parse(text, tuple(self.config.tool_tags))
+      if call is None or not text.rstrip().endswith(f"</{call.tag}>"):  # e.g. a configured '</answer>' stop
+        return self._end(rec, "stop_sequence")
+      if rec.num_tool_calls >= rec.max_tool_calls:
+        return self._limit(rec)
+      seg.tool_pending = True
+      run.futures[rec.index] = (self.tools.submit(call, rec.call_state), run.decoded_tokens)
+      return None
+    if reason == st.STOP_EOS:
+      return self._end(rec, "eos")
+    return self._end(rec, "length" if reason == st.STOP_BUDGET else st.STOP_REASON_NAMES.get(reason, str(reason)))
+
+  def _limit(self, rec) -> None:
+    """A call over the limit: append EOS (mask 1) and end (training, spec §1.2 2.3)."""
+    if rec.room > 0:
+      rec.append([self.eos_id], mask=1)
+    self._end(rec, "call_limit")
+
+  def _collect_tools(self, run: _Run) -> None:
+    for idx in [i for i, (f, _) in run.futures.items() if f.done()]:
+      fut, at = run.futures.pop(idx)
+      run.tool_overlap.append(run.decoded_tokens - at)
+      rec, out = run.records[idx], fut.result()
+      seg = rec.segments[-1]
+      seg.tool_pending = False
+      if out.info.get("limit_reached"):
+        self._limit(rec)
+        continue
+      if out.info.get("empty_call"):  # the official rollout ends the copy silently (spec §1.2 2.3)
+        self._end(rec, "empty_tool_call")
+        continue
+      rec.num_tool_calls += 1
+      rec.tool_failures += int(not out.ok)
+      ids = _encode(self.tokenizer, self._format(out.text, self.config.result_mode))
+      truncated = len(ids) >= rec.room
+      rec.append(ids[:rec.room], mask=0)
+      seg.result_end, seg.calls_after, seg.call_state = rec.response_len, rec.num_tool_calls, rec.call_state.copy()
+      if truncated:  # no room left to generate: truncated at L (spec §1.2 step 4)
+        self._end(rec, "length")
+
+  # ------------------------------------------------------------------------------------------------ rounds
+  def _round_closed(self, run: _Run) -> bool:
+    r = run.round
+    for rec in run.records:
+      if rec.first_round > r:
+        continue
+      if rec.done and rec.end_round <= r:
+        continue
+      if rec.first_round + rec.rounds_done() - 1 < r:
+        return False
+    return True
+
+  def _end_round(self, run: _Run, policy: RolloutPolicy) -> bool:
+    """Applies the policy's plan for the closing round. Returns False when the rollout is complete."""
+    rnd = run.round
+    live = [r for r in run.records if r.kind != "probe"]
+    plan = policy.plan_round(live, rnd, run.counts_p.copy(), list(run.free), jax.random.fold_in(run.key, rnd),
+                             self.engine.config.vocab_size)
+    if plan.decisions:
+      run.decisions.append({"round": rnd, **{k: np.asarray(v) for k, v in plan.decisions.items()}})
+    forks = []
+    for parent, fork_pos, dst in plan.children:
+      child = parent.fork(len(run.records), fork_pos, 0, rnd + 1, lambda s: s.copy() if s is not None else None)
+      run.records.append(child)
+      run.counts_p[child.prompt] += 1
+      child.seed = self._seed(run, child.index)
+      if dst >= 0:
+        forks.append((parent, child, dst))
+      else:
+        run.queue.append(child.index)
+    if forks:
+      self._fork_on_device(run, forks)
+    for p in plan.refills:
+      first = next(r for r in run.records if r.prompt == p and r.kind != "probe")
+      self._new_record(run, p, "refill", first.prompt_tokens, rnd + 1)
+    run.round += 1
+    # Finished trajectories are no fork source after their last round (one that finished early, running ahead,
+    # may still be a candidate when its own round closes in corrected mode).
+    self._release(run, [s for s, i in run.slot_rec.items()
+                        if run.records[i].done and run.records[i].end_round <= rnd])
+    return any(not r.done for r in run.records)
+
+  def _fork_on_device(self, run: _Run, forks) -> None:
+    src = [p.slot for p, _, _ in forks]
+    dst = [d for _, _, d in forks]
+    run.state = self.engine.copy_slots(run.state, src, dst, [c.seed for _, c, _ in forks])
+    run.state = self.engine.truncate(run.state, dst, [len(c.prompt_tokens) + c.fork_pos for _, c, _ in forks])
+    for _, child, d in forks:
+      run.free.remove(d)
+      run.slot_rec[d] = child.index
+      child.slot, child.device_len, child.forked_on_device = d, child.fork_pos, True
+    ok = [c for _, c, _ in forks if c.room > 0]
+    for _, c, _ in forks:
+      if c.room <= 0:
+        self._end(c, "length")
+    if ok:
+      run.state = self.engine.extend(run.params, run.state, [c.slot for c in ok], [[] for _ in ok],
+                                     [c.room for c in ok])
+      for c in ok:
+        self._start_segment(c)
+        run.decoding.add(c.slot)
+
+  def _release(self, run: _Run, slots) -> None:
+    slots = [s for s in slots if s in run.slot_rec]
+    if not slots:
+      return
+    run.state = self.engine.release(run.state, slots)
+    for s in slots:
+      run.records[run.slot_rec.pop(s)].slot = -1
+      run.free.append(s)
+    run.free.sort()
+
+  def _progress_possible(self, run: _Run) -> bool:
+    ready = any(self._may_start(run, run.records[i]) for i in run.queue)
+    resumable = any(self._may_start(run, run.records[i]) and run.records[i].device_len < run.records[i].response_len
+                    for i in run.slot_rec.values() if not run.records[i].done)
+    return (ready and (run.free or any(run.records[i].done for i in run.slot_rec.values()))) or resumable
+
+  def _evict_paused(self, run: _Run) -> None:
+    """More live trajectories than slots and every slot waits for a later round: move one back to the queue
+    (its tokens are on the host; it is re-prefilled when it may run)."""
+    paused = [s for s, i in run.slot_rec.items()
+              if not run.records[i].done and s not in run.decoding and i not in run.futures]
+    if not paused or not run.queue:
+      raise RuntimeError(f"AgentLoop: no progress possible in round {run.round} (queue={list(run.queue)}, "
+                         f"slots={run.slot_rec}); this is a bug.")
+    s = max(paused, key=lambda s: self._next_round(run.records[run.slot_rec[s]]))
+    idx = run.slot_rec[s]
+    self._release(run, [s])
+    run.restarts[idx] += 1
+    run.queue.append(idx)
+
+  # ------------------------------------------------------------------------------------------------ stats
+  def _stats(self, run: _Run, records, policy: RolloutPolicy) -> dict:
+    cfg = policy.config
+    out = tree_stats(records, estimator=cfg.estimator, window=cfg.entropy_window,
+                     vocab_size=self.engine.config.vocab_size)
+    out["rollout/rounds"] = float(run.round)
+    out["rollout/decode_tokens"] = float(run.decoded_tokens)
+    if run.tool_overlap:
+      out["rollout/decode_tokens_during_tool_mean"] = float(np.mean(run.tool_overlap))
+    if getattr(policy, "last_probe", None) is not None and policy.needs_probe():
+      out["rollout/probe_h_root"] = float(np.mean(policy.last_probe[0]))
+      out["rollout/probe_h_tool"] = float(np.mean(policy.last_probe[1]))
+    return out

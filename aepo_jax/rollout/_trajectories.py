@@ -1,0 +1,158 @@
+"""Host records of a rollout and the `Trajectories` batch handed to the trainer (docs/rollout_contract.md).
+
+A `TrajectoryRecord` is the host's truth for one trajectory: token ids (never re-encoded), per-token sampler
+log-prob / entropy / loss mask, its segments (one per round) and its place in the prompt's tree. `assemble`
+turns the records of one rollout into padded numpy arrays, rows of a prompt contiguous and in creation order
+(spec §1.2 step 4: `batch.repeat(n, interleave=True)` order).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+KINDS = ("global", "branch", "refill", "probe")
+
+
+@dataclasses.dataclass
+class Segment:
+  """Tokens generated from one resume point to the next stop (+ the tool result appended after it).
+
+  start/end: response offsets of the generated tokens [start, end). accum: the engine's window accumulators
+  (seg_count, seg_entropy_sum, seg_topk_entropy_sum) at the stop. result_end: response offset after the
+  appended tool result (None: no result, e.g. EOS, empty call, call limit, length).
+  """
+  round: int
+  start: int
+  end: int = -1
+  accum: tuple = (0, 0.0, 0.0)
+  result_end: Optional[int] = None
+  tool_pending: bool = False    # its tool call is still running
+  calls_after: int = 0          # tool calls made up to and including this segment
+  call_state: Any = None        # tool bookkeeping after this segment (copied into a child forked here)
+
+
+@dataclasses.dataclass
+class TrajectoryRecord:
+  index: int                    # creation index within this rollout (the official "copy index")
+  prompt: int                   # group id
+  kind: str                     # 'global' | 'branch' | 'refill' | 'probe'
+  prompt_tokens: list
+  first_round: int
+  max_response_len: int         # L (model + tool tokens)
+  max_tool_calls: int
+  seed: int
+  parent: int = -1              # record index of the parent, -1 for a fresh sample
+  fork_pos: int = -1            # response offset at which it forked from the parent
+  tokens: list = dataclasses.field(default_factory=list)     # response ids
+  loss_mask: list = dataclasses.field(default_factory=list)
+  logprob: list = dataclasses.field(default_factory=list)
+  entropy: list = dataclasses.field(default_factory=list)
+  segments: list = dataclasses.field(default_factory=list)
+  call_state: Any = None
+  num_tool_calls: int = 0
+  tool_failures: int = 0
+  stop_reason: str = ""
+  done: bool = False
+  end_round: int = -1           # round in which it ended
+  slot: int = -1                # engine slot holding it (-1 none)
+  device_len: int = 0           # response tokens present in that slot
+  initial_accum: Optional[tuple] = None  # corrected mode: accumulators of the lineage's first segment
+  forked_on_device: bool = False
+
+  @property
+  def response_len(self) -> int:
+    return len(self.tokens)
+
+  @property
+  def room(self) -> int:
+    return self.max_response_len - len(self.tokens)
+
+  def rounds_done(self) -> int:
+    """Rounds this trajectory has completed (its segment ended and, if any, its tool result is in)."""
+    return sum(1 for s in self.segments if s.end >= 0 and not s.tool_pending)
+
+  def append(self, tokens, logprob=None, entropy=None, mask: int = 1) -> None:
+    n = len(tokens)
+    self.tokens.extend(int(t) for t in tokens)
+    self.loss_mask.extend([mask] * n)
+    self.logprob.extend([0.0] * n if logprob is None else [float(x) for x in logprob])
+    self.entropy.extend([0.0] * n if entropy is None else [float(x) for x in entropy])
+
+  def fork(self, index: int, fork_pos: int, seed: int, first_round: int, copy_state: Callable) -> "TrajectoryRecord":
+    """A child sharing this record's prompt and response[:fork_pos] (spec §1.2 2.6: a full copy of the state)."""
+    seg = next((s for s in self.segments if s.result_end == fork_pos), None)
+    calls = seg.calls_after if seg is not None else 0
+    state = seg.call_state if seg is not None else self.call_state
+    child = TrajectoryRecord(
+        index=index, prompt=self.prompt, kind="branch", prompt_tokens=self.prompt_tokens, first_round=first_round,
+        max_response_len=self.max_response_len, max_tool_calls=self.max_tool_calls, seed=seed, parent=self.index,
+        fork_pos=fork_pos, tokens=self.tokens[:fork_pos], loss_mask=self.loss_mask[:fork_pos],
+        logprob=self.logprob[:fork_pos], entropy=self.entropy[:fork_pos], call_state=copy_state(state),
+        num_tool_calls=calls, initial_accum=self.initial_accum)
+    return child
+
+
+@dataclasses.dataclass
+class Trajectories:
+  """One row per trajectory; rows of a prompt contiguous, in creation order (contract)."""
+  tokens_bt: np.ndarray
+  prompt_len_b: np.ndarray
+  response_len_b: np.ndarray
+  loss_mask_bt: np.ndarray
+  attention_mask_bt: np.ndarray
+  sampler_logprob_bt: np.ndarray
+  sampler_entropy_bt: np.ndarray
+  group_id_b: np.ndarray
+  parent_b: np.ndarray
+  fork_pos_b: np.ndarray
+  num_tool_calls_b: np.ndarray
+  stop_reason_b: list
+  response_text: list
+  kind_b: list
+  stats: dict
+
+  def __len__(self) -> int:
+    return int(self.tokens_bt.shape[0])
+
+
+def assemble(records: list, *, pad_id: int, decode: Optional[Callable] = None, stats: Optional[dict] = None,
+             pad_to: Optional[int] = None) -> Trajectories:
+  """Padded host arrays from finished records (already ordered prompt-major, creation order within a prompt).
+
+  fork_pos_b is the index in tokens_bt of the first token the child did not share with its parent.
+  """
+  row_of = {r.index: i for i, r in enumerate(records)}
+  total = [len(r.prompt_tokens) + len(r.tokens) for r in records]
+  t = max(total, default=1)
+  if pad_to is not None:
+    if pad_to < t:
+      raise ValueError(f"assemble(pad_to={pad_to}) is shorter than the longest trajectory ({t} tokens).")
+    t = pad_to
+  n = len(records)
+  tokens = np.full((n, t), pad_id, np.int32)
+  loss = np.zeros((n, t), np.int32)
+  attn = np.zeros((n, t), np.int32)
+  lp = np.zeros((n, t), np.float32)
+  ent = np.zeros((n, t), np.float32)
+  for i, r in enumerate(records):
+    p = len(r.prompt_tokens)
+    tokens[i, :p] = r.prompt_tokens
+    tokens[i, p:total[i]] = r.tokens
+    loss[i, p:total[i]] = r.loss_mask
+    attn[i, :total[i]] = 1
+    lp[i, p:total[i]] = r.logprob
+    ent[i, p:total[i]] = r.entropy
+  return Trajectories(
+      tokens_bt=tokens, prompt_len_b=np.asarray([len(r.prompt_tokens) for r in records], np.int32),
+      response_len_b=np.asarray([len(r.tokens) for r in records], np.int32), loss_mask_bt=loss,
+      attention_mask_bt=attn, sampler_logprob_bt=lp, sampler_entropy_bt=ent,
+      group_id_b=np.asarray([r.prompt for r in records], np.int32),
+      parent_b=np.asarray([row_of.get(r.parent, -1) for r in records], np.int32),
+      fork_pos_b=np.asarray([len(r.prompt_tokens) + r.fork_pos if r.parent >= 0 else -1 for r in records],
+                            np.int32),
+      num_tool_calls_b=np.asarray([r.num_tool_calls for r in records], np.int32),
+      stop_reason_b=[r.stop_reason for r in records],
+      response_text=[decode(r.tokens) if decode is not None else "" for r in records],
+      kind_b=[r.kind for r in records], stats=dict(stats or {}))

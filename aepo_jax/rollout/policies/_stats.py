@@ -1,0 +1,79 @@
+"""Statistics of the rollout trees of one step (`rollout/*` metrics).
+
+top3_branch_share is the concentration AEPO's consecutive-branch penalty targets (spec §2.1: 93.4% of ARPO's
+branches sit on 1-3 trajectories): per prompt with at least one branch, the share of its branches whose parent
+is one of the 3 trajectories with most children, averaged over those prompts.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from aepo_jax.rollout.policies._entropy import window_statistic
+
+
+def _stat(accums, estimator, window, vocab_size) -> np.ndarray:
+  if not accums:
+    return np.zeros((0,), np.float32)
+  a = np.asarray(accums, np.float64)
+  return np.asarray(window_statistic(a[:, 0].astype(np.int32), a[:, 1], a[:, 2], estimator=estimator,
+                                     window=window, vocab_size=vocab_size))
+
+
+def _mean(x) -> float:
+  return float(np.mean(x)) if len(x) else 0.0
+
+
+def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_size: int = 2) -> dict:
+  """rollout/* metrics over finished records (all prompts of one rollout call)."""
+  depth = {}
+  for r in sorted(records, key=lambda r: r.index):
+    depth[r.index] = 0 if r.parent < 0 else depth.get(r.parent, 0) + 1
+  prompts = sorted({r.prompt for r in records})
+  branches_p, shares, global_p, refill_p = [], [], [], []
+  for p in prompts:
+    rs = [r for r in records if r.prompt == p]
+    kids = collections.Counter(r.parent for r in rs if r.kind == "branch")
+    nb = sum(kids.values())
+    branches_p.append(nb)
+    global_p.append(sum(r.kind == "global" for r in rs))
+    refill_p.append(sum(r.kind == "refill" for r in rs))
+    if nb:
+      shares.append(sum(sorted(kids.values(), reverse=True)[:3]) / nb)
+  first, after_tool = [], []
+  for r in records:
+    result_ends = {s.result_end for s in r.segments if s.result_end is not None}
+    for i, s in enumerate(r.segments):
+      if s.end < 0:
+        continue
+      if s.start == 0 and r.parent < 0:
+        first.append(s.accum)
+      elif s.start in result_ends or (i == 0 and r.parent >= 0 and r.fork_pos > 0):
+        after_tool.append(s.accum)
+  h_first = _stat(first, estimator, window, vocab_size)
+  h_after = _stat(after_tool, estimator, window, vocab_size)
+  saved = sum(len(r.prompt_tokens) + r.fork_pos for r in records if r.kind == "branch" and r.forked_on_device)
+  depths = [depth[r.index] for r in records]
+  stops = collections.Counter(r.stop_reason for r in records)
+  n = max(len(records), 1)
+  out = {
+      "rollout/num_trajectories": float(len(records)),
+      "rollout/branches_per_prompt": _mean(branches_p),
+      "rollout/branches_per_prompt_max": float(max(branches_p, default=0)),
+      "rollout/tree_depth_max": float(max(depths, default=0)),
+      "rollout/tree_depth_mean": _mean(depths),
+      "rollout/top3_branch_share": _mean(shares),
+      "rollout/tool_calls_per_traj": _mean([r.num_tool_calls for r in records]),
+      "rollout/tool_failures": float(sum(r.tool_failures for r in records)),
+      "rollout/entropy_initial": _mean(h_first),
+      "rollout/entropy_after_tool": _mean(h_after),
+      "rollout/prefill_tokens_saved_by_fork": float(saved),
+      "rollout/forks_on_device": float(sum(r.kind == "branch" and r.forked_on_device for r in records)),
+      "rollout/global_samples": _mean(global_p),
+      "rollout/refills": _mean(refill_p),
+      "rollout/response_len_mean": _mean([r.response_len for r in records]),
+  }
+  for reason, k in stops.items():
+    out[f"rollout/stop_{reason}"] = k / n
+  return out

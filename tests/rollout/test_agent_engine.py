@@ -1,0 +1,141 @@
+"""The agent loop on the REAL engine with a tiny random Llama: multi-turn pause/extend/fork, masks, log-probs.
+
+Tool calls are forced by a tiny vocabulary: token 2 decodes to a whole `<python>1+1</python>` call and is the
+engine's stop sequence, so a random model calls the tool about once per 16 tokens.
+"""
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from aepo_jax.model import ModelConfig, forward, init_params
+from aepo_jax.rollout import Engine
+from aepo_jax.rollout._agent import AgentConfig, AgentLoop
+from aepo_jax.rollout.policies import rollout_policy
+from aepo_jax.tools import ToolSet
+
+VOCAB = ["<pad>", "<eos>", "<python>1+1</python>", " <result>\n", "\n</result>", "2"] + list("abcdefghij")
+PAD, EOS, CALL, R_OPEN, R_CLOSE, TWO = range(6)
+CONFIG = ModelConfig(family="llama", vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=8, eos_token_ids=(EOS,), pad_token_id=PAD)
+
+
+class VocabTokenizer:
+  def encode(self, text, add_special_tokens=False):
+    out, i = [], 0
+    order = sorted(range(len(VOCAB)), key=lambda j: -len(VOCAB[j]))
+    while i < len(text):
+      j = next((j for j in order if j > EOS and text.startswith(VOCAB[j], i)), None)
+      if j is None:
+        raise ValueError(f"cannot encode {text[i:]!r}")
+      out.append(j)
+      i += len(VOCAB[j])
+    return out
+
+  def decode(self, ids):
+    return "".join(VOCAB[int(i)] for i in ids)
+
+
+@pytest.fixture(scope="module")
+def params():
+  p = init_params(CONFIG, jax.random.PRNGKey(0))
+  # Flatten the output distribution (uniform-ish: EOS and CALL each ~1/16 per token).
+  p["lm_head"]["kernel"] = p["lm_head"]["kernel"] * 0.1
+  return p
+
+
+_ENGINES = {}
+
+
+def _loop(max_slots=8, tool=lambda code: "2", chunk=8):
+  if max_slots not in _ENGINES:  # one engine per size: its jitted functions compile once per module
+    _ENGINES[max_slots] = Engine(CONFIG, max_slots=max_slots, max_len=96, eos_ids=[EOS], stop_sequences=[[CALL]],
+                                 entropy_window=20, topk_entropy=4)
+  engine = _ENGINES[max_slots]
+  tools = ToolSet({"python": tool}, call_limit=10, retry_count=1, max_workers=8)
+  cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=chunk, tool_tags=("python",))
+  return AgentLoop(engine, VocabTokenizer(), tools, cfg)
+
+
+PROMPTS = [[6, 7, 8], [9, 10], [11, 12, 13, 14]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["corrected", "faithful"])
+def test_multi_turn_arpo_on_real_engine(params, mode):
+  loop = _loop()
+  branches = 0
+  for seed in range(3):
+    tr = loop.rollout(params, PROMPTS, rollout_policy("arpo", n=4, initial_rollouts=2, mode=mode), seed=seed)
+    assert np.bincount(tr.group_id_b).tolist() == [4, 4, 4]
+    assert (np.diff(tr.group_id_b) >= 0).all()
+    branches += int((tr.parent_b >= 0).sum())
+    pad = 60 - tr.tokens_bt.shape[1]  # one shape for every seed: the reference forward compiles once
+    tokens = np.pad(tr.tokens_bt, ((0, 0), (0, pad)))
+    logits = forward(CONFIG, params, tokens, attention_mask=np.pad(tr.attention_mask_bt, ((0, 0), (0, pad))))
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    ent = -(np.exp(logp) * logp).sum(-1)
+    for b in range(len(tr)):
+      p0, n = tr.prompt_len_b[b], tr.response_len_b[b]
+      toks, mask = tr.tokens_bt[b, p0:p0 + n], tr.loss_mask_bt[b, p0:p0 + n]
+      # Tool-result tokens (mask 0) are exactly the formatted results, each right after a call.
+      zero = np.nonzero(mask == 0)[0]
+      assert len(zero) % 3 == 0
+      for start in zero[::3]:
+        assert toks[start - 1] == CALL and toks[start:start + 3].tolist() == [R_OPEN, TWO, R_CLOSE]
+      assert (tr.loss_mask_bt[b, p0 + n:] == 0).all() and (tr.loss_mask_bt[b, :p0] == 0).all()
+      # Sampled tokens: engine log-probs / entropies equal a teacher-forced forward (forks included).
+      sampled = np.nonzero(mask == 1)[0]
+      if tr.stop_reason_b[b] == "call_limit":
+        sampled = sampled[:-1]  # the appended EOS was not sampled
+      pos = p0 + sampled
+      np.testing.assert_allclose(tr.sampler_logprob_bt[b, pos], logp[b, pos - 1, tr.tokens_bt[b, pos]], atol=1e-4)
+      np.testing.assert_allclose(tr.sampler_entropy_bt[b, pos], ent[b, pos - 1], atol=1e-4)
+      # A branch shares its parent's tokens up to the fork, which is right after a tool result.
+      if tr.parent_b[b] >= 0:
+        f, par = tr.fork_pos_b[b], tr.parent_b[b]
+        assert par < b and tr.group_id_b[par] == tr.group_id_b[b]
+        np.testing.assert_array_equal(tr.tokens_bt[b, :f], tr.tokens_bt[par, :f])
+        assert tr.tokens_bt[b, f - 1] == R_CLOSE
+  assert branches > 0
+
+
+@pytest.mark.slow  # compiles the engine (~60 s on 2 cores)
+def test_slow_tool_overlaps_decoding(params):
+  """While one slot waits on a slow tool, the other slots keep decoding (measured in decoded tokens)."""
+  first = threading.Event()
+
+  def tool(code):
+    if not first.is_set():
+      first.set()
+      time.sleep(1.0)
+    return "2"
+
+  loop = _loop(tool=tool)
+  tr = loop.rollout(params, PROMPTS + [[6, 6], [7, 7]], rollout_policy("none", n=2), seed=3)
+  overlap = loop.last_run.tool_overlap
+  assert len(tr) == 10 and overlap
+  assert max(overlap) > 0, overlap
+  assert tr.stats["rollout/decode_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_more_trajectories_than_slots_are_queued(params):
+  loop = _loop(max_slots=2)
+  tr = loop.rollout(params, PROMPTS, rollout_policy("aepo", n=3, initial_rollouts=2, enable_dynamic_rollouts=True),
+                    seed=5)
+  assert np.bincount(tr.group_id_b).tolist() == [3, 3, 3]
+  assert np.isfinite(tr.stats["rollout/probe_h_root"])
+
+
+def test_prompt_longer_than_cache_is_rejected(params):
+  loop = _loop()
+  with pytest.raises(ValueError, match="max_len"):
+    loop.rollout(params, [[6] * 60], rollout_policy("none", n=1))
+
+
+def test_entropy_window_must_match_the_engine(params):
+  with pytest.raises(ValueError, match="entropy_window"):
+    _loop().rollout(params, PROMPTS, rollout_policy("arpo", n=2, initial_rollouts=1, entropy_window=10))
