@@ -1,0 +1,399 @@
+"""The experiment config: one base with every key and its default, validation at load, CLI overrides.
+
+Experiment files (`configs/*.py`) start from `base_config()` and override; the base is locked, so a key
+that does not exist is an error at the line that sets it. `validate()` runs before any device is claimed
+and names the key and the fix for each problem it finds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import json
+import logging
+import math
+import os
+from typing import Optional
+
+import ml_collections
+
+ROLLOUT_POLICIES = ("none", "arpo", "aepo")
+MODES = ("sft", "rl", "both")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every key with its default. Non-zero algorithm defaults are those of the ARPO/AEPO code (spec §1.7, §2.4)."""
+  c = ml_collections.ConfigDict()
+  c.workdir = "/tmp/aepo_jax_run"  # local path or gs://bucket/path: checkpoints, metrics, plots, config
+  c.mode = "both"  # sft | rl | both (SFT first, then RL from its final parameters)
+
+  # Model: a preset name (random init), 'smollm2-135m-instruct' (load_pretrained), an HF dir, or gs://.
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "smollm2-135m-instruct"
+  c.model.init = "pretrained"  # pretrained (load the weights named by `name`) | random (preset shape)
+  c.model.dtype = "float32"  # compute dtype; bfloat16 on TPU, float32 on CPU (XLA's CPU bf16 is slow)
+  c.model.param_dtype = "float32"
+  c.model.remat = False
+  c.model.tokenizer = ""  # '' = the tokenizer that comes with the model
+  # ModelConfig field overrides (e.g. num_layers=2 for a tiny test model). Validated against ModelConfig.
+  c.model.overrides = ml_collections.ConfigDict()
+
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 allowed once: the rest
+
+  c.data = ml_collections.ConfigDict()
+  # Sources: 'suite' (the generated task suite: its train split; its held-out split in `val`), an ARPO RL
+  # file name (hard_search_1k, train_10k, valid, gaia_test, hle_test), a benchmark name (gaia, hle, math500,
+  # ...; aepo_jax.data.BENCHMARKS) or a .parquet path. GAIA/HLE never go in `train`.
+  c.data.train = "suite"
+  c.data.val = ()
+  c.data.template = "code_search"
+  c.data.prompts_per_step = 64  # train_batch_size, in prompts
+  c.data.seed = 0
+  c.data.shuffle = True
+  c.data.val_size = 0  # 0 = the whole validation set
+  c.data.suite = ml_collections.ConfigDict(dict(seed=0, n_train=512, n_heldout=64, difficulty=1))
+
+  c.tools = ml_collections.ConfigDict()
+  c.tools.names = ("python", "search")
+  c.tools.python_timeout = 120.0
+  c.tools.python_memory_mb = 1024
+  c.tools.python_max_output = 4096
+  c.tools.allow_unsandboxed = False
+  c.tools.search_backend = "local"  # local (BM25 over a corpus) | cache (ARPO search_cache.json) | http
+  c.tools.search_url = ""
+  c.tools.search_corpus = ""  # '' = the task suite's generated corpus
+  c.tools.search_topk = 10
+  c.tools.call_limit = 6
+  c.tools.retry_count = 4
+  c.tools.max_workers = 64
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.policy = "aepo"  # none | arpo | aepo
+  c.rollout.n = 12  # group size = total budget per prompt
+  c.rollout.initial_rollouts = 6
+  c.rollout.beam_size = 2
+  c.rollout.branch_probability = 0.5
+  c.rollout.entropy_weight = 0.2
+  c.rollout.entropy_estimator = "official"  # official (top-k truncated, spec §1.2.2.2) | exact (full vocab)
+  c.rollout.mode = "corrected"  # corrected | faithful (reproduce the official quirks, spec §5)
+  c.rollout.entropy_window = 20
+  c.rollout.topk_entropy = 10
+  c.rollout.consecutive_penalty = 0.05  # slope of P̂(l) = slope·l (spec §2.1)
+  c.rollout.penalize_refills = True
+  c.rollout.enable_dynamic_rollouts = True  # paper: True; released scripts: False (spec §2.6)
+  c.rollout.premonitor_beta = 0.5
+  c.rollout.probe_tokens = 50
+  c.rollout.max_prompt_len = 2000
+  c.rollout.max_response_len = 6192
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0  # 0 = off (verl's -1)
+  c.rollout.max_slots = 0  # 0 = prompts_per_step * n
+  c.rollout.decode_chunk = 32
+
+  c.reward = ml_collections.ConfigDict(dict(name="deep_research", format="strict"))
+
+  c.algo = ml_collections.ConfigDict()
+  c.algo.advantage = "grpo"
+  c.algo.norm_by_std = True
+  c.algo.loss = "aepo"
+  c.algo.clip_low = 0.2
+  c.algo.clip_high = 0.2
+  c.algo.clip_c = 3.0  # dual clip; 0 = off
+  c.algo.agg = "token-mean"
+  c.algo.entropy_advantage_coef = 0.2  # paper's full method; 0 reproduces the released runs (spec §2.3)
+  c.algo.preserve_high_clip_grad = True
+  c.algo.kl = ml_collections.ConfigDict(dict(name="low_var_kl", coef=0.0, use_in_reward=False))
+  c.algo.filter_groups = False  # DAPO dynamic sampling
+  c.algo.max_num_gen_batches = 10
+  c.algo.overlong_buffer = 0  # DAPO overlong shaping; 0 = off
+  c.algo.overlong_factor = 1.0
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-6
+  c.optim.warmup_steps = 0
+  c.optim.schedule = "constant"  # constant | cosine | linear
+  c.optim.end_lr_fraction = 0.0
+  c.optim.weight_decay = 0.01
+  c.optim.grad_clip = 1.0
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.eps = 1e-8
+
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 0  # RL steps; 0 = derive from epochs and the train set size
+  c.train.epochs = 1
+  c.train.ppo_mini_batch_size = 8  # in prompts (verl convention)
+  c.train.micro_batch_size = 8  # in sequences (gradient accumulation)
+  c.train.ppo_epochs = 1
+  c.train.seed = 0
+  c.train.nan_limit = 3  # non-finite losses skipped before a clear stop
+  c.train.eval_every = 0  # 0 = only before and after RL
+  c.train.log_every = 1
+
+  c.sft = ml_collections.ConfigDict()
+  c.sft.enabled = False
+  c.sft.source = "suite"  # 'suite' (bundled traces), a JSONL of chat traces, or 'synthetic' (tests)
+  c.sft.steps = 100
+  c.sft.lr = 7e-6  # AEPO cold start: 7e-6, cosine, warm-up 0.1 (spec §2.4)
+  c.sft.schedule = "cosine"
+  c.sft.warmup_frac = 0.1
+  c.sft.batch_size = 8
+  c.sft.micro_batch_size = 8
+  c.sft.max_len = 1024
+  c.sft.seed = 0
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.before_rl = True
+  c.eval.after_rl = True
+  c.eval.num_prompts = 0  # 0 = data.val_size
+  c.eval.temperature = 0.0  # greedy, n = 1 (ARPO validation)
+  c.eval.max_response_len = 0  # 0 = rollout.max_response_len
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 10
+  c.checkpoint.keep = 3
+  c.checkpoint.best_metric = "eval/accuracy"  # '' = keep no best
+  c.checkpoint.best_mode = "max"
+  c.checkpoint.async_save = True
+  c.checkpoint.ocdbt = True  # Orbax's OCDBT format (few files); False = one zarr per array (storage emulators)
+
+  c.metrics = ml_collections.ConfigDict(dict(jsonl=True, tensorboard=True, histograms=True, progress=True))
+  c.lock()
+  c.model.overrides.unlock()  # the one open dict: ModelConfig fields, checked in validate()
+  return c
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation.
+
+class ConfigError(ValueError):
+  """A config value that cannot run; the message names the key and the fix."""
+
+
+def _flatten(c, prefix=""):
+  out = {}
+  for k, v in c.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, (ml_collections.ConfigDict, dict)) and key != "model.overrides":
+      out.update(_flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def _unknown_keys(config) -> list[str]:
+  known = set(_flatten(base_config()))
+  errors = []
+  for key in _flatten(config):
+    if key not in known:
+      close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+      hint = f"; did you mean {close[0]!r}?" if close else "; see aepo_jax/train/_config.py:base_config()"
+      errors.append(f"config key {key!r} does not exist{hint}")
+  return errors
+
+
+def _model_override_errors(config) -> list[str]:
+  from aepo_jax.model import ModelConfig  # no jax device is touched by importing the dataclass
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  errs = []
+  for k in config.model.overrides.keys():
+    if k not in fields:
+      close = difflib.get_close_matches(k, fields, n=1)
+      errs.append(f"model.overrides.{k} is not a ModelConfig field" + (f"; did you mean {close[0]!r}?" if close else ""))
+  return errs
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> dict:
+  """The (data, fsdp, tensor) sizes for `num_devices`, resolving one -1; raises ConfigError naming the key."""
+  sizes = {a: int(mesh_cfg[a]) for a in ("data", "fsdp", "tensor")}
+  bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+  if bad:
+    raise ConfigError(f"mesh.{bad[0]}={sizes[bad[0]]}: use a positive size or -1 (the remaining devices).")
+  if list(sizes.values()).count(-1) > 1:
+    raise ConfigError(f"mesh={sizes}: at most one of mesh.data/fsdp/tensor may be -1.")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if -1 in sizes.values():
+    if num_devices % fixed:
+      raise ConfigError(f"mesh={sizes}: the fixed axes (product {fixed}) do not divide the {num_devices} "
+                        "devices; change mesh.fsdp / mesh.tensor.")
+    sizes[next(a for a, s in sizes.items() if s == -1)] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(f"mesh={sizes} needs {fixed} devices but {num_devices} are available; set one axis "
+                      "to -1 (e.g. --config.mesh.data=-1) or make the product equal the device count.")
+  return sizes
+
+
+def _registry_errors(config) -> list[str]:
+  """Loss / advantage / KL / rollout-policy names, checked against the registries (imported lazily)."""
+  errs = []
+  try:
+    from aepo_jax import objectives
+    tables = (("algo.loss", objectives.list_policy_losses()),
+              ("algo.advantage", objectives.list_advantages()),
+              ("algo.kl.name", objectives.list_kl_estimators()))
+  except (ImportError, AttributeError) as e:  # a partial install: say so, the trainer will fail on lookup
+    logging.warning("config: cannot check algo.loss/advantage/kl names (aepo_jax.objectives: %s)", e)
+    return []
+  for key, names in tables:
+    value = config[key.split(".")[0]]
+    for part in key.split(".")[1:]:
+      value = value[part]
+    if value not in names:
+      close = difflib.get_close_matches(str(value), names, n=1)
+      errs.append(f"{key}={value!r} is not registered" + (f"; did you mean {close[0]!r}?" if close else "")
+                  + f" (known: {', '.join(names)})")
+  return errs
+
+
+def validate(config, *, num_devices: Optional[int] = None, check_registries: bool = True):
+  """Raise ConfigError listing every problem (key + fix). Claims no device: pass `num_devices` to check the mesh."""
+  errs = _unknown_keys(config)
+  if errs:  # the rest would only add noise
+    raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
+  errs += _model_override_errors(config)
+  r, a, t, s, d = config.rollout, config.algo, config.train, config.sft, config.data
+
+  def need(ok, msg):
+    if not ok:
+      errs.append(msg)
+
+  need(config.mode in MODES, f"mode={config.mode!r}: choose one of {MODES}.")
+  need(config.model.init in ("pretrained", "random"), f"model.init={config.model.init!r}: use 'pretrained' or 'random'.")
+  for k in ("dtype", "param_dtype"):
+    need(config.model[k] in ("float32", "bfloat16", "float16"),
+         f"model.{k}={config.model[k]!r}: use float32, bfloat16 or float16.")
+  need(r.policy in ROLLOUT_POLICIES, f"rollout.policy={r.policy!r}: choose one of {ROLLOUT_POLICIES}.")
+  need(r.n >= 1, f"rollout.n={r.n}: the group size must be >= 1.")
+  need(1 <= r.initial_rollouts <= r.n,
+       f"rollout.initial_rollouts={r.initial_rollouts} must lie in [1, rollout.n={r.n}]; lower it or raise rollout.n.")
+  need(r.beam_size >= 1, f"rollout.beam_size={r.beam_size}: must be >= 1.")
+  need(0.0 <= r.branch_probability <= 1.0, f"rollout.branch_probability={r.branch_probability}: must be in [0, 1].")
+  need(r.entropy_estimator in ("exact", "official"),
+       f"rollout.entropy_estimator={r.entropy_estimator!r}: use 'exact' or 'official'.")
+  need(r.mode in ("corrected", "faithful"), f"rollout.mode={r.mode!r}: use 'corrected' or 'faithful'.")
+  need(r.entropy_window >= 1 and r.topk_entropy >= 1, "rollout.entropy_window and rollout.topk_entropy must be >= 1.")
+  need(r.consecutive_penalty >= 0, f"rollout.consecutive_penalty={r.consecutive_penalty}: must be >= 0.")
+  need(r.max_prompt_len >= 1 and r.max_response_len >= 1, "rollout.max_prompt_len / max_response_len must be >= 1.")
+  need(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0.")
+  need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1].")
+  need(r.top_k >= 0, f"rollout.top_k={r.top_k}: use 0 for off (not -1).")
+  need(r.max_slots == 0 or r.max_slots >= r.n, f"rollout.max_slots={r.max_slots}: 0 (auto) or at least rollout.n={r.n}.")
+  need(r.decode_chunk >= 1, f"rollout.decode_chunk={r.decode_chunk}: must be >= 1.")
+
+  need(0 <= a.clip_low < 1 or (a.loss == "cispo" and a.clip_low <= 1),
+       f"algo.clip_low={a.clip_low}: must be in [0, 1) (the lower bound is 1 - clip_low).")
+  need(a.clip_high > 0, f"algo.clip_high={a.clip_high}: must be > 0 (the upper bound is 1 + clip_high).")
+  need(a.clip_c == 0 or a.clip_c > 1, f"algo.clip_c={a.clip_c}: the dual clip must be > 1, or 0 for off.")
+  need(a.agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+       f"algo.agg={a.agg!r}: use token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm.")
+  need(a.entropy_advantage_coef >= 0, f"algo.entropy_advantage_coef={a.entropy_advantage_coef}: must be >= 0.")
+  need(a.entropy_advantage_coef == 0 or a.loss == "aepo",
+       f"algo.entropy_advantage_coef={a.entropy_advantage_coef} only acts with algo.loss='aepo' "
+       f"(got {a.loss!r}); set it to 0.")
+  need(a.kl.coef >= 0, f"algo.kl.coef={a.kl.coef}: must be >= 0.")
+  need(a.overlong_buffer >= 0, f"algo.overlong_buffer={a.overlong_buffer}: must be >= 0.")
+  need(a.overlong_buffer < r.max_response_len,
+       f"algo.overlong_buffer={a.overlong_buffer} must be smaller than rollout.max_response_len={r.max_response_len}.")
+
+  o = config.optim
+  need(o.lr > 0, f"optim.lr={o.lr}: must be > 0.")
+  need(o.schedule in ("constant", "cosine", "linear"), f"optim.schedule={o.schedule!r}: constant, cosine or linear.")
+  need(o.warmup_steps >= 0 and o.grad_clip >= 0 and o.weight_decay >= 0,
+       "optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0.")
+  need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1={o.b1}, optim.b2={o.b2}: must be in [0, 1).")
+
+  need(d.prompts_per_step >= 1, f"data.prompts_per_step={d.prompts_per_step}: must be >= 1.")
+  need(t.ppo_mini_batch_size >= 1 and d.prompts_per_step % t.ppo_mini_batch_size == 0,
+       f"train.ppo_mini_batch_size={t.ppo_mini_batch_size} (prompts) must divide data.prompts_per_step="
+       f"{d.prompts_per_step}; pick a divisor.")
+  need(t.micro_batch_size >= 1 and (t.ppo_mini_batch_size * r.n) % t.micro_batch_size == 0,
+       f"train.micro_batch_size={t.micro_batch_size} (sequences) must divide ppo_mini_batch_size*n="
+       f"{t.ppo_mini_batch_size * r.n}; pick a divisor.")
+  need(t.ppo_epochs >= 1, f"train.ppo_epochs={t.ppo_epochs}: must be >= 1.")
+  need(t.steps > 0 or t.epochs > 0, "train.steps=0 needs train.epochs > 0 (or set train.steps).")
+  need(t.nan_limit >= 0 and t.log_every >= 1 and t.eval_every >= 0,
+       "train.nan_limit >= 0, train.log_every >= 1, train.eval_every >= 0.")
+  if s.enabled or config.mode == "sft":
+    need(s.steps >= 1, f"sft.steps={s.steps}: must be >= 1 when SFT runs.")
+    need(s.micro_batch_size >= 1 and s.batch_size % s.micro_batch_size == 0,
+         f"sft.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={s.batch_size}.")
+    need(s.lr > 0 and 0 <= s.warmup_frac < 1, "sft.lr must be > 0 and sft.warmup_frac in [0, 1).")
+    need(s.schedule in ("constant", "cosine", "linear"), f"sft.schedule={s.schedule!r}: constant, cosine or linear.")
+  if config.mode == "sft" and not s.enabled:
+    errs.append("mode='sft' with sft.enabled=False: set sft.enabled=True.")
+  ck = config.checkpoint
+  need(ck.every_steps >= 1 and ck.keep >= 1, "checkpoint.every_steps and checkpoint.keep must be >= 1.")
+  need(ck.best_mode in ("max", "min"), f"checkpoint.best_mode={ck.best_mode!r}: 'max' or 'min'.")
+  need(bool(config.workdir), "workdir is empty: set --config.workdir=/path or gs://bucket/path.")
+  if num_devices is not None:
+    try:
+      shape = mesh_shape(config.mesh, num_devices)
+      dp = shape["data"] * shape["fsdp"]
+      if (t.micro_batch_size % dp) and (config.mode != "sft"):
+        errs.append(f"train.micro_batch_size={t.micro_batch_size} must be a multiple of the data-parallel size "
+                    f"mesh.data*mesh.fsdp={dp}.")
+      if (s.enabled or config.mode == "sft") and s.micro_batch_size % dp:
+        errs.append(f"sft.micro_batch_size={s.micro_batch_size} must be a multiple of mesh.data*mesh.fsdp={dp}.")
+    except ConfigError as e:
+      errs.append(str(e))
+  if check_registries and config.mode != "sft":
+    errs += _registry_errors(config)
+  if errs:
+    raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
+  return config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading.
+
+def load_config(path: str, arg: Optional[str] = None, overrides: Optional[dict] = None, **validate_kw):
+  """Load `configs/x.py` (its `get_config(arg)`), apply {'rollout.n': 8, ...} overrides, validate."""
+  if not os.path.exists(path):
+    raise ConfigError(f"config file {path!r} does not exist; see configs/ for the available experiments.")
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg) if arg is not None else module.get_config()
+  for key, value in (overrides or {}).items():
+    set_key(config, key, value)
+  return validate(config, **validate_kw)
+
+
+def set_key(config, dotted: str, value):
+  """config['a.b.c'] = value with a did-you-mean on a wrong key."""
+  *parents, leaf = dotted.split(".")
+  node = config
+  for i, p in enumerate(parents):
+    if p not in node:
+      raise ConfigError(f"config key {'.'.join(parents[:i + 1])!r} does not exist"
+                        + _did_you_mean(p, node, ".".join(parents[:i])))
+    node = node[p]
+  if leaf not in node and node is not config.get("model", {}).get("overrides"):
+    raise ConfigError(f"config key {dotted!r} does not exist" + _did_you_mean(leaf, node, ".".join(parents)))
+  with node.ignore_type():
+    node[leaf] = value
+
+
+def _did_you_mean(key, node, prefix=""):
+  close = difflib.get_close_matches(key, list(node.keys()), n=1)
+  full = f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else "")
+  return f"; did you mean {full!r}?" if close else f"; known keys here: {', '.join(node.keys())}"
+
+
+def to_json(config) -> str:
+  return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+  """A config saved with a checkpoint, merged onto the base (so old checkpoints gain new defaults)."""
+  saved = json.loads(text)
+  config = base_config()
+  config.unlock()
+  config.update_from_flattened_dict({k: v for k, v in _flatten(ml_collections.ConfigDict(saved)).items()
+                                     if k in _flatten(config)})
+  with config.model.overrides.unlocked():
+    for k, v in saved.get("model", {}).get("overrides", {}).items():
+      config.model.overrides[k] = tuple(v) if isinstance(v, list) else v  # ModelConfig must stay hashable
+  config.lock()
+  return config

@@ -1,0 +1,209 @@
+"""Metric writers behind one small interface: JSONL always, TensorBoard (tensorboardX) when enabled.
+
+Names say what they are: `actor/entropy_mean`, `rollout/branches_per_prompt`, `tools/python_timeouts`,
+`perf/tokens_per_s`. Distributions (token entropies, advantages) are logged as histograms, not only means.
+Only process 0 writes; the other hosts of a pod get a no-op writer.
+
+  writer = create_writer(workdir, config.metrics)
+  writer.scalars(step, {"train/loss": 0.3})
+  writer.histograms(step, {"actor/entropy": entropy_tokens})
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Iterable, Mapping, Optional
+
+import numpy as np
+from etils import epath
+
+METRICS_FILE = "metrics.jsonl"
+HISTOGRAMS_FILE = "histograms.jsonl"
+
+
+class MetricWriter:
+  """The interface; each method is a no-op here, so this class is also the writer of non-zero processes."""
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    pass
+
+  def histograms(self, step: int, arrays: Mapping[str, np.ndarray], bins: int = 30) -> None:
+    pass
+
+  def flush(self) -> None:
+    pass
+
+  def close(self) -> None:
+    self.flush()
+
+
+def _finite_float(v) -> Optional[float]:
+  try:
+    f = float(np.asarray(v))
+  except (TypeError, ValueError):
+    return None
+  return f if math.isfinite(f) else None
+
+
+def histogram(values, bins: int = 30) -> dict:
+  """Counts and edges of the finite values, plus summary statistics (JSON-ready)."""
+  x = np.asarray(values, np.float64).ravel()
+  x = x[np.isfinite(x)]
+  if x.size == 0:
+    return {"count": 0}
+  counts, edges = np.histogram(x, bins=bins)
+  return {"count": int(x.size), "mean": float(x.mean()), "std": float(x.std()), "min": float(x.min()),
+          "max": float(x.max()), "p50": float(np.median(x)), "counts": counts.tolist(), "edges": edges.tolist()}
+
+
+class JsonlWriter(MetricWriter):
+  """One JSON object per line: {"step": s, "time": t, name: value, ...}; non-finite values become null.
+
+  Local files are appended to. On gs:// (no append) lines are buffered and the file rewritten on flush.
+  """
+
+  def __init__(self, workdir: str):
+    self._dir = epath.Path(workdir)
+    self._dir.mkdir(parents=True, exist_ok=True)
+    self._remote = str(workdir).startswith("gs://")
+    self._pending: dict[str, list[str]] = {METRICS_FILE: [], HISTOGRAMS_FILE: []}
+    self._written: dict[str, list[str]] = {}
+
+  def _add(self, name: str, record: dict):
+    self._pending[name].append(json.dumps(record, sort_keys=True))
+
+  def scalars(self, step, values):
+    record = {"step": int(step), "time": time.time()}
+    for k, v in values.items():
+      record[k] = _finite_float(v)
+    self._add(METRICS_FILE, record)
+
+  def histograms(self, step, arrays, bins=30):
+    for k, v in arrays.items():
+      self._add(HISTOGRAMS_FILE, {"step": int(step), "name": k, **histogram(v, bins)})
+
+  def flush(self):
+    for name, lines in self._pending.items():
+      if not lines:
+        continue
+      path = self._dir / name
+      if self._remote:
+        if name not in self._written:
+          self._written[name] = path.read_text().splitlines() if path.exists() else []
+        self._written[name] += lines
+        path.write_text("\n".join(self._written[name]) + "\n")
+      else:
+        with open(os.fspath(path), "a") as f:
+          f.write("\n".join(lines) + "\n")
+      self._pending[name] = []
+
+
+class TensorboardWriter(MetricWriter):
+  """tensorboardX event files under `<logdir>/tb` (imported lazily: choosing JSONL never needs it)."""
+
+  def __init__(self, logdir: str):
+    from tensorboardX import SummaryWriter
+    self._tb = SummaryWriter(logdir=os.path.join(logdir, "tb"), flush_secs=30)
+
+  def scalars(self, step, values):
+    for k, v in values.items():
+      f = _finite_float(v)
+      if f is not None:
+        self._tb.add_scalar(k, f, int(step))
+
+  def histograms(self, step, arrays, bins=30):
+    for k, v in arrays.items():
+      x = np.asarray(v, np.float64).ravel()
+      x = x[np.isfinite(x)]
+      if x.size:
+        self._tb.add_histogram(k, x, int(step), bins=bins)
+
+  def flush(self):
+    self._tb.flush()
+
+  def close(self):
+    self._tb.close()
+
+
+class MultiWriter(MetricWriter):
+  def __init__(self, writers: Iterable[MetricWriter]):
+    self.writers = list(writers)
+
+  def scalars(self, step, values):
+    for w in self.writers:
+      w.scalars(step, values)
+
+  def histograms(self, step, arrays, bins=30):
+    for w in self.writers:
+      w.histograms(step, arrays, bins)
+
+  def flush(self):
+    for w in self.writers:
+      w.flush()
+
+  def close(self):
+    for w in self.writers:
+      w.close()
+
+
+def create_writer(workdir: str, metrics_cfg=None, *, process_index: int = 0) -> MetricWriter:
+  """JSONL (+ TensorBoard) writers for process 0; a no-op MetricWriter elsewhere.
+
+  TensorBoard event files on a gs:// workdir would need TensorFlow's file system; they go to a local
+  `/tmp/aepo_jax_tb/<bucket path>` instead (the JSONL stays in the workdir).
+  """
+  if process_index != 0:
+    return MetricWriter()
+  jsonl = True if metrics_cfg is None else metrics_cfg.get("jsonl", True)
+  tb = False if metrics_cfg is None else metrics_cfg.get("tensorboard", False)
+  writers: list[MetricWriter] = [JsonlWriter(workdir)] if jsonl else []
+  if tb:
+    logdir = workdir if not str(workdir).startswith("gs://") else os.path.join(
+        "/tmp/aepo_jax_tb", str(workdir)[len("gs://"):])
+    writers.append(TensorboardWriter(logdir))
+  return MultiWriter(writers)
+
+
+def read_metrics(workdir: str, name: str = METRICS_FILE) -> list[dict]:
+  """The records of a run's JSONL; of repeated steps (a resumed run) the last record wins."""
+  path = epath.Path(workdir) / name
+  if not path.exists():
+    raise FileNotFoundError(f"{path} does not exist; is {workdir!r} the workdir of a run?")
+  records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  if name != METRICS_FILE:
+    return records
+  by_key: dict[tuple, dict] = {}
+  for r in records:  # one record per (step, set of keys): resumed runs re-log the steps after the checkpoint
+    by_key[(r["step"], tuple(sorted(k for k in r if k != "time")))] = r
+  return sorted(by_key.values(), key=lambda r: r["step"])
+
+
+def progress(total: int, desc: str, *, initial: int = 0, enabled: bool = True):
+  """A tqdm bar over steps (disabled off process 0 or by config.metrics.progress)."""
+  from tqdm.auto import tqdm
+  return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
+
+
+class Timer:
+  """Wall time of named phases within a step: `with timer("rollout"): ...` -> perf/rollout_s."""
+
+  def __init__(self):
+    self.times: dict[str, float] = {}
+
+  def __call__(self, name: str):
+    timer = self
+
+    class _Ctx:
+      def __enter__(self):
+        self.t0 = time.perf_counter()
+
+      def __exit__(self, *exc):
+        timer.times[f"perf/{name}_s"] = timer.times.get(f"perf/{name}_s", 0.0) + time.perf_counter() - self.t0
+
+    return _Ctx()
+
+  def pop(self) -> dict[str, float]:
+    out, self.times = self.times, {}
+    return out

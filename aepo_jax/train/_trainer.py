@@ -1,0 +1,318 @@
+"""The trainer: cold-start SFT, then RL (GRPO / ARPO / AEPO / baselines), in one readable `run(config)`.
+
+Everything goes to `config.workdir`: `config.json`, `metrics.jsonl`, `histograms.jsonl`, TensorBoard
+events, `checkpoints/{sft,rl}/<step>`. Rerunning the same command resumes from the latest committed
+checkpoint (params, optimizer state, data-iterator state, RNG), so a killed run continues bit-identically.
+SIGTERM (TPU preemption) saves a checkpoint at the end of the current step and exits.
+
+The RL step (spec §1.5): prompts -> rollouts (policy none|arpo|aepo) -> rewards -> advantages (group ids
+from the rollout) -> old (+ ref) log-probs recomputed by the trainer -> ppo_epochs x mini-batches of one
+jitted update step with gradient accumulation over micro-batches -> metrics, checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from typing import Optional
+
+import jax
+import numpy as np
+
+from aepo_jax.parallel import make_mesh
+from aepo_jax.train import _batch, _checkpoint, _config, _metrics, _optim, _step, _wiring
+
+log = logging.getLogger("aepo_jax.train")
+
+
+class TrainingError(RuntimeError):
+  """A run that cannot continue (too many non-finite losses, an exhausted data source, ...)."""
+
+
+class _Preemption:
+  """SIGTERM sets a flag; the loop saves at the end of the step and returns (spec: TPU preemption)."""
+
+  def __init__(self):
+    self.requested = False
+    self._old = None
+
+  def __enter__(self):
+    try:
+      self._old = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread (e.g. a notebook worker): no handler, no flag
+      self._old = None
+    return self
+
+  def _handle(self, signum, frame):
+    log.warning("SIGTERM: saving a checkpoint at the end of this step, then exiting.")
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._old is not None:
+      signal.signal(signal.SIGTERM, self._old)
+
+
+def run(config, *, mode: Optional[str] = None) -> dict:
+  """Train as `config` says (mode: sft | rl | both; default config.mode). Returns summary metrics."""
+  mode = mode or config.mode
+  # ---------------------------------------------------------------------------------------------------
+  # Config, work directory, writers.
+  # ---------------------------------------------------------------------------------------------------
+  _config.validate(config, num_devices=jax.device_count())
+  workdir = config.workdir
+  _checkpoint.check_writable(workdir)
+  is_chief = jax.process_index() == 0
+  if is_chief:
+    (_checkpoint.epath.Path(workdir) / "config.json").write_text(_config.to_json(config))
+  writer = _metrics.create_writer(workdir, config.metrics, process_index=jax.process_index())
+  progress = bool(config.metrics.progress) and is_chief
+
+  # ---------------------------------------------------------------------------------------------------
+  # Mesh, model, tokenizer.
+  # ---------------------------------------------------------------------------------------------------
+  mesh = make_mesh(_config.mesh_shape(config.mesh, jax.device_count()))
+  model_cfg, host_params, tokenizer = _wiring.load_model(config)
+  log.info("model %s: %.1fM parameters, mesh %s", config.model.name, model_cfg.num_params / 1e6, dict(mesh.shape))
+  summary: dict = {}
+
+  with _Preemption() as preempt:
+    params = host_params
+    rl_ckpt = _make_checkpointer(config, "rl")
+    rl_started = rl_ckpt.latest_step() is not None
+    # -------------------------------------------------------------------------------------------------
+    # Cold-start SFT (skipped when RL has already checkpointed).
+    # -------------------------------------------------------------------------------------------------
+    if mode in ("sft", "both") and config.sft.enabled and not rl_started:
+      params, sft_summary = _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progress)
+      summary.update(sft_summary)
+      if preempt.requested:
+        writer.close()
+        return summary
+    # -------------------------------------------------------------------------------------------------
+    # RL.
+    # -------------------------------------------------------------------------------------------------
+    if mode in ("rl", "both"):
+      params, rl_summary = _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progress)
+      summary.update(rl_summary)
+  summary["params"] = params
+  writer.close()
+  return summary
+
+
+def _make_checkpointer(config, phase: str) -> _checkpoint.Checkpointer:
+  ck = config.checkpoint
+  return _checkpoint.Checkpointer(
+      f"{config.workdir}/checkpoints/{phase}", keep=ck.keep,
+      best_metric=ck.best_metric if phase == "rl" else "", best_mode=ck.best_mode, async_save=ck.async_save,
+      ocdbt=ck.ocdbt)
+
+
+def _process_rows(batch_np: dict) -> dict:
+  """This process's contiguous share of every micro-batch (`shard_batch` assembles the global array)."""
+  p, n = jax.process_index(), jax.process_count()
+  if n == 1:
+    return batch_np
+  return {k: np.split(v, n, axis=1)[p] for k, v in batch_np.items()}
+
+
+def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed):
+  """(params, opt_state, rng key data, start step, meta) from the latest checkpoint, or a fresh start."""
+  params, opt_state = _step.init_train_state(model_cfg, params, optimizer, mesh)
+  rng = np.asarray(jax.random.key_data(jax.random.key(seed)))
+  step = ckpt.latest_step()
+  if step is None:
+    return params, opt_state, rng, 0, {}
+  state, meta = ckpt.restore(step, {"params": params, "opt_state": opt_state, "rng": rng}, config)
+  log.info("resumed %s from step %d", ckpt.directory, step)
+  return state["params"], state["opt_state"], np.asarray(state["rng"]), step, meta
+
+
+def _save(ckpt, step, params, opt_state, rng, data_state, config, model_cfg, extra=None, metrics=None,
+          force=False):
+  meta = {"step": step, "data_state": _checkpoint.encode_iterator_state(data_state),
+          "config": _config.to_json(config), "model_config": _checkpoint.model_config_to_json(model_cfg),
+          **(extra or {})}
+  ckpt.save(step, {"params": params, "opt_state": opt_state, "rng": np.asarray(rng)}, meta,
+            metrics=metrics, force=force)
+
+
+def _check_finite(metrics: dict, nan_count: int, limit: int, step: int) -> int:
+  skipped = int(round(float(metrics.get("train/nonfinite_skipped", 0.0))))
+  nan_count += skipped
+  if skipped:
+    log.warning("step %d: non-finite loss or gradient, update skipped (%d so far, limit %d)", step, nan_count, limit)
+  if nan_count > limit:
+    raise TrainingError(f"{nan_count} updates had a non-finite loss or gradient norm (train.nan_limit={limit}); "
+                        "lower optim.lr, check the data for empty loss masks, or raise train.nan_limit.")
+  return nan_count
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SFT phase.
+# ---------------------------------------------------------------------------------------------------------
+def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progress):
+  s = config.sft
+  ckpt = _make_checkpointer(config, "sft")
+  optimizer = _optim.make_optimizer(
+      s.lr, weight_decay=config.optim.weight_decay, b1=config.optim.b1, b2=config.optim.b2, eps=config.optim.eps,
+      grad_clip=config.optim.grad_clip, schedule=s.schedule, warmup_steps=int(s.warmup_frac * s.steps),
+      total_steps=s.steps)
+  params, opt_state, rng, start, meta = _resume(ckpt, config, model_cfg, params, optimizer, mesh, s.seed)
+  if start >= s.steps:
+    log.info("SFT already finished (step %d); using its parameters.", start)
+    return params, {"sft/steps": start}
+
+  examples = _wiring.sft_examples(config, tokenizer, model_cfg)
+  loader = _wiring.index_loader(len(examples), s.batch_size, seed=s.seed)
+  if meta.get("data_state") is not None:
+    loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
+  pad_id = _wiring.pad_id(model_cfg, tokenizer)
+  micro = s.batch_size // s.micro_batch_size
+  sft_step = _step.make_sft_step(model_cfg, optimizer=optimizer, micro_batches=micro, mesh=mesh)
+  nan_count = int(meta.get("nan_count", 0))
+
+  bar = _metrics.progress(s.steps, "sft", initial=start, enabled=progress)
+  step, m = start, {}
+  while step < s.steps:
+    t0 = time.perf_counter()
+    idx = next(loader)
+    batch = _batch.sft_batch([examples[i] for i in idx], micro_batch_size=s.micro_batch_size, pad_id=pad_id,
+                             seq_len=s.max_len, truncate=True)
+    params, opt_state, m = sft_step(params, opt_state, _batch.shard_batch(_process_rows(batch), mesh))
+    step += 1
+    m = jax.device_get(m)
+    nan_count = _check_finite(m, nan_count, config.train.nan_limit, step)
+    dt = time.perf_counter() - t0
+    m.update({"perf/step_s": dt, "perf/tokens_per_s": float(m["train/tokens"]) / dt, "sft/step": step})
+    if step % config.train.log_every == 0 or step == s.steps:
+      writer.scalars(step, {k.replace("train/", "sft/"): v for k, v in m.items()})
+      writer.flush()
+    bar.update(1)
+    bar.set_postfix(nll=f"{float(m.get('sft/nll', float('nan'))):.3f}")
+    if step % config.checkpoint.every_steps == 0 or step == s.steps or preempt.requested:
+      _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg, {"phase": "sft", "nan_count": nan_count},
+            force=preempt.requested)
+    if preempt.requested:
+      break
+  bar.close()
+  ckpt.close()
+  return params, {"sft/steps": step, "sft/final_nll": float(m.get("sft/nll", float("nan")))}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RL phase.
+# ---------------------------------------------------------------------------------------------------------
+def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progress):
+  t, r, a, o = config.train, config.rollout, config.algo, config.optim
+  ckpt = _make_checkpointer(config, "rl")
+  loader, num_train = _wiring.prompt_loader(config, tokenizer)
+  total = t.steps or t.epochs * math.ceil(num_train / config.data.prompts_per_step)
+  optimizer = _optim.make_optimizer(
+      o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, grad_clip=o.grad_clip,
+      schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=total * _updates_per_step(config),
+      min_lr_ratio=o.end_lr_fraction)
+  params, opt_state, rng, start, meta = _resume(ckpt, config, model_cfg, params, optimizer, mesh, t.seed)
+  if meta.get("data_state") is not None:
+    loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
+  nan_count = int(meta.get("nan_count", 0))
+
+  tools = _wiring.make_toolset(config)
+  rollout = _wiring.make_rollout(config, model_cfg, tokenizer, tools, mesh)
+  reward_fn = _wiring.make_reward(config)
+  adv_fn = _wiring.advantage_fn(config)
+  pad_id = _wiring.pad_id(model_cfg, tokenizer)
+  seq_len = r.max_prompt_len + r.max_response_len
+  mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
+  update_step = _step.make_update_step(
+      model_cfg, loss_fn=a.loss, loss_hp=_wiring.loss_hparams(config), optimizer=optimizer,
+      micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
+      kl_coef=a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0)
+  logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
+  ref_params = params if a.kl.coef > 0 or a.kl.use_in_reward else None  # reference = the RL start
+
+  def evaluate(step):
+    ev = _wiring.evaluate(config, model_cfg, params, tokenizer, tools, mesh)
+    writer.scalars(step, ev)
+    writer.flush()
+    return ev
+
+  summary = {}
+  if start == 0 and config.eval.before_rl and config.data.val:
+    summary.update({f"before_rl/{k}": v for k, v in evaluate(0).items()})
+
+  bar = _metrics.progress(total, "rl", initial=start, enabled=progress)
+  timer = _metrics.Timer()
+  step = start
+  while step < total:
+    # -- rollout ------------------------------------------------------------------------------------------
+    key = jax.random.wrap_key_data(rng)
+    key, rollout_key = jax.random.split(key)
+    rng = np.asarray(jax.random.key_data(key))
+    prompts = next(loader)
+    with timer("rollout"):
+      traj = rollout(params, prompts, rollout_key)
+    # -- rewards and advantages -----------------------------------------------------------------------------
+    with timer("reward"):
+      rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
+      adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt)))
+    # -- old / reference log-probs (recomputed by the trainer, spec §1.5) ------------------------------------
+    with timer("logprob"):
+      # Each host rolled out its own prompts, so it holds micro_batch_size / processes rows of each micro-batch.
+      local_mb = t.micro_batch_size // jax.process_count()
+      batch_np = _batch.trajectories_batch(traj, adv_bt, micro_batch_size=local_mb, pad_id=pad_id,
+                                           seq_len=seq_len, rows_multiple=local_mb * mb_per_update)
+      batch = _batch.shard_batch(batch_np, mesh)
+      batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"])
+      if ref_params is not None:
+        batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"])
+      mismatch = _step.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"],
+                                                batch["loss_mask"])
+    # -- updates: ppo_epochs x mini-batches --------------------------------------------------------------------
+    with timer("update"):
+      step_metrics = []
+      for _ in range(t.ppo_epochs):
+        for mini in _batch.split_updates(batch, mb_per_update):
+          params, opt_state, m = update_step(params, opt_state, mini)
+          step_metrics.append(m)
+      step_metrics = jax.device_get(step_metrics)
+    step += 1
+    for m in step_metrics:
+      nan_count = _check_finite(m, nan_count, t.nan_limit, step)
+    # -- metrics --------------------------------------------------------------------------------------------
+    scalars = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
+    scalars.update(jax.device_get(mismatch))
+    scalars.update(_wiring.rollout_metrics(traj, rewards_b, adv_bt))
+    scalars.update({f"tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()} if tools else {})
+    scalars.update(timer.pop())
+    n_tok = float(np.sum(traj.loss_mask_bt))
+    scalars["perf/tokens_per_s"] = n_tok / max(sum(v for k, v in scalars.items() if k.startswith("perf/")), 1e-9)
+    if tools:
+      tools.reset_metrics()
+    if step % t.log_every == 0 or step == total:
+      writer.scalars(step, scalars)
+      if config.metrics.histograms:
+        writer.histograms(step, _wiring.rollout_histograms(traj, adv_bt))
+      writer.flush()
+    bar.update(1)
+    bar.set_postfix(reward=f"{scalars.get('reward/mean', float('nan')):.3f}")
+    # -- evaluation and checkpoint ----------------------------------------------------------------------------
+    ev = {}
+    if t.eval_every and step % t.eval_every == 0 and config.data.val:
+      ev = evaluate(step)
+    if step % config.checkpoint.every_steps == 0 or step == total or preempt.requested or ev:
+      _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg,
+            {"phase": "rl", "nan_count": nan_count, "metrics": {**scalars, **ev}}, metrics=ev or None,
+            force=preempt.requested)
+    if preempt.requested:
+      break
+  bar.close()
+  if not preempt.requested and config.eval.after_rl and config.data.val:
+    summary.update({f"after_rl/{k}": v for k, v in evaluate(step).items()})
+  ckpt.close()
+  summary["rl/steps"] = step
+  return params, summary
+
+
+def _updates_per_step(config) -> int:
+  return config.train.ppo_epochs * (config.data.prompts_per_step // config.train.ppo_mini_batch_size)

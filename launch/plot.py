@@ -1,0 +1,136 @@
+r"""Render a run's curves to PNG: reward, accuracy, entropy, clip fractions, KL, grad norm, branches, tools.
+
+  python launch/plot.py --workdir=/tmp/aepo_cpu            # -> /tmp/aepo_cpu/plots/*.png (+ overview.png)
+  python launch/plot.py --workdir=gs://BUCKET/run --out=/tmp/plots
+
+Reads `metrics.jsonl` (and `histograms.jsonl` for the entropy distribution); panels whose metrics the run
+did not log are left out.
+"""
+import os
+import re
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "The run's work directory (local or gs://).")
+_OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/plots; local only).")
+
+# panel name -> regexes of the metric names it shows
+PANELS = {
+    "reward": [r"^reward/mean$", r"^reward/format_errors$"],
+    "accuracy": [r"^eval/.*accuracy$"],
+    "entropy": [r"^actor/entropy_mean$", r"^rollout/sampler_entropy_mean$", r"^rollout/entropy_(initial|after_tool)$"],
+    "clip_fractions": [r"^actor/.*clipfrac.*$"],
+    "kl": [r"^actor/ppo_kl$", r"^actor/kl_loss$", r"^mismatch/logprob_abs_diff_mean$"],
+    "grad_norm": [r"^train/grad_norm$", r"^sft/grad_norm$"],
+    "branches": [r"^rollout/branches_per_prompt$", r"^rollout/top3_branch_share$", r"^rollout/tree_depth_mean$"],
+    "tool_calls": [r"^rollout/tool_calls.*$", r"^tools/.*(calls|timeouts|failures|errors).*$",
+                   r"^rollout/tool_failures$"],
+    "sft_nll": [r"^sft/nll$"],
+    "throughput": [r"^perf/tokens_per_s$"],
+    "time": [r"^perf/(rollout|reward|logprob|update|step)_s$"],
+}
+
+
+def series(records, name):
+  xs, ys = [], []
+  for r in records:
+    v = r.get(name)
+    if v is not None:
+      xs.append(r["step"])
+      ys.append(v)
+  return xs, ys
+
+
+def plot_run(workdir: str, out: str) -> list[str]:
+  """Write one PNG per panel with data, plus overview.png; returns the written paths."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  from aepo_jax.train._metrics import HISTOGRAMS_FILE, read_metrics
+
+  records = read_metrics(workdir)
+  names = sorted({k for r in records for k in r if k not in ("step", "time")})
+  os.makedirs(out, exist_ok=True)
+  panels = {}
+  for panel, patterns in PANELS.items():
+    chosen = [n for n in names if any(re.match(p, n) for p in patterns)]
+    # SFT and RL steps share the axis in one file; keep SFT-only curves apart from RL ones by prefix.
+    if chosen:
+      panels[panel] = chosen
+  written = []
+  for panel, chosen in panels.items():
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for n in chosen:
+      xs, ys = series(records, n)
+      ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=n)
+    ax.set_title(panel.replace("_", " "))
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, f"{panel}.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(path)
+  written += _entropy_histograms(workdir, out, plt, HISTOGRAMS_FILE, read_metrics)
+  if panels:
+    cols = 3
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3 * rows), squeeze=False)
+    for ax, (panel, chosen) in zip(axes.ravel(), panels.items()):
+      for n in chosen:
+        ax.plot(*series(records, n), label=n)
+      ax.set_title(panel.replace("_", " "))
+      ax.legend(fontsize=6)
+      ax.grid(alpha=0.3)
+    for ax in axes.ravel()[len(panels):]:
+      ax.axis("off")
+    fig.tight_layout()
+    path = os.path.join(out, "overview.png")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    written.append(path)
+  return written
+
+
+def _entropy_histograms(workdir, out, plt, hist_file, read_metrics):
+  """The token-entropy distribution at a few steps (first, middle, last), from histograms.jsonl."""
+  try:
+    hists = [h for h in read_metrics(workdir, hist_file) if h.get("name") == "actor/entropy" and h.get("count")]
+  except FileNotFoundError:
+    return []
+  if not hists:
+    return []
+  picks = [hists[0], hists[len(hists) // 2], hists[-1]]
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  for h in {id(h): h for h in picks}.values():
+    edges = h["edges"]
+    centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
+    total = max(sum(h["counts"]), 1)
+    ax.plot(centers, [c / total for c in h["counts"]], label=f"step {h['step']}")
+  ax.set_title("token entropy distribution")
+  ax.set_xlabel("entropy (nats)")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  path = os.path.join(out, "entropy_histogram.png")
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return [path]
+
+
+def main(argv):
+  del argv
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir is required")
+  out = _OUT.value or os.path.join(_WORKDIR.value, "plots")
+  if out.startswith("gs://"):
+    raise app.UsageError("--out must be a local folder when --workdir is on gs://")
+  for path in plot_run(_WORKDIR.value, out):
+    print(path)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,98 @@
+r"""Train on a TPU pod, a single accelerator host, or CPU processes: cold-start SFT, RL, or both.
+
+  # every host of a TPU pod (jax.distributed discovers the pod by itself):
+  python launch/tpu_pod.py --config=configs/aepo_gaia.py --config.workdir=gs://BUCKET/aepo_gaia
+  # one machine, CPU (the embedded default):
+  python launch/tpu_pod.py --config=configs/cpu_default.py --config.workdir=/tmp/aepo_cpu
+  # two CPU processes on one machine with gloo collectives (run both lines):
+  python launch/tpu_pod.py --config=... --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0
+  python launch/tpu_pod.py --config=... --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=1
+
+Any config key can be overridden: `--config.rollout.n=8 --config.train.steps=100`. The config is validated
+before any device is claimed; rerunning the same command resumes from the latest checkpoint in the workdir.
+"""
+import logging
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
+                                          lock_config=True)
+_MODE = flags.DEFINE_enum("mode", None, ["sft", "rl", "both"], "Override config.mode.")
+_COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process CPU/GPU).")
+_NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process CPU/GPU).")
+_PID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process CPU/GPU).")
+_CPU_COLLECTIVES = flags.DEFINE_string("cpu_collectives", "gloo", "CPU collectives for multi-process CPU runs.")
+_PLATFORM = flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, tpu, gpu).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it as JSON and exit.")
+
+
+class _QuietOrbax(logging.Filter):
+  """Orbax logs every save step at INFO; keep its warnings only."""
+
+  def filter(self, record):
+    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
+
+
+def _on_tpu_pod() -> bool:
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  return len([h for h in hosts.split(",") if h]) > 1
+
+
+def main(argv):
+  del argv
+  logging.getLogger().setLevel(logging.INFO)
+  for handler in logging.getLogger().handlers:
+    handler.addFilter(_QuietOrbax())
+  from aepo_jax.train import _config
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config=configs/<experiment>.py is required.")
+  if _MODE.value:
+    config.mode = _MODE.value
+  _config.validate(config)  # before any device is claimed; the mesh is checked once devices are known
+  if _DRY_RUN.value:
+    print(_config.to_json(config))
+    return
+
+  import jax
+  if _PLATFORM.value:
+    jax.config.update("jax_platforms", _PLATFORM.value)
+  if _COORD.value or (_NPROC.value or 1) > 1:
+    if (_PLATFORM.value or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
+      jax.config.update("jax_cpu_collectives_implementation", _CPU_COLLECTIVES.value)
+    jax.distributed.initialize(coordinator_address=_COORD.value, num_processes=_NPROC.value,
+                               process_id=_PID.value)
+  elif _on_tpu_pod():
+    jax.distributed.initialize()  # TPU pods: coordinator and ids from the TPU metadata
+  logging.info("process %d/%d, %d devices (%d local)", jax.process_index(), jax.process_count(),
+               jax.device_count(), jax.local_device_count())
+
+  from aepo_jax.train import run
+  summary = run(config)
+  if jax.process_index() == 0:
+    logging.info("done: %s", {k: v for k, v in summary.items() if k != "params"})
+
+
+def _check_override_keys(argv) -> None:
+  """absl reports an unknown `--config.a.b` as a bare KeyError; name the key and the closest one instead."""
+  from aepo_jax.train import _config
+  known = _config._flatten(_config.base_config())
+  for arg in argv[1:]:
+    if not arg.startswith("--config.") or arg.startswith("--config.model.overrides."):
+      continue
+    key = arg[len("--config."):].split("=", 1)[0]
+    if key not in known:
+      close = _config.difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+      sys.exit(f"error: config key {key!r} (from {arg!r}) does not exist"
+               + (f"; did you mean {close[0]!r}?" if close else "; see aepo_jax/train/_config.py:base_config()"))
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  _check_override_keys(sys.argv)
+  app.run(main)
