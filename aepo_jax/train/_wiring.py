@@ -243,8 +243,8 @@ def make_reward(config):
     if config.algo.overlong_buffer:  # DAPO overlong shaping (spec §3.2)
       from aepo_jax import objectives
       r = r + np.asarray(objectives.overlong_reward_penalty(
-          np.asarray(traj.response_len_b), max_len=config.rollout.max_response_len,
-          buffer=config.algo.overlong_buffer, factor=config.algo.overlong_factor))
+          np.asarray(traj.response_len_b), max_response_length=config.rollout.max_response_len,
+          buffer_length=config.algo.overlong_buffer, penalty_factor=config.algo.overlong_factor))
     return r
   return reward
 
