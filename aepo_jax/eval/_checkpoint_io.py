@@ -57,7 +57,8 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
         f"--checkpoint {path!r} does not exist. Give an Orbax checkpoint (a step dir like .../checkpoints/rl/6, "
         f"a phase dir .../checkpoints/rl, or a training workdir), an HF directory with config.json, or a "
         f"pretrained name ({', '.join(sorted(PRETRAINED))}).")
-  if (p / "config.json").exists():
+  # A training workdir also holds a config.json (the experiment's); its checkpoints/ dir decides.
+  if (p / "config.json").exists() and not (p / "checkpoints").exists():
     return CheckpointRef(path, "hf")
   if _is_step_dir(p):
     return CheckpointRef(path, "orbax", str(p.parent), int(p.name))
