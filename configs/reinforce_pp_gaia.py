@@ -1,6 +1,6 @@
 r"""REINFORCE++ (baseline form) on Qwen3-14B for deep search (GAIA + HLE validation): a baseline of AEPO's comparison (spec §3.4).
 
-Command:  python launch/tpu_pod.py --config=configs/reinforce_pp_gaia.py.py --config.workdir=gs://BUCKET/reinforce_pp_gaia.py \
+Command:  python launch/tpu_pod.py --config=configs/reinforce_pp_gaia.py --config.workdir=gs://BUCKET/reinforce_pp_gaia \
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
 Hardware: as configs/aepo_gaia.py (a v5p-64 / v4-128 class TPU slice).
 Needs: a Qwen3-14B cold-start SFT checkpoint (HF directory); hard_search_1k, gaia_test, hle_test (bundled).
