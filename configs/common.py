@@ -67,6 +67,20 @@ def deep_search_14b():
   return c
 
 
+def baseline_14b(loss: str, clip_low: float, clip_high: float, clip_c: float):
+  """A baseline of AEPO's comparison (spec §3) on the deep-search setting: plain group sampling (policy
+  'none', all n samples global), the given loss and clip values, no AEPO-specific terms."""
+  c = deep_search_14b()
+  c.rollout.policy = "none"
+  c.rollout.initial_rollouts = c.rollout.n
+  c.rollout.enable_dynamic_rollouts = False
+  c.algo.loss = loss
+  c.algo.entropy_advantage_coef = 0.0
+  c.algo.preserve_high_clip_grad = False
+  c.algo.clip_low, c.algo.clip_high, c.algo.clip_c = clip_low, clip_high, clip_c
+  return c
+
+
 def reasoning_7b():
   """Qwen2.5-7B reasoning: AEPO_Qwen25_7B_DeepResearch.sh / ARPO 7B script (ppo_trainer.yaml)."""
   c = deep_search_14b()

@@ -23,14 +23,7 @@ def _common():
 
 def get_config(arg=None):
   del arg
-  c = _common().deep_search_14b()
-  c.rollout.policy = "none"
-  c.rollout.initial_rollouts = c.rollout.n
-  c.rollout.enable_dynamic_rollouts = False
-  c.algo.loss = "dapo"
-  c.algo.entropy_advantage_coef = 0.0
-  c.algo.preserve_high_clip_grad = False
-  c.algo.clip_low, c.algo.clip_high, c.algo.clip_c = 0.2, 0.28, 10.0  # clip-higher; verl recipe c = 10
+  c = _common().baseline_14b("dapo", 0.2, 0.28, 10.0)  # clip-higher; verl recipe c = 10
   c.algo.filter_groups = True  # dynamic sampling: drop all-0 / all-1 groups
   c.algo.max_num_gen_batches = 10
   c.algo.overlong_buffer = 512  # verl test script buffer; the paper uses 4096 of 20480

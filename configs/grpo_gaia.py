@@ -23,13 +23,6 @@ def _common():
 
 def get_config(arg=None):
   del arg
-  c = _common().deep_search_14b()
-  c.rollout.policy = "none"
-  c.rollout.initial_rollouts = c.rollout.n
-  c.rollout.enable_dynamic_rollouts = False
-  c.algo.loss = "grpo"
-  c.algo.entropy_advantage_coef = 0.0
-  c.algo.preserve_high_clip_grad = False
+  c = _common().baseline_14b("grpo", 0.2, 0.2, 3.0)  # verl adds the dual clip
   c.algo.advantage = "grpo"
-  c.algo.clip_low, c.algo.clip_high, c.algo.clip_c = 0.2, 0.2, 3.0  # verl adds the dual clip
   return c

@@ -23,13 +23,6 @@ def _common():
 
 def get_config(arg=None):
   del arg
-  c = _common().deep_search_14b()
-  c.rollout.policy = "none"
-  c.rollout.initial_rollouts = c.rollout.n
-  c.rollout.enable_dynamic_rollouts = False
-  c.algo.loss = "gspo"
-  c.algo.entropy_advantage_coef = 0.0
-  c.algo.preserve_high_clip_grad = False
-  c.algo.clip_low, c.algo.clip_high, c.algo.clip_c = 3e-4, 4e-4, 0.0  # paper; no dual clip
+  c = _common().baseline_14b("gspo", 3e-4, 4e-4, 0.0)  # paper; no dual clip
   c.algo.agg = "seq-mean-token-mean"
   return c

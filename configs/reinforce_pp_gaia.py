@@ -23,14 +23,7 @@ def _common():
 
 def get_config(arg=None):
   del arg
-  c = _common().deep_search_14b()
-  c.rollout.policy = "none"
-  c.rollout.initial_rollouts = c.rollout.n
-  c.rollout.enable_dynamic_rollouts = False
-  c.algo.loss = "ppo"
-  c.algo.entropy_advantage_coef = 0.0
-  c.algo.preserve_high_clip_grad = False
+  c = _common().baseline_14b("ppo", 0.2, 0.2, 0.0)
   c.algo.advantage = "reinforce_pp_baseline"  # group-mean baseline + global whitening; variant unknown (§3.4)
-  c.algo.clip_low, c.algo.clip_high, c.algo.clip_c = 0.2, 0.2, 0.0
   c.algo.kl.name, c.algo.kl.coef, c.algo.kl.use_in_reward = "k1", 0.001, True  # verl default kl_coef
   return c
