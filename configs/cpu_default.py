@@ -27,25 +27,28 @@ def get_config(arg=None):
   c.data.val = ("suite",)  # the suite's held-out split
   c.data.template = "compact"  # the short system prompt for the small model
   c.data.suite.n_train = 256  # KNOB
-  c.data.suite.n_heldout = 32  # KNOB: held-out questions per evaluation
+  c.data.suite.n_heldout = 48  # KNOB: held-out questions per evaluation
   c.data.suite.seed = 0
+  c.data.suite.mix = (0.45, 0.45, 0.1)  # arith / kb / both
+  c.data.suite.top_k = 1  # one page per search result keeps the traces short (and matches tools.search_topk)
+  c.data.suite.tool_demo_fraction = 0.5  # KNOB: half the cold-start demos answer from memory; RL must fix it
   c.data.prompts_per_step = 4  # KNOB
 
   c.tools.names = ("python", "search")
   c.tools.python_timeout = 10.0
   c.tools.search_backend = "local"  # BM25 over the suite's generated corpus
-  c.tools.search_topk = 3
+  c.tools.search_topk = 1
   c.tools.call_limit = 3
   c.tools.retry_count = 1
   c.tools.max_workers = 4
 
   c.sft.enabled = True
   c.sft.source = "suite"  # the suite's demonstration traces (tool results masked)
-  c.sft.steps = 30  # KNOB
+  c.sft.steps = 16  # KNOB
   c.sft.batch_size = 8  # KNOB
   c.sft.micro_batch_size = 8
-  c.sft.max_len = 384  # KNOB
-  c.sft.lr = 5e-5
+  c.sft.max_len = 256  # KNOB: the longest demo is 246 tokens
+  c.sft.lr = 1e-4
   c.sft.schedule = "cosine"
   c.sft.warmup_frac = 0.1
 
@@ -54,8 +57,8 @@ def get_config(arg=None):
   c.rollout.initial_rollouts = 2
   c.rollout.beam_size = 2
   c.rollout.enable_dynamic_rollouts = False  # the probe trajectory doubles rollout cost on 2 cores
-  c.rollout.max_prompt_len = 192  # KNOB
-  c.rollout.max_response_len = 192  # KNOB
+  c.rollout.max_prompt_len = 96  # KNOB: the longest prompt is 92 tokens
+  c.rollout.max_response_len = 176  # KNOB: the longest demo response is 154 tokens
   c.rollout.decode_chunk = 16
   c.rollout.max_slots = 16
 
@@ -63,13 +66,14 @@ def get_config(arg=None):
   c.algo.entropy_advantage_coef = 0.2
   c.optim.lr = 1e-5  # far above the 14B runs' 1e-6: few steps, small model
   c.optim.warmup_steps = 0
-  c.train.steps = 6  # KNOB
+  c.train.steps = 8  # KNOB
   c.train.ppo_mini_batch_size = 2
   c.train.micro_batch_size = 8  # one micro-batch per update (mini-batch 2 prompts x n=4)
   c.train.eval_every = 0
   c.eval.before_rl = True
   c.eval.after_rl = True
-  c.eval.max_response_len = 192
+  c.eval.max_response_len = 176
+  c.eval.batch_size = 48  # all held-out questions in one rollout
 
   c.checkpoint.every_steps = 2
   c.checkpoint.keep = 2

@@ -136,13 +136,21 @@ def _answer(think: str, answer: str) -> str:
 
 def generate_suite(seed: int, n_train: int, n_heldout: int, corpus_dir: str | Path | None = None, *,
                    difficulty: int = 1, mix: tuple[float, float, float] = (0.4, 0.4, 0.2),
-                   top_k: int = 3, template: str = "compact", heldout_fraction: float = 0.25) -> TaskSuite:
+                   top_k: int = 3, template: str = "compact", heldout_fraction: float = 0.25,
+                   tool_demo_fraction: float = 1.0) -> TaskSuite:
     """Seeded suite: `n_train` + `n_heldout` Examples, the corpus (written to
     `corpus_dir/corpus.jsonl` when given) and one demo per train example.
 
     difficulty 1..3 grows the operands (3-digit x 2-digit ... 4-digit x 3-digit, 3..5 summands,
     modular powers) and the multiplier of the combined tasks. mix = shares of (arith, kb, both).
+    tool_demo_fraction: the share of demos that call their tools; the others state the answer at once
+    (`<think> I know this. </think> <answer> ... </answer>`), as a model that has memorised its training
+    answers would: a cold start that has not learnt *when* tools are needed. On held-out questions that
+    habit is wrong, so RL has something to teach. The questions, answers and corpus do not depend on it.
     """
+    if not 0.0 <= tool_demo_fraction <= 1.0:
+        raise ValueError(f"tool_demo_fraction must be in [0, 1], got {tool_demo_fraction}")
+    demo_rng = random.Random(f"{seed}/demos")  # separate stream: the tasks are the same for every fraction
     if difficulty not in (1, 2, 3):
         raise ValueError(f"difficulty must be 1, 2 or 3, got {difficulty}")
     if len(mix) != 3 or min(mix) < 0 or sum(mix) <= 0:
@@ -215,6 +223,8 @@ def generate_suite(seed: int, n_train: int, n_heldout: int, corpus_dir: str | Pa
                          {"kind": kind, "difficulty": difficulty, "seed": seed})
             splits[split_name].append(ex)
             if split_name == "train":
+                if demo_rng.random() >= tool_demo_fraction:
+                    segs = [("model", _answer("I know this.", answer)[1:])]
                 msgs = build_messages(ex, template)
                 response = "".join(t for _, t in segs)
                 demos.append(Demo(ex, msgs + [{"role": "assistant", "content": response}], segs))

@@ -1,6 +1,8 @@
 """Named pretrained checkpoints shipped as GGUF inside pip packages, converted once to a cached HF directory."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -44,18 +46,33 @@ def pretrained_dir(name: str, cache_dir: Optional[str] = None) -> str:
 
   gguf_path = _gguf_path(name)
   os.makedirs(root, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=root)  # same file system, so the rename below is atomic
-  try:
-    convert_gguf(gguf_path, tmp)
-    with open(os.path.join(tmp, _DONE), "w") as f:
-      f.write(gguf_path + "\n")
-    if os.path.isdir(out):
-      shutil.rmtree(out)
-    os.replace(tmp, out)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+  # One converter at a time (parallel test workers, several processes of one host): the others wait, then
+  # find the finished directory.
+  with _file_lock(os.path.join(root, f".{name}.lock")):
+    if os.path.isfile(os.path.join(out, _DONE)):
+      return out
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=root)  # same file system, so the rename below is atomic
+    try:
+      convert_gguf(gguf_path, tmp)
+      with open(os.path.join(tmp, _DONE), "w") as f:
+        f.write(gguf_path + "\n")
+      if os.path.isdir(out):
+        shutil.rmtree(out)
+      os.replace(tmp, out)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
   return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def load_pretrained(name: str, cache_dir: Optional[str] = None, dtype: str = "float32", mesh=None, rules=None):

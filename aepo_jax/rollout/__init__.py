@@ -18,7 +18,7 @@ from aepo_jax.rollout._state import (RUNNING, STOP_BUDGET, STOP_CACHE_FULL, STOP
 #   AgentLoop(engine, tokenizer, tools, AgentConfig(...)).rollout(params, prompts, policy, seed=0) -> Trajectories
 #   rollout_policy('none' | 'arpo' | 'aepo', PolicyConfig(...), **overrides), register_rollout_policy(name)
 from aepo_jax.rollout._agent import AgentConfig, AgentLoop
-from aepo_jax.rollout._trajectories import Trajectories, TrajectoryRecord
+from aepo_jax.rollout._trajectories import Trajectories, TrajectoryRecord, concat_groups
 from aepo_jax.rollout.policies import PolicyConfig, RolloutPolicy, register_rollout_policy, rollout_policy
 from aepo_jax.rollout._generate import generate
 from aepo_jax.rollout._stop import StopStringChecker, stop_sequences_from_strings

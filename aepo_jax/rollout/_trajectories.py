@@ -156,3 +156,53 @@ def assemble(records: list, *, pad_id: int, decode: Optional[Callable] = None, s
       stop_reason_b=[r.stop_reason for r in records],
       response_text=[decode(r.tokens) if decode is not None else "" for r in records],
       kind_b=[r.kind for r in records], stats=dict(stats or {}))
+
+
+def concat_groups(parts: list, *, pad_id: int) -> Trajectories:
+  """One `Trajectories` from chosen groups of several rollouts (DAPO dynamic sampling keeps generating until
+  enough groups have differing rewards).
+
+  parts: [(trajectories, group ids to keep, in the order wanted)]. Groups are renumbered 0, 1, ... in the
+  order given; rows of a group stay contiguous and in creation order; `parent_b` is remapped to the new
+  rows (a parent is always in its child's group); arrays are right-padded to the widest part. `stats` are
+  those of the first part (rollout statistics of one generation batch; the trainer adds its own).
+  """
+  if not parts:
+    raise ValueError("concat_groups got no parts")
+  width = max(int(tr.tokens_bt.shape[1]) for tr, _ in parts)
+  rows, gid, parent = [], [], []
+  new_g = 0
+  for tr, keep in parts:
+    g_b = np.asarray(tr.group_id_b)
+    for g in keep:
+      idx = np.flatnonzero(g_b == g)
+      if idx.size == 0:
+        raise ValueError(f"concat_groups: group {g} is not in the trajectories (ids {sorted(set(g_b.tolist()))})")
+      new_of = {int(old): len(rows) + k for k, old in enumerate(idx)}
+      for old in idx:
+        p = int(tr.parent_b[old])
+        parent.append(new_of[p] if p >= 0 else -1)
+        rows.append((tr, int(old)))
+        gid.append(new_g)
+      new_g += 1
+
+  def stack(name, fill, dtype):
+    out = np.full((len(rows), width), fill, dtype)
+    for i, (tr, r) in enumerate(rows):
+      x = np.asarray(getattr(tr, name))[r]
+      out[i, :x.shape[0]] = x
+    return out
+
+  def pick(name, dtype=None):
+    vals = [getattr(tr, name)[r] for tr, r in rows]
+    return np.asarray(vals, dtype) if dtype is not None else list(vals)
+
+  return Trajectories(
+      tokens_bt=stack("tokens_bt", pad_id, np.int32), prompt_len_b=pick("prompt_len_b", np.int32),
+      response_len_b=pick("response_len_b", np.int32), loss_mask_bt=stack("loss_mask_bt", 0, np.int32),
+      attention_mask_bt=stack("attention_mask_bt", 0, np.int32),
+      sampler_logprob_bt=stack("sampler_logprob_bt", 0.0, np.float32),
+      sampler_entropy_bt=stack("sampler_entropy_bt", 0.0, np.float32), group_id_b=np.asarray(gid, np.int32),
+      parent_b=np.asarray(parent, np.int32), fork_pos_b=pick("fork_pos_b", np.int32),
+      num_tool_calls_b=pick("num_tool_calls_b", np.int32), stop_reason_b=pick("stop_reason_b"),
+      response_text=pick("response_text"), kind_b=pick("kind_b"), stats=dict(parts[0][0].stats))

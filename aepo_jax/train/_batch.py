@@ -166,3 +166,12 @@ def shard_batch(batch_np: Mapping[str, np.ndarray], mesh, rules=DEFAULT_RULES) -
                        f"mesh's data×fsdp = {rows_devices} devices; make micro_batch_size a multiple of it")
     out[name] = jax.make_array_from_process_local_data(sharding, x, global_shape)
   return out
+
+
+def host_local(x: jax.Array, mesh, rules=DEFAULT_RULES) -> np.ndarray:
+  """This process's rows of a [K, mb, T] batch array built by `shard_batch` (the inverse of it)."""
+  if jax.process_count() == 1:
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils
+  spec = logical_to_mesh(BATCH_LOGICAL_SPEC, rules)
+  return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))

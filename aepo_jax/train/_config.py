@@ -51,7 +51,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.seed = 0
   c.data.shuffle = True
   c.data.val_size = 0  # 0 = the whole validation set
-  c.data.suite = ml_collections.ConfigDict(dict(seed=0, n_train=512, n_heldout=64, difficulty=1))
+  # The generated suite (aepo_jax.data.generate_suite): mix = shares of (arith, kb, both) tasks; top_k = pages
+  # per search result in the demos; tool_demo_fraction = share of demos that call tools (the rest answer from
+  # memory: a cold start that has not learnt when its tools are needed, which RL then has to teach).
+  c.data.suite = ml_collections.ConfigDict(dict(seed=0, n_train=512, n_heldout=64, difficulty=1,
+                                                mix=(0.4, 0.4, 0.2), top_k=3, tool_demo_fraction=1.0))
 
   c.tools = ml_collections.ConfigDict()
   c.tools.names = ("python", "search")
@@ -103,8 +107,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.algo.agg = "token-mean"
   c.algo.entropy_advantage_coef = 0.2  # paper's full method; 0 reproduces the released runs (spec §2.3)
   c.algo.preserve_high_clip_grad = True
+  # KL to the reference (the RL start): a loss term (coef > 0), or with use_in_reward a token-level reward
+  # penalty −coef·KL(old, ref) (verl use_kl_in_reward: then there is no KL loss term).
   c.algo.kl = ml_collections.ConfigDict(dict(name="low_var_kl", coef=0.0, use_in_reward=False))
-  c.algo.filter_groups = False  # DAPO dynamic sampling
+  # DAPO dynamic sampling: drop groups whose filter_metric ('acc' = answer correct, or 'reward') is the same
+  # for every trajectory, and keep generating (at most max_num_gen_batches batches; 0 = no limit) until
+  # data.prompts_per_step groups are kept.
+  c.algo.filter_groups = False
+  c.algo.filter_metric = "acc"
   c.algo.max_num_gen_batches = 10
   c.algo.overlong_buffer = 0  # DAPO overlong shaping; 0 = off
   c.algo.overlong_factor = 1.0
@@ -149,6 +159,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.num_prompts = 0  # 0 = data.val_size
   c.eval.temperature = 0.0  # greedy, n = 1 (ARPO validation)
   c.eval.max_response_len = 0  # 0 = rollout.max_response_len
+  c.eval.batch_size = 0  # prompts per evaluation rollout; 0 = data.prompts_per_step
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 10
@@ -292,6 +303,10 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
        f"algo.entropy_advantage_coef={a.entropy_advantage_coef} only acts with algo.loss='aepo' "
        f"(got {a.loss!r}); set it to 0.")
   need(a.kl.coef >= 0, f"algo.kl.coef={a.kl.coef}: must be >= 0.")
+  need(a.filter_metric in ("acc", "reward"), f"algo.filter_metric={a.filter_metric!r}: use 'acc' or 'reward'.")
+  need(a.max_num_gen_batches >= 0, f"algo.max_num_gen_batches={a.max_num_gen_batches}: must be >= 0 (0 = no limit).")
+  need(not a.kl.use_in_reward or a.kl.coef > 0,
+       f"algo.kl.use_in_reward=True with algo.kl.coef={a.kl.coef}: the penalty would be zero; set a coef > 0.")
   need(a.overlong_buffer >= 0, f"algo.overlong_buffer={a.overlong_buffer}: must be >= 0.")
   need(a.overlong_buffer < r.max_response_len,
        f"algo.overlong_buffer={a.overlong_buffer} must be smaller than rollout.max_response_len={r.max_response_len}.")
@@ -320,6 +335,12 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
          f"sft.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={s.batch_size}.")
     need(s.lr > 0 and 0 <= s.warmup_frac < 1, "sft.lr must be > 0 and sft.warmup_frac in [0, 1).")
     need(s.schedule in ("constant", "cosine", "linear"), f"sft.schedule={s.schedule!r}: constant, cosine or linear.")
+  su, ev = d.suite, config.eval
+  need(0.0 <= su.tool_demo_fraction <= 1.0,
+       f"data.suite.tool_demo_fraction={su.tool_demo_fraction}: the share of tool-using demos must be in [0, 1].")
+  need(su.top_k >= 1, f"data.suite.top_k={su.top_k}: search pages per demo result must be >= 1.")
+  need(ev.batch_size >= 0 and ev.max_response_len >= 0 and ev.temperature >= 0,
+       "eval.batch_size, eval.max_response_len (0 = the defaults) and eval.temperature must be >= 0.")
   if config.mode == "sft" and not s.enabled:
     errs.append("mode='sft' with sft.enabled=False: set sft.enabled=True.")
   ck = config.checkpoint

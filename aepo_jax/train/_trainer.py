@@ -89,6 +89,9 @@ def run(config, *, mode: Optional[str] = None) -> dict:
       if preempt.requested:
         writer.close()
         return summary
+    elif mode == "both" and config.sft.enabled and _needs_reference(config):
+      # RL resumes; its KL reference is where RL started: the final SFT parameters.
+      params = _sft_final_params(config, model_cfg, params, mesh)
     # -------------------------------------------------------------------------------------------------
     # RL.
     # -------------------------------------------------------------------------------------------------
@@ -116,16 +119,40 @@ def _process_rows(batch_np: dict) -> dict:
   return {k: np.split(v, n, axis=1)[p] for k, v in batch_np.items()}
 
 
-def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed):
-  """(params, opt_state, rng key data, start step, meta) from the latest checkpoint, or a fresh start."""
+def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=False):
+  """(params, opt_state, rng key data, start step, meta) from the latest checkpoint, or a fresh start.
+
+  keep_start: also return a copy of the given (sharded) parameters, e.g. the RL start as the KL reference
+  (a copy: the update step donates the parameters it is given).
+  """
   params, opt_state = _step.init_train_state(model_cfg, params, optimizer, mesh)
+  start_params = jax.tree.map(lambda x: x.copy(), params) if keep_start else None
   rng = np.asarray(jax.random.key_data(jax.random.key(seed)))
   step = ckpt.latest_step()
   if step is None:
-    return params, opt_state, rng, 0, {}
-  state, meta = ckpt.restore(step, {"params": params, "opt_state": opt_state, "rng": rng}, config)
-  log.info("resumed %s from step %d", ckpt.directory, step)
-  return state["params"], state["opt_state"], np.asarray(state["rng"]), step, meta
+    out = params, opt_state, rng, 0, {}
+  else:
+    state, meta = ckpt.restore(step, {"params": params, "opt_state": opt_state, "rng": rng}, config)
+    log.info("resumed %s from step %d", ckpt.directory, step)
+    out = state["params"], state["opt_state"], np.asarray(state["rng"]), step, meta
+  return out + (start_params,) if keep_start else out
+
+
+def _needs_reference(config) -> bool:
+  return config.algo.kl.coef > 0 or config.algo.kl.use_in_reward
+
+
+def _sft_final_params(config, model_cfg, params, mesh):
+  """The parameters of the last SFT checkpoint (a resumed RL run's starting point), or `params` if none."""
+  ckpt = _make_checkpointer(config, "sft")
+  step = ckpt.latest_step()
+  if step is None:
+    log.warning("RL resumes with a KL reference but %s holds no SFT checkpoint; the reference is the "
+                "model as loaded (model.name), not the SFT result.", ckpt.directory)
+    return params
+  params, *_ = _resume(ckpt, config, model_cfg, params, _sft_optimizer(config), mesh, config.sft.seed)
+  ckpt.close()
+  return params
 
 
 def _save(ckpt, step, params, opt_state, rng, data_state, config, model_cfg, extra=None, metrics=None,
@@ -151,13 +178,17 @@ def _check_finite(metrics: dict, nan_count: int, limit: int, step: int) -> int:
 # ---------------------------------------------------------------------------------------------------------
 # SFT phase.
 # ---------------------------------------------------------------------------------------------------------
+def _sft_optimizer(config):
+  s, o = config.sft, config.optim
+  return _optim.make_optimizer(
+      s.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, grad_clip=o.grad_clip, schedule=s.schedule,
+      warmup_steps=int(s.warmup_frac * s.steps), total_steps=s.steps)
+
+
 def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progress):
   s = config.sft
   ckpt = _make_checkpointer(config, "sft")
-  optimizer = _optim.make_optimizer(
-      s.lr, weight_decay=config.optim.weight_decay, b1=config.optim.b1, b2=config.optim.b2, eps=config.optim.eps,
-      grad_clip=config.optim.grad_clip, schedule=s.schedule, warmup_steps=int(s.warmup_frac * s.steps),
-      total_steps=s.steps)
+  optimizer = _sft_optimizer(config)
   params, opt_state, rng, start, meta = _resume(ckpt, config, model_cfg, params, optimizer, mesh, s.seed)
   if start >= s.steps:
     log.info("SFT already finished (step %d); using its parameters.", start)
@@ -212,7 +243,11 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, grad_clip=o.grad_clip,
       schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=total * _updates_per_step(config),
       min_lr_ratio=o.end_lr_fraction)
-  params, opt_state, rng, start, meta = _resume(ckpt, config, model_cfg, params, optimizer, mesh, t.seed)
+  # The KL reference is the RL start (the SFT result or the loaded model), also when the run resumes.
+  params, opt_state, rng, start, meta, ref_params = _resume(ckpt, config, model_cfg, params, optimizer, mesh,
+                                                            t.seed, keep_start=True)
+  if not _needs_reference(config):
+    ref_params = None
   if meta.get("data_state") is not None:
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   nan_count = int(meta.get("nan_count", 0))
@@ -227,9 +262,8 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   update_step = _step.make_update_step(
       model_cfg, loss_fn=a.loss, loss_hp=_wiring.loss_hparams(config), optimizer=optimizer,
       micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
-      kl_coef=a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0)
+      kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0)
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
-  ref_params = params if a.kl.coef > 0 or a.kl.use_in_reward else None  # reference = the RL start
 
   def evaluate(step):
     ev = _wiring.evaluate(config, model_cfg, params, tokenizer, tools, mesh)
@@ -249,12 +283,10 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     key = jax.random.wrap_key_data(rng)
     key, rollout_key = jax.random.split(key)
     rng = np.asarray(jax.random.key_data(key))
-    prompts = next(loader)
-    with timer("rollout"):
-      traj = rollout(params, prompts, rollout_key)
-    # -- rewards and advantages -----------------------------------------------------------------------------
+    # -- rollouts and rewards (DAPO dynamic sampling may generate several batches) --------------------------
+    traj, prompts, rewards_b, gen_metrics = _generate(config, loader, rollout, reward_fn, params, rollout_key,
+                                                      pad_id, timer)
     with timer("reward"):
-      rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
       adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt)))
     # -- old / reference log-probs (recomputed by the trainer, spec §1.5) ------------------------------------
     with timer("logprob"):
@@ -268,6 +300,13 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
         batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"])
       mismatch = _step.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"],
                                                 batch["loss_mask"])
+    if a.kl.use_in_reward:  # verl apply_kl_penalty: token rewards -coef * KL(old, ref), then the advantages again
+      with timer("reward"):
+        adv_bt, kl_metrics = _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh)
+        batch["advantages"] = _batch.shard_batch(_batch.trajectories_batch(
+            traj, adv_bt, micro_batch_size=local_mb, pad_id=pad_id, seq_len=seq_len,
+            rows_multiple=local_mb * mb_per_update), mesh)["advantages"]
+        gen_metrics.update(kl_metrics)
     # -- updates: ppo_epochs x mini-batches --------------------------------------------------------------------
     with timer("update"):
       step_metrics = []
@@ -283,6 +322,7 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     scalars = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
     scalars.update(jax.device_get(mismatch))
     scalars.update(_wiring.rollout_metrics(traj, rewards_b, adv_bt))
+    scalars.update(gen_metrics)
     scalars.update({f"tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()} if tools else {})
     scalars.update(timer.pop())
     n_tok = float(np.sum(traj.loss_mask_bt))
@@ -312,6 +352,78 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   ckpt.close()
   summary["rl/steps"] = step
   return params, summary
+
+
+def _generate(config, loader, rollout, reward_fn, params, key, pad_id, timer):
+  """(trajectories, prompts by group id, rewards [N], metrics) for one RL step.
+
+  Without algo.filter_groups: one batch of prompts, rolled out. With it (DAPO dynamic sampling, spec §3.2):
+  groups whose filter metric is equal across the group are dropped and further batches are generated until
+  this host has data.prompts_per_step / processes groups (hosts agree on the number of batches, as the
+  rollouts are collective); after algo.max_num_gen_batches batches the step goes on with dropped groups
+  filling the rest (verl raises instead) and says so in `rollout/filter_underfilled`.
+  """
+  a = config.algo
+  if not a.filter_groups:
+    prompts = next(loader)
+    with timer("rollout"):
+      traj = rollout(params, prompts, key)
+    with timer("reward"):
+      rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
+    return traj, prompts, rewards_b, {}
+  from aepo_jax import objectives
+  from aepo_jax.rollout import concat_groups
+  want = config.data.prompts_per_step // jax.process_count()
+  kept, dropped = [], []  # (traj, group id, prompt, rewards of the group's rows)
+  gen = 0
+  while True:
+    prompts = next(loader)
+    with timer("rollout"):
+      traj = rollout(params, prompts, jax.random.fold_in(key, gen))
+    gen += 1
+    with timer("reward"):
+      rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
+      metric_b = rewards_b if a.filter_metric == "reward" else _wiring.correct_b(traj, prompts)
+      keep_b = np.asarray(objectives.dynamic_sampling_keep(metric_b, np.asarray(traj.group_id_b)))
+    g_b = np.asarray(traj.group_id_b)
+    for g in dict.fromkeys(g_b.tolist()):
+      rows = g_b == g
+      (kept if keep_b[rows].all() else dropped).append((traj, g, prompts[g], rewards_b[rows]))
+    need_more = len(kept) < want
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      need_more = bool(np.any(multihost_utils.process_allgather(np.asarray([need_more]))))
+    if not need_more:
+      break
+    if a.max_num_gen_batches and gen >= a.max_num_gen_batches:
+      log.warning("DAPO dynamic sampling: %d of %d groups with differing %s after %d generation batches "
+                  "(algo.max_num_gen_batches); filling with zero-variance groups.", len(kept), want,
+                  a.filter_metric, gen)
+      break
+  chosen = (kept + dropped)[:want]
+  traj = concat_groups([(tr, [g]) for tr, g, _, _ in chosen], pad_id=pad_id)
+  metrics = {"rollout/gen_batches": float(gen),
+             "rollout/kept_group_fraction": len(kept) / max(len(kept) + len(dropped), 1),
+             "rollout/filter_underfilled": float(len(kept) < want)}
+  return traj, [p for _, _, p, _ in chosen], np.concatenate([r for _, _, _, r in chosen]), metrics
+
+
+def _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh):
+  """Advantages with the token-level KL penalty −coef·KL(old, ref) in the reward (verl apply_kl_penalty)."""
+  from aepo_jax import objectives
+  kl = config.algo.kl
+  tok = objectives.kl_reward_penalty(batch["old_log_prob"], batch["ref_log_prob"], batch["loss_mask"],
+                                     coef=kl.coef, estimator=kl.name)
+  n, t = np.asarray(traj.loss_mask_bt).shape
+  local = _batch.host_local(tok, mesh)
+  token_rewards_bt = local.reshape(-1, local.shape[-1])[:n, :t]
+  mask = np.asarray(traj.loss_mask_bt) > 0
+  adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt),
+                             token_rewards_bt=token_rewards_bt))
+  penalty_b = np.sum(np.where(mask, token_rewards_bt, 0.0), axis=1)
+  return adv_bt, {"kl/reward_penalty_mean": float(np.mean(penalty_b)),
+                  "kl/reward_kl_token_mean": float(-np.sum(np.where(mask, token_rewards_bt, 0.0)) /
+                                                   max(mask.sum(), 1) / kl.coef)}
 
 
 def _updates_per_step(config) -> int:

@@ -111,7 +111,10 @@ def sft_examples(config, tokenizer, model_cfg):
   eos = int(model_cfg.eos_token_ids[0])
   out = []
   for demo in _suite(config).demos:
-    segments = [(tokenizer.apply_chat_template(demo.messages, add_generation_prompt=True), False)]
+    # The prompt is the conversation before the assistant's turn, exactly as a rollout sees it; the turn
+    # itself follows as trained segments (demo.messages ends with it, for chat-format exports).
+    prompt = [m for m in demo.messages if m["role"] != "assistant"]
+    segments = [(tokenizer.apply_chat_template(prompt, add_generation_prompt=True), False)]
     segments += [(tokenizer.encode_continuation(text), kind == "model") for kind, text in demo.segments]
     segments.append(([eos], True))  # the model must learn to stop
     out.append(_batch.sft_example(segments))
@@ -203,8 +206,12 @@ def prompt_ids(config, tokenizer, example) -> list:
 
 
 def make_rollout(config, model_cfg, tokenizer, tools, mesh, *, policy_name: Optional[str] = None,
-                 temperature: Optional[float] = None, n: Optional[int] = None, result_mode: str = "train"):
-  """fn(params, prompts (list of Example), key) -> Trajectories (docs/rollout_contract.md)."""
+                 temperature: Optional[float] = None, n: Optional[int] = None, result_mode: str = "train",
+                 prompts_per_call: Optional[int] = None, max_response_len: Optional[int] = None):
+  """fn(params, prompts (list of Example), key) -> Trajectories (docs/rollout_contract.md).
+
+  prompts_per_call / max_response_len default to this host's data.prompts_per_step / rollout.max_response_len.
+  """
   from aepo_jax import rollout as rollout_lib
   r = config.rollout
   pc = policy_config(config)
@@ -212,17 +219,20 @@ def make_rollout(config, model_cfg, tokenizer, tools, mesh, *, policy_name: Opti
     import dataclasses
     pc = dataclasses.replace(pc, n=n, initial_rollouts=min(pc.initial_rollouts, n))
   policy = rollout_lib.rollout_policy(policy_name or r.policy, pc)
-  per_host = config.data.prompts_per_step // jax.process_count()
+  per_host = prompts_per_call or config.data.prompts_per_step // jax.process_count()
   slots = r.max_slots or per_host * pc.n
+  if prompts_per_call is not None:
+    slots = max(slots, per_host * pc.n)
+  response_len = max_response_len or r.max_response_len
   tags = tuple(t for t in ("search", "python") if t in tuple(config.tools.names))
   engine = rollout_lib.Engine(
-      model_cfg, max_slots=slots, max_len=r.max_prompt_len + r.max_response_len, eos_ids=model_cfg.eos_token_ids,
+      model_cfg, max_slots=slots, max_len=r.max_prompt_len + response_len, eos_ids=model_cfg.eos_token_ids,
       stop_sequences=rollout_lib.stop_sequences_from_strings(tokenizer, [f"</{t}>" for t in tags]),
       sampling=rollout_lib.SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                           top_p=r.top_p, top_k=r.top_k),
       entropy_window=r.entropy_window, topk_entropy=r.topk_entropy, mesh=mesh)
   loop = rollout_lib.AgentLoop(engine, tokenizer, tools, rollout_lib.AgentConfig(
-      max_response_len=r.max_response_len, max_tool_calls=config.tools.call_limit, chunk_steps=r.decode_chunk,
+      max_response_len=response_len, max_tool_calls=config.tools.call_limit, chunk_steps=r.decode_chunk,
       tool_tags=tags, result_mode=result_mode), pad_id=pad_id(model_cfg, tokenizer))
 
   def rollout(params, prompts, key):
@@ -250,11 +260,36 @@ def make_reward(config):
 
 
 def advantage_fn(config):
+  """fn(rewards_b, group_ids_b, mask_bt, token_rewards_bt=None) -> advantages_bt.
+
+  token_rewards_bt (the KL-in-reward penalty, verl `apply_kl_penalty`): estimators with token-level returns
+  (reinforce_pp) take it per token; outcome estimators (grpo, rloo, ...) see the sequence score
+  R + sum_t token_rewards_t, as verl's GRPO sums `token_level_rewards`.
+  """
   from aepo_jax import objectives
-  fn = objectives.advantage(config.algo.advantage)
-  hp = {"norm_by_std": config.algo.norm_by_std} if "norm_by_std" in objectives.advantage_defaults(
-      config.algo.advantage) else {}
-  return lambda rewards_b, group_ids_b, mask_bt: fn(rewards_b, group_ids_b, mask_bt, **hp)
+  name = config.algo.advantage
+  fn = objectives.advantage(name)
+  defaults = objectives.advantage_defaults(name)
+  hp = {"norm_by_std": config.algo.norm_by_std} if "norm_by_std" in defaults else {}
+
+  def adv(rewards_b, group_ids_b, mask_bt, token_rewards_bt=None):
+    if token_rewards_bt is None:
+      return fn(rewards_b, group_ids_b, mask_bt, **hp)
+    if "token_rewards" in defaults:
+      return fn(rewards_b, group_ids_b, mask_bt, token_rewards=token_rewards_bt, **hp)
+    seq_b = np.asarray(rewards_b, np.float32) + np.sum(np.asarray(token_rewards_bt) * (np.asarray(mask_bt) > 0), 1)
+    return fn(seq_b, group_ids_b, mask_bt, **hp)
+  return adv
+
+
+def correct_b(traj, prompts) -> np.ndarray:
+  """float[N]: 1 where the trajectory's answer is correct (`rewards.eval_correct`), for DAPO's 'acc' filter."""
+  from aepo_jax import rewards as rewards_lib
+  out = []
+  for text, g in zip(traj.response_text, np.asarray(traj.group_id_b)):
+    ex = prompts[int(g)]
+    out.append(float(bool(rewards_lib.eval_correct(text, ex.answers, ex.family))))
+  return np.asarray(out, np.float32)
 
 
 def loss_hparams(config) -> dict:
@@ -297,31 +332,36 @@ _EVAL_ROLLOUTS: dict = {}
 
 
 def evaluate(config, model_cfg, params, tokenizer, tools, mesh) -> dict:
-  """Greedy, n = 1 accuracy on each validation source (ARPO validation, spec §1.7): eval/<source>/accuracy
-  (answer correct by `rewards.eval_correct`: math equivalence / EM, no LLM judge) and eval/<source>/reward."""
+  """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature):
+  eval/<source>/accuracy (answer correct by `rewards.eval_correct`: math equivalence / EM, no LLM judge),
+  eval/<source>/reward and eval/<source>/tool_calls (mean calls per answer)."""
   from aepo_jax import rewards as rewards_lib
+  e = config.eval
+  per_call = (e.batch_size or config.data.prompts_per_step) // jax.process_count()
   key = id(config)
   if key not in _EVAL_ROLLOUTS:
     _EVAL_ROLLOUTS[key] = make_rollout(config, model_cfg, tokenizer, tools, mesh, policy_name="none",
-                                       temperature=0.0, n=1)
+                                       temperature=e.temperature, n=1, prompts_per_call=per_call,
+                                       max_response_len=e.max_response_len or None)
   rollout = _EVAL_ROLLOUTS[key]
-  per_call = config.data.prompts_per_step // jax.process_count()
   out = {}
   for source in config.data.val:
     examples = _examples(config, source, "val")
     limit = config.eval.num_prompts or config.data.val_size
     examples = examples[:limit] if limit else examples
-    correct, reward = [], []
+    correct, reward, calls = [], [], []
     for i in range(0, len(examples), per_call):
       chunk = examples[i:i + per_call]
-      traj = rollout(params, chunk, jax.random.key(0))
-      for text, g in zip(traj.response_text, np.asarray(traj.group_id_b)):
+      traj = rollout(params, chunk, jax.random.key(i))
+      for text, g, nc in zip(traj.response_text, np.asarray(traj.group_id_b), np.asarray(traj.num_tool_calls_b)):
         ex = chunk[int(g)]
         correct.append(float(bool(rewards_lib.eval_correct(text, ex.answers, ex.family))))
         reward.append(float(rewards_lib.deep_research(text, ex.answers)))
+        calls.append(float(nc))
     name = _short(source)
     out[f"eval/{name}/accuracy"] = float(np.mean(correct)) if correct else 0.0
     out[f"eval/{name}/reward"] = float(np.mean(reward)) if reward else 0.0
+    out[f"eval/{name}/tool_calls"] = float(np.mean(calls)) if calls else 0.0
   accs = [v for k, v in out.items() if k.endswith("/accuracy")]
   if accs:
     out["eval/accuracy"] = float(np.mean(accs))

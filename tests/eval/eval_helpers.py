@@ -39,9 +39,9 @@ def short_examples(n=3, family="math", answer="18"):
   return [Example(f"toy:{i}", f"What is {i} plus {18 - i}?", [answer], "toy", family) for i in range(n)]
 
 
-def save_checkpoint(directory, config, params, tok_dir, step=3):
+def save_checkpoint(directory, config, params, tok_dir, step=3, ocdbt=True):
   from aepo_jax.train import _checkpoint
-  ckpt = _checkpoint.Checkpointer(directory, async_save=False)
+  ckpt = _checkpoint.Checkpointer(directory, async_save=False, ocdbt=ocdbt)
   ckpt.save(step, {"params": params}, {"model_config": _checkpoint.model_config_to_json(config),
                                        "config": json.dumps({"model": {"name": "tiny", "tokenizer": tok_dir}})},
             force=True)

@@ -59,20 +59,44 @@ def gcs_emulator(tmp_path_factory):
         os.environ[k] = v
 
 
-def test_checkpoint_round_trip_on_gcs(gcs_emulator):
+# The single-threaded emulator intermittently answers tensorstore's conditional OCDBT manifest write with an
+# error tensorstore reports as "Malformed StorageGeneration" (about 1 run in 40 here, once in CI). It is the
+# emulator, not the checkpointer: the OCDBT variant retries a whole round trip, into a fresh directory, on
+# exactly that message and on nothing else; the zarr-per-leaf variant (checkpoint.ocdbt=False) never retries.
+EMULATOR_FLAKE = "Malformed StorageGeneration"
+
+
+def _round_trip(workdir, ocdbt):
   from aepo_jax.train import Checkpointer, check_writable
-  workdir = f"gs://{BUCKET}/roundtrip"
   check_writable(workdir)
-  ck = Checkpointer(f"{workdir}/checkpoints/rl", keep=2, best_metric="eval/accuracy")
+  ck = Checkpointer(f"{workdir}/checkpoints/rl", keep=2, best_metric="eval/accuracy", ocdbt=ocdbt)
   state = {"params": {"w": jnp.arange(12.0).reshape(3, 4)}, "rng": np.array([1, 2], np.uint32)}
-  for step, acc in ((1, 0.5), (2, None), (3, None)):
-    ck.save(step, state, {"data_state": {"next_index": step}}, metrics=None if acc is None else {"eval/accuracy": acc})
-  ck.wait()
-  assert ck.all_steps() == [1, 2, 3]  # last 2 + best
-  restored, meta = ck.restore(None, state)
-  assert np.array_equal(np.asarray(restored["params"]["w"]), np.arange(12.0).reshape(3, 4))
-  assert meta["data_state"] == {"next_index": 3}
-  ck.close()
+  try:
+    for step, acc in ((1, 0.5), (2, None), (3, None)):
+      ck.save(step, state, {"data_state": {"next_index": step}},
+              metrics=None if acc is None else {"eval/accuracy": acc})
+    ck.wait()
+    assert ck.all_steps() == [1, 2, 3]  # last 2 + best
+    restored, meta = ck.restore(None, state)
+    assert np.array_equal(np.asarray(restored["params"]["w"]), np.arange(12.0).reshape(3, 4))
+    assert meta["data_state"] == {"next_index": 3}
+  finally:
+    try:
+      ck.close()
+    except Exception:  # noqa: BLE001 - the save's own error is the one to report
+      pass
+
+
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_checkpoint_round_trip_on_gcs(gcs_emulator, ocdbt):
+  attempts = 3 if ocdbt else 1
+  for attempt in range(attempts):
+    try:
+      _round_trip(f"gs://{BUCKET}/roundtrip-{'ocdbt' if ocdbt else 'zarr'}-{attempt}", ocdbt)
+      return
+    except ValueError as e:
+      if EMULATOR_FLAKE not in str(e) or attempt == attempts - 1:
+        raise
 
 
 def test_metrics_jsonl_on_gcs(gcs_emulator):
