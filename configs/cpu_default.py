@@ -6,9 +6,15 @@ Hardware: 2 CPU cores, 24 GiB RAM, no accelerator, no network (everything it nee
 Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_pretrained`), the generated
   task suite (arithmetic / lookup questions with a generated corpus), the real Python sandbox and local
   BM25 search over the suite's corpus.
-Time: about 15 minutes (SFT ~4 min, RL ~8 min, two evaluations ~2 min). The sizes below marked KNOB set it.
-Expected: held-out accuracy (`after_rl/eval/accuracy`) clearly above `before_rl/eval/accuracy` (after SFT).
-  The numbers and their spread over seeds are recorded in docs/training.md.
+Time: about 20-25 minutes on 2 cores (16 SFT steps of ~30 s, two evaluations of ~90 s, 4 RL steps of ~150 s;
+  one run took 36.5 CPU-minutes, 40 min wall while the test suite shared the machine). KNOB sizes set it.
+Design: half the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.5), so after SFT the
+  policy sometimes skips the tool it needs; RL is meant to teach it when to call tools.
+Measured (seed 0, 2026-11-30): after SFT held-out accuracy 0.85 with 0.825 tool calls per answer; after 4 AEPO
+  steps 0.825 with 1.0 tool calls. RL does learn to call tools (train reward 0.75 -> 1.0, no format errors)
+  but the held-out accuracy does not rise yet: the "learns visibly" target of issue 6 is NOT met by these
+  settings. At rollout T=1.0 with 10 SFT steps, 25-56% of samples broke the tag format (-1) and RL at lr 3e-5
+  collapsed to answering without tools (held-out 0.525 -> 0.0): the format penalty makes skipping tools safer.
 """
 from aepo_jax.train import base_config
 
@@ -27,9 +33,9 @@ def get_config(arg=None):
   c.data.val = ("suite",)  # the suite's held-out split
   c.data.template = "compact"  # the short system prompt for the small model
   c.data.suite.n_train = 256  # KNOB
-  c.data.suite.n_heldout = 48  # KNOB: held-out questions per evaluation
+  c.data.suite.n_heldout = 40  # KNOB: held-out questions per evaluation
   c.data.suite.seed = 0
-  c.data.suite.mix = (0.45, 0.45, 0.1)  # arith / kb / both
+  c.data.suite.mix = (0.5, 0.5, 0.0)  # arith / kb / both (the combined tasks double the trace length)
   c.data.suite.top_k = 1  # one page per search result keeps the traces short (and matches tools.search_topk)
   c.data.suite.tool_demo_fraction = 0.5  # KNOB: half the cold-start demos answer from memory; RL must fix it
   c.data.prompts_per_step = 4  # KNOB
@@ -44,7 +50,7 @@ def get_config(arg=None):
 
   c.sft.enabled = True
   c.sft.source = "suite"  # the suite's demonstration traces (tool results masked)
-  c.sft.steps = 16  # KNOB
+  c.sft.steps = 16  # KNOB: ~30 s each; 10 steps leave the format too fragile for sampling at T=1
   c.sft.batch_size = 8  # KNOB
   c.sft.micro_batch_size = 8
   c.sft.max_len = 256  # KNOB: the longest demo is 246 tokens
@@ -58,7 +64,8 @@ def get_config(arg=None):
   c.rollout.beam_size = 2
   c.rollout.enable_dynamic_rollouts = False  # the probe trajectory doubles rollout cost on 2 cores
   c.rollout.max_prompt_len = 96  # KNOB: the longest prompt is 92 tokens
-  c.rollout.max_response_len = 176  # KNOB: the longest demo response is 154 tokens
+  c.rollout.max_response_len = 144  # KNOB: the longest demo response is 129 tokens
+  c.rollout.temperature = 0.7  # the 135M model breaks the tag format too often at T=1 (log-probs use it too)
   c.rollout.decode_chunk = 16
   c.rollout.max_slots = 16
 
@@ -66,14 +73,14 @@ def get_config(arg=None):
   c.algo.entropy_advantage_coef = 0.2
   c.optim.lr = 1e-5  # far above the 14B runs' 1e-6: few steps, small model
   c.optim.warmup_steps = 0
-  c.train.steps = 8  # KNOB
+  c.train.steps = 4  # KNOB: ~150 s each on 2 cores (rollout ~75 s, two updates ~75 s)
   c.train.ppo_mini_batch_size = 2
   c.train.micro_batch_size = 8  # one micro-batch per update (mini-batch 2 prompts x n=4)
   c.train.eval_every = 0
   c.eval.before_rl = True
   c.eval.after_rl = True
-  c.eval.max_response_len = 176
-  c.eval.batch_size = 48  # all held-out questions in one rollout
+  c.eval.max_response_len = 144
+  c.eval.batch_size = 40  # all held-out questions in one rollout
 
   c.checkpoint.every_steps = 2
   c.checkpoint.keep = 2
