@@ -8,10 +8,11 @@ Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_p
   BM25 search over the suite's corpus.
 Time: about 20-25 minutes on 2 cores (16 SFT steps of ~30 s, two evaluations of ~90 s, 4 RL steps of ~150 s;
   one run took 36.5 CPU-minutes, 40 min wall while the test suite shared the machine). KNOB sizes set it.
-Design: half the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.5), so after SFT the
+Design: 3/4 of the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.25), so after SFT the
   policy sometimes skips the tool it needs; RL is meant to teach it when to call tools.
 Expected: held-out accuracy after RL clearly above after SFT (issue 6's target, not met yet).
-Measured (seed 0, 2026-11-30): after SFT held-out accuracy 0.85 with 0.825 tool calls per answer; after 4 AEPO
+Measured (seed 0, 2026-11-30), these settings: held-out accuracy 0.025 after SFT (0.0 tool calls per answer),
+  0.375 after 5 AEPO steps (1.0 tool calls); one seed only. With tool_demo_fraction=0.5 and 4 steps: after SFT held-out accuracy 0.85 with 0.825 tool calls per answer; after 4 AEPO
   steps 0.825 with 1.0 tool calls. RL does learn to call tools (train reward 0.75 -> 1.0, no format errors)
   but the held-out accuracy does not rise yet: the "learns visibly" target of issue 6 is NOT met by these
   settings. At rollout T=1.0 with 10 SFT steps, 25-56% of samples broke the tag format (-1) and RL at lr 3e-5
@@ -38,7 +39,7 @@ def get_config(arg=None):
   c.data.suite.seed = 0
   c.data.suite.mix = (0.5, 0.5, 0.0)  # arith / kb / both (the combined tasks double the trace length)
   c.data.suite.top_k = 1  # one page per search result keeps the traces short (and matches tools.search_topk)
-  c.data.suite.tool_demo_fraction = 0.5  # KNOB: half the cold-start demos answer from memory; RL must fix it
+  c.data.suite.tool_demo_fraction = 0.25  # KNOB: 3/4 of the cold-start demos answer from memory; RL must fix it
   c.data.prompts_per_step = 4  # KNOB
 
   c.tools.names = ("python", "search")
@@ -74,7 +75,7 @@ def get_config(arg=None):
   c.algo.entropy_advantage_coef = 0.2
   c.optim.lr = 1e-5  # far above the 14B runs' 1e-6: few steps, small model
   c.optim.warmup_steps = 0
-  c.train.steps = 4  # KNOB: ~150 s each on 2 cores (rollout ~75 s, two updates ~75 s)
+  c.train.steps = 5  # KNOB: ~150 s each on 2 cores (rollout ~75 s, two updates ~75 s)
   c.train.ppo_mini_batch_size = 2
   c.train.micro_batch_size = 8  # one micro-batch per update (mini-batch 2 prompts x n=4)
   c.train.eval_every = 0
