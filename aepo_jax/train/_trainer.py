@@ -120,22 +120,20 @@ def _process_rows(batch_np: dict) -> dict:
 
 
 def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=False):
-  """(params, opt_state, rng key data, start step, meta) from the latest checkpoint, or a fresh start.
+  """(params, opt_state, rng key data, start step, meta, start params) from the latest checkpoint, or a fresh start.
 
-  keep_start: also return a copy of the given (sharded) parameters, e.g. the RL start as the KL reference
-  (a copy: the update step donates the parameters it is given).
+  start params: with keep_start, a copy of the given (sharded) parameters, e.g. the RL start as the KL
+  reference (a copy: the update step donates the parameters it is given); else None.
   """
   params, opt_state = _step.init_train_state(model_cfg, params, optimizer, mesh)
   start_params = jax.tree.map(lambda x: x.copy(), params) if keep_start else None
   rng = np.asarray(jax.random.key_data(jax.random.key(seed)))
   step = ckpt.latest_step()
   if step is None:
-    out = params, opt_state, rng, 0, {}
-  else:
-    state, meta = ckpt.restore(step, {"params": params, "opt_state": opt_state, "rng": rng}, config)
-    log.info("resumed %s from step %d", ckpt.directory, step)
-    out = state["params"], state["opt_state"], np.asarray(state["rng"]), step, meta
-  return out + (start_params,) if keep_start else out
+    return params, opt_state, rng, 0, {}, start_params
+  state, meta = ckpt.restore(step, {"params": params, "opt_state": opt_state, "rng": rng}, config)
+  log.info("resumed %s from step %d", ckpt.directory, step)
+  return state["params"], state["opt_state"], np.asarray(state["rng"]), step, meta, start_params
 
 
 def _needs_reference(config) -> bool:
@@ -189,7 +187,7 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   s = config.sft
   ckpt = _make_checkpointer(config, "sft")
   optimizer = _sft_optimizer(config)
-  params, opt_state, rng, start, meta = _resume(ckpt, config, model_cfg, params, optimizer, mesh, s.seed)
+  params, opt_state, rng, start, meta, _ = _resume(ckpt, config, model_cfg, params, optimizer, mesh, s.seed)
   if start >= s.steps:
     log.info("SFT already finished (step %d); using its parameters.", start)
     return params, {"sft/steps": start}
@@ -245,9 +243,7 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       min_lr_ratio=o.end_lr_fraction)
   # The KL reference is the RL start (the SFT result or the loaded model), also when the run resumes.
   params, opt_state, rng, start, meta, ref_params = _resume(ckpt, config, model_cfg, params, optimizer, mesh,
-                                                            t.seed, keep_start=True)
-  if not _needs_reference(config):
-    ref_params = None
+                                                            t.seed, keep_start=_needs_reference(config))
   if meta.get("data_state") is not None:
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   nan_count = int(meta.get("nan_count", 0))
@@ -303,9 +299,10 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     if a.kl.use_in_reward:  # verl apply_kl_penalty: token rewards -coef * KL(old, ref), then the advantages again
       with timer("reward"):
         adv_bt, kl_metrics = _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh)
-        batch["advantages"] = _batch.shard_batch(_batch.trajectories_batch(
-            traj, adv_bt, micro_batch_size=local_mb, pad_id=pad_id, seq_len=seq_len,
-            rows_multiple=local_mb * mb_per_update), mesh)["advantages"]
+        adv_np = _batch.micro_batches(  # the same row layout as the batch; only the advantages are new
+            {"tokens": traj.tokens_bt, "advantages": adv_bt}, micro_batch_size=local_mb, pad_id=pad_id,
+            seq_len=seq_len, rows_multiple=local_mb * mb_per_update)["advantages"]
+        batch["advantages"] = _batch.shard_batch({"advantages": adv_np}, mesh)["advantages"]
         gen_metrics.update(kl_metrics)
     # -- updates: ppo_epochs x mini-batches --------------------------------------------------------------------
     with timer("update"):
@@ -422,8 +419,7 @@ def _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh):
                              token_rewards_bt=token_rewards_bt))
   penalty_b = np.sum(np.where(mask, token_rewards_bt, 0.0), axis=1)
   return adv_bt, {"kl/reward_penalty_mean": float(np.mean(penalty_b)),
-                  "kl/reward_kl_token_mean": float(-np.sum(np.where(mask, token_rewards_bt, 0.0)) /
-                                                   max(mask.sum(), 1) / kl.coef)}
+                  "kl/reward_kl_token_mean": float(-np.sum(penalty_b) / max(mask.sum(), 1) / kl.coef)}
 
 
 def _updates_per_step(config) -> int:

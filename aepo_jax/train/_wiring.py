@@ -353,11 +353,10 @@ def evaluate(config, model_cfg, params, tokenizer, tools, mesh) -> dict:
     for i in range(0, len(examples), per_call):
       chunk = examples[i:i + per_call]
       traj = rollout(params, chunk, jax.random.key(i))
-      for text, g, nc in zip(traj.response_text, np.asarray(traj.group_id_b), np.asarray(traj.num_tool_calls_b)):
-        ex = chunk[int(g)]
-        correct.append(float(bool(rewards_lib.eval_correct(text, ex.answers, ex.family))))
-        reward.append(float(rewards_lib.deep_research(text, ex.answers)))
-        calls.append(float(nc))
+      correct.extend(correct_b(traj, chunk).tolist())
+      reward.extend(float(rewards_lib.deep_research(text, chunk[int(g)].answers))
+                    for text, g in zip(traj.response_text, np.asarray(traj.group_id_b)))
+      calls.extend(np.asarray(traj.num_tool_calls_b, np.float32).tolist())
     name = _short(source)
     out[f"eval/{name}/accuracy"] = float(np.mean(correct)) if correct else 0.0
     out[f"eval/{name}/reward"] = float(np.mean(reward)) if reward else 0.0
