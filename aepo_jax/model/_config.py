@@ -42,8 +42,9 @@ class ModelConfig:
       raise ValueError(
           f"ModelConfig: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use 'float32', 'bfloat16' or 'float16'.")
+      if getattr(self, name) not in ("float32", "bfloat16", "float16", "float64"):
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use 'float32', 'bfloat16' or 'float16' "
+                         "('float64' is a reference mode for numerics checks; it needs jax.enable_x64).")
 
   @property
   def rope_scaling_dict(self) -> Optional[dict]:

@@ -38,9 +38,11 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
-def entropy_from_logits(z_sv):
-  """Exact entropy of softmax(z): logsumexp(z) - sum softmax(z) * z (spec §1.2 step 2.2, exact variant)."""
-  lse_s = jax.nn.logsumexp(z_sv, axis=-1)
+def entropy_from_logits(z_sv, lse_s=None):
+  """Exact entropy of softmax(z): logsumexp(z) - sum softmax(z) * z (spec §1.2 step 2.2, exact variant).
+  lse_s: logsumexp(z) when the caller has it already (saves one pass over the vocabulary)."""
+  if lse_s is None:
+    lse_s = jax.nn.logsumexp(z_sv, axis=-1)
   p_sv = jnp.exp(z_sv - lse_s[:, None])
   return lse_s - jnp.sum(p_sv * z_sv, axis=-1)
 
@@ -137,6 +139,6 @@ def sample_step(logits_sv, rng_s2, params: SamplingParams, *, with_entropy: bool
   chosen_s = jnp.take_along_axis(z_sv, token_s[:, None], axis=-1)[:, 0]
   logprob_s = chosen_s - lse_s
   zeros = jnp.zeros_like(logprob_s)
-  entropy_s = entropy_from_logits(z_sv) if with_entropy else zeros
+  entropy_s = entropy_from_logits(z_sv, lse_s) if with_entropy else zeros
   topk_s = topk_entropy(z_sv, lse_s, logprob_s, topk) if (with_entropy and topk > 0) else zeros
   return token_s, logprob_s, entropy_s, topk_s, new_rng_s2

@@ -1,6 +1,8 @@
 """Every notebook in colabs/ runs top to bottom on CPU at the CI size, and is committed without outputs (issue 9).
 
-The notebooks read AEPO_COLAB_SIZE=ci from the environment and shrink every size. They run in a fresh Jupyter
+The notebooks read AEPO_COLAB_SIZE=ci from the environment and shrink every size. AEPO_COLAB_TEST_SIZE=cpu runs them
+at the size a CPU user gets instead (the quickstart's `cpu` size must finish in 10 minutes on 2 cores too):
+  AEPO_COLAB_TEST_SIZE=cpu python -m pytest tests/colabs/test_notebooks.py -k "runs and quickstart" They run in a fresh Jupyter
 kernel (nbclient) on one CPU device, as on a user's machine: the 8 fake devices of tests/conftest.py are removed.
 Executed copies go to pytest's tmp_path (kept for debugging), never back into colabs/.
 """
@@ -15,7 +17,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "colabs").glob("*.ipynb"))
 EXPECTED = {"aepo_objective.ipynb", "quickstart.ipynb", "evaluate_checkpoint.ipynb"}
-# Issue 9: the quickstart's CPU run (CI size) finishes in under 10 minutes on 2 cores.
+# Issue 9: the quickstart's CPU run finishes in under 10 minutes on 2 cores (CI size here; `cpu` size measured
+# with AEPO_COLAB_TEST_SIZE=cpu).
 WALL_BUDGET_S = {"quickstart.ipynb": float(os.environ.get("AEPO_QUICKSTART_BUDGET_S", 600))}
 CELL_TIMEOUT_S = 900
 # Figures each notebook must draw from its own run (curves, trees, gradient weights), not stored images.
@@ -44,7 +47,7 @@ def test_committed_as_source_only(path):
 
 
 def _kernel_env(monkeypatch):
-  monkeypatch.setenv("AEPO_COLAB_SIZE", "ci")
+  monkeypatch.setenv("AEPO_COLAB_SIZE", os.environ.get("AEPO_COLAB_TEST_SIZE", "ci"))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
   monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
@@ -74,10 +77,12 @@ def test_notebook_runs_top_to_bottom_on_cpu(path, tmp_path, monkeypatch):
   finally:
     nbformat.write(nb, tmp_path / path.name)
   wall_s = time.perf_counter() - t0
+  print(f"{path.name}: {wall_s:.0f} s at the {os.environ['AEPO_COLAB_SIZE']!r} size")
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
   assert not errors, f"{path.name}: {errors[0]['ename']}: {errors[0]['evalue']}"
   images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
   assert images >= MIN_FIGURES.get(path.name, 0), f"{path.name} drew {images} figures"
   budget = WALL_BUDGET_S.get(path.name)
   if budget is not None:
-    assert wall_s < budget, f"{path.name} took {wall_s:.0f} s at the CI size, over its {budget:.0f} s budget"
+    assert wall_s < budget, (f"{path.name} took {wall_s:.0f} s at the {os.environ['AEPO_COLAB_SIZE']!r} size, "
+                             f"over its {budget:.0f} s budget")

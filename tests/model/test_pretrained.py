@@ -8,9 +8,13 @@ import pytest
 
 from aepo_jax import model
 
-# Float32 rounding over 30 layers on logits of magnitude ~38: against a float64 run of the same weights, ours is
-# off by 1.3e-4 and transformers' float32 by 0.9e-4; the two float32 runs differ by 1.8e-4. Hence 3e-4, not 1e-4.
+# Float32 rounding over 30 layers on logits of magnitude ~38: against transformers run in float64 on the same
+# weights (the exact answer up to 1e-12), ours is off by 1.1-1.3e-4 and transformers' own float32 by 0.9e-4; the two
+# float32 runs differ by 1.2-1.8e-4. So |ours - transformers| <= 1e-4 is below the float32 floor on this model; what
+# is tested instead: ours within 3e-4 of transformers' float32, and no further from the float64 answer than
+# transformers' float32 is (times F32_ERROR_RATIO).
 REAL_F32_TOL = 3e-4
+F32_ERROR_RATIO = 1.6
 
 _TEXTS = [
     "Hello world! 12345 + 678 = 13023, x=3.14",
@@ -53,11 +57,16 @@ def test_logits_match_transformers_gguf(smollm2_dir, hf_gguf):
   assert config == model.preset("smollm2-135m")
   tok = model.Tokenizer.from_dir(smollm2_dir)
   ids = np.array([tok.apply_chat_template([{"role": "user", "content": "What is 2+3? Answer briefly."}])])
+  import copy
+
   with torch.no_grad():
     ref = hf_gguf[0](torch.tensor(ids)).logits.numpy()
+    exact = copy.deepcopy(hf_gguf[0]).double()(torch.tensor(ids)).logits.numpy()
   ours = np.asarray(model.forward(config, params, ids))
   assert np.abs(ours - ref).max() <= REAL_F32_TOL
   assert (ours.argmax(-1) == ref.argmax(-1)).all()
+  ours_err, ref_err = np.abs(ours - exact).max(), np.abs(ref - exact).max()
+  assert ours_err <= F32_ERROR_RATIO * ref_err, (ours_err, ref_err)
 
 
 @pytest.mark.slow
