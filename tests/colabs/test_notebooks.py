@@ -1,9 +1,10 @@
 """Every notebook in colabs/ runs top to bottom on CPU at the CI size, and is committed without outputs (issue 9).
 
-The notebooks read AEPO_COLAB_SIZE=ci from the environment and shrink every size. AEPO_COLAB_TEST_SIZE=cpu runs them
-at the size a CPU user gets instead (the quickstart's `cpu` size must finish in 10 minutes on 2 cores too):
-  AEPO_COLAB_TEST_SIZE=cpu python -m pytest tests/colabs/test_notebooks.py -k "runs and quickstart" They run in a fresh Jupyter
+The notebooks read AEPO_COLAB_SIZE=ci from the environment and shrink every size. They run in a fresh Jupyter
 kernel (nbclient) on one CPU device, as on a user's machine: the 8 fake devices of tests/conftest.py are removed.
+AEPO_COLAB_TEST_SIZE=cpu runs them at the size a CPU user gets instead (the quickstart's `cpu` size must finish in
+10 minutes on 2 cores too):
+  AEPO_COLAB_TEST_SIZE=cpu python -m pytest tests/colabs/test_notebooks.py -k "runs and quickstart" -s
 Executed copies go to pytest's tmp_path (kept for debugging), never back into colabs/.
 """
 import os

