@@ -9,7 +9,8 @@ LlamaForCausalLM of the same config for transformers (said in the output). Same 
 Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (bandwidth / weight bytes steps/s) with
 the bandwidth of a 1 GiB numpy copy (read + write counted, as issue 8 defines it) and with the read bandwidth of a
 jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction of each; the cost of the entropy
-in a decode step (alternating rounds, and the sampling step alone); the cost of a fork (copy_slots) against
+in a decode step (alternating rounds, and the sampling step alone); the decode step's weight matmuls alone at batch
+8 with XLA's and numpy's BLAS kernels (the floor any step built from them has; our step against it); the cost of a fork (copy_slots) against
 re-prefilling a 512-token prefix. Where the time goes: docs/performance.md.
 """
 from __future__ import annotations
@@ -52,6 +53,39 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 3) -> float:
     best = min(best, time.perf_counter() - t)
   del x
   return nbytes / best / 1e9
+
+
+def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
+  """Time of the decode step's weight matmuls alone at M = `batch`: every layer's q/k/v/o, gate/up/down and the LM
+  head, chained (each output feeds the next) on per-layer weights sliced beforehand, with no attention, norms, cache
+  or sampling. XLA's dot kernels (jitted) and numpy's BLAS on the same weights. This is the floor of any decode step
+  built from these kernels; at small M they run far below the read bandwidth (docs/performance.md)."""
+  import jax.numpy as jnp
+  d = config.hidden_size
+  layers = [jax.tree.map(lambda w: np.asarray(w[i]), params["layers"]) for i in range(config.num_layers)]
+  head = np.asarray(params["embed_tokens"]["embedding"] if config.tie_word_embeddings else params["lm_head"]["kernel"].T)
+  mats = [tuple(lp["self_attn"][n]["kernel"].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
+          + (lp["self_attn"]["o_proj"]["kernel"].reshape(-1, d),)
+          + tuple(lp["mlp"][n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj")) for lp in layers]
+  nbytes = sum(m.nbytes for ms in mats for m in ms) + head.nbytes
+
+  def chain(x, mats, head, xp):
+    for q, k, v, o, g, u, d in mats:
+      a = (x @ q)[:, :o.shape[0]] + (x @ k).sum() + (x @ v).sum()
+      x = x + a @ o
+      x = x + ((x @ g) * (x @ u)) @ d
+      x = x / (1.0 + xp.abs(x).max())  # keep values finite
+    return x @ head.T
+
+  x0 = np.random.default_rng(0).standard_normal((batch, config.hidden_size)).astype(np.float32)
+  jmats, jhead, jx = jax.device_put(mats), jax.device_put(head), jax.device_put(x0)
+  f = jax.jit(lambda x, m, h: chain(x, m, h, jnp))
+  jax.block_until_ready(f(jx, jmats, jhead))
+  out = {"bytes": nbytes}
+  out["xla"] = min(timed(lambda: jax.block_until_ready(f(jx, jmats, jhead))) for _ in range(repeats)) * 1000
+  chain(x0, mats, head, np)
+  out["numpy"] = min(timed(lambda: chain(x0, mats, head, np)) for _ in range(repeats)) * 1000
+  return out
 
 
 def load_models(threads: int):
@@ -188,6 +222,12 @@ def main():
   print(f"  sampling step alone on [8, {config.vocab_size}] logits: {ms['sample_with']:.2f} ms with entropy, "
         f"{ms['sample_without']:.2f} ms without -> entropy adds {extra:.2f} ms = "
         f"{100 * extra / ms['without']:.1f}% of a decode step")
+  mm = matmul_chain_ms(config, params, 8)
+  print(f"  the same step's weight matmuls alone at M=8 (chained, weights pre-sliced; no attention or copies): "
+        f"XLA {mm['xla']:.1f} ms ({mm['bytes'] / mm['xla'] / 1e6:.1f} GB/s of weight reads), numpy/BLAS "
+        f"{mm['numpy']:.1f} ms ({mm['bytes'] / mm['numpy'] / 1e6:.1f} GB/s); read limit {mm['bytes'] / rbw / 1e6:.1f} "
+        f"ms -> the kernels alone reach {mm['bytes'] / rbw / 1e6 / mm['xla']:.0%} of it, our step "
+        f"{mm['bytes'] / rbw / 1e6 / ms['with']:.0%}")
   t_fork, t_prefill = fork_vs_prefill(config, params)
   print(f"fork (copy_slots, one 576-entry slot) {1000 * t_fork:.1f} ms vs re-prefilling a 512-token prefix "
         f"{1000 * t_prefill:.1f} ms -> {100 * t_fork / t_prefill:.1f}%")

@@ -10,3 +10,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Longest files first (seconds per file in tests/durations.json, refreshed with tests/update_durations.py):
+  with `-n 2 --dist loadfile` each worker takes whole files in this order, so the long ones start early instead
+  of running alone at the end. The order within a file is kept."""
+  import json
+  import pathlib
+  path = pathlib.Path(__file__).with_name("durations.json")
+  seconds = json.loads(path.read_text()) if path.exists() else {}
+  items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))

@@ -97,10 +97,27 @@ def assert_identical(a, b):
     assert np.array_equal(np.asarray(x), np.asarray(y)), f"{jax.tree_util.keystr(path)} differs"
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """One uninterrupted local run, the reference of both SIGKILL tests (started by the first that needs it and
+  running while that test's victim runs)."""
+  workdir = tmp_path_factory.mktemp("resume") / "straight"
+  proc = start(workdir)
+
+  def finished():
+    if proc.returncode is None:
+      finish(proc)
+    return workdir
+
+  yield finished
+  if proc.poll() is None:
+    proc.kill()
+    proc.communicate()
+
+
 @pytest.mark.slow
-def test_sigkill_mid_run_then_restart_is_bit_identical(tmp_path):
-  straight, killed = tmp_path / "straight", tmp_path / "killed"
-  reference = start(straight)
+def test_sigkill_mid_run_then_restart_is_bit_identical(tmp_path, straight):
+  killed = tmp_path / "killed"
   victim = start(killed, delay=0.4)
   wait_for_checkpoint(os.path.join(killed, "checkpoints", "sft"), 6, victim)
   time.sleep(0.5)  # into step 7 or 8: between checkpoints, mid-step
@@ -108,15 +125,14 @@ def test_sigkill_mid_run_then_restart_is_bit_identical(tmp_path):
   victim.communicate()
   latest = Checkpointer(os.path.join(killed, "checkpoints", "sft")).latest_step()
   assert latest is not None and 6 <= latest < STEPS
-  finish(reference)
   finish(start(killed))  # the same command again
 
-  params_a, meta_a = final_params(straight)
+  params_a, meta_a = final_params(straight())
   params_b, meta_b = final_params(killed)
   assert_identical(params_a, params_b)
   assert meta_a["data_state"] == meta_b["data_state"]
   # the restart continued after its checkpoint instead of starting over, and its losses match too
-  nll_a, nll_b = nll_by_step(straight), nll_by_step(killed)
+  nll_a, nll_b = nll_by_step(straight()), nll_by_step(killed)
   assert len(nll_b[1]) == 1 and len(nll_b[latest + 1]) >= 1
   assert all(nll_b[s][-1] == nll_a[s][0] for s in nll_a)
   assert nll_a[STEPS][0] < nll_a[1][0]  # and it learned something
@@ -143,10 +159,10 @@ from test_checkpoint_gcs import BUCKET, gcs_emulator  # noqa: E402,F401  (the em
 
 
 @pytest.mark.slow
-def test_sigkill_and_restart_through_gcs(tmp_path, gcs_emulator):
-  """The same exact-resume check with the work directory on gs:// (the storage emulator)."""
-  local, remote = tmp_path / "local", f"gs://{BUCKET}/resume"
-  reference = start(local)
+def test_sigkill_and_restart_through_gcs(tmp_path, gcs_emulator, straight):
+  """The same exact-resume check with the work directory on gs:// (the storage emulator), against the same
+  uninterrupted local run."""
+  remote = f"gs://{BUCKET}/resume"
   # checkpoint.ocdbt=False: the single-threaded emulator intermittently answers tensorstore's conditional
   # OCDBT manifest writes with "Malformed StorageGeneration" (an emulator limitation, seen with sync and
   # async saves); one zarr array per leaf avoids the shared manifest.
@@ -161,9 +177,8 @@ def test_sigkill_and_restart_through_gcs(tmp_path, gcs_emulator):
   victim.communicate()
   latest = ck.latest_step()
   assert 3 <= latest < STEPS
-  finish(reference)
   finish(start(remote, 0.0, gcs_emulator, "no_ocdbt"))
   assert ck.all_steps() == [9, STEPS]  # written by the restarted process, seen from this one
-  params_local, _ = final_params(local)
+  params_local, _ = final_params(straight())
   params_remote, _ = final_params(remote)
   assert_identical(params_local, params_remote)

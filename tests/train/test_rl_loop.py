@@ -149,10 +149,11 @@ def test_rl_resume_with_kl_is_bit_identical(tmp_path, tok_dir, full_run):
   """SFT then RL with a KL loss; the RL checkpoints after step 1 are removed (a run killed after its first RL
   checkpoint) and the same command resumes: the final parameters equal the uninterrupted run's bit for bit,
   which needs the rollout RNG, the data iterator, the optimizer state and the KL reference (the SFT result,
-  not the loaded model) all restored."""
+  not the loaded model) all restored. The killed run is a copy of the uninterrupted run's work directory
+  without its last two RL checkpoints (the same files a run killed after step 1 leaves)."""
   import shutil
   config = _config(tmp_path / "b", tok_dir, **RESUME_OVERRIDES, **{"eval.before_rl": False, "eval.after_rl": False})
-  run(config)
+  shutil.copytree(full_run[0].workdir, config.workdir)
   for step in ("2", "3"):
     shutil.rmtree(os.path.join(config.workdir, "checkpoints", "rl", step))
   resumed = run(config)
