@@ -24,10 +24,23 @@ def default_positions(attention_mask_bt):
   return jnp.maximum(jnp.cumsum(attention_mask_bt.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def _causal_mask(attention_mask_bt):
+def segment_positions(segment_ids_bt):
+  """Positions of packed rows: each segment (a run of equal non-zero ids) counts from 0; padding (id 0) gets 0."""
+  seg = jnp.asarray(segment_ids_bt)
+  t = seg.shape[1]
+  idx = jnp.broadcast_to(jnp.arange(t), seg.shape)
+  starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+  return jnp.where(seg > 0, idx - start_idx, 0)
+
+
+def _causal_mask(attention_mask_bt, segment_ids_bt=None):
   t = attention_mask_bt.shape[1]
   causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-  return causal_ts[None] & attention_mask_bt.astype(bool)[:, None, :]
+  mask = causal_ts[None] & attention_mask_bt.astype(bool)[:, None, :]
+  if segment_ids_bt is not None:  # packed rows: a token attends only to its own segment
+    mask = mask & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+  return mask
 
 
 def init_params(config: ModelConfig, rng, *, boxed: bool = False):
@@ -46,13 +59,22 @@ def param_logical_axes(config: ModelConfig):
   return nn.get_partition_spec(boxed)
 
 
-def forward_hidden(config: ModelConfig, params, tokens_bt, positions_bt=None, attention_mask_bt=None):
-  """Final-norm hidden states [B, T, D] (compute dtype) of a full (uncached) forward."""
+def forward_hidden(config: ModelConfig, params, tokens_bt, positions_bt=None, attention_mask_bt=None,
+                   segment_ids_bt=None):
+  """Final-norm hidden states [B, T, D] (compute dtype) of a full (uncached) forward.
+
+  `segment_ids_bt` (optional) packs several sequences into a row: tokens with equal non-zero ids form one
+  sequence, attend only within it and (by default) take positions from its start, so each sequence gets the
+  hidden states it would get alone; id 0 is padding."""
   if attention_mask_bt is None:
     attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
+  if segment_ids_bt is not None:
+    attention_mask_bt = attention_mask_bt * (segment_ids_bt > 0)
   if positions_bt is None:
-    positions_bt = default_positions(attention_mask_bt)
-  h_btd, _ = _module(config).apply({"params": params}, tokens_bt, positions_bt, _causal_mask(attention_mask_bt))
+    positions_bt = (default_positions(attention_mask_bt) if segment_ids_bt is None
+                    else segment_positions(segment_ids_bt))
+  h_btd, _ = _module(config).apply({"params": params}, tokens_bt, positions_bt,
+                                   _causal_mask(attention_mask_bt, segment_ids_bt))
   return h_btd
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 
 from aepo_jax.parallel import DEFAULT_RULES, logical_to_mesh
 
-_INT_KEYS = ("tokens", "attention_mask", "loss_mask")
+_INT_KEYS = ("tokens", "attention_mask", "loss_mask", "segment_ids")
 
 # A batch is [micro-batch index, rows, T]; rows are split over the batch mesh axes.
 BATCH_LOGICAL_SPEC = PartitionSpec(None, "batch", None)
@@ -110,13 +110,56 @@ def sft_example(segments: Sequence[tuple[Sequence[int], bool]]) -> tuple[np.ndar
   return tokens, mask
 
 
+def pack_rows(lengths: Sequence[int], rows: int, seq_len: int) -> list[list[int]]:
+  """Example indices per row: first-fit of the examples, longest first, into `rows` rows of `seq_len` tokens.
+  Raises ValueError when they do not fit (the caller names the config knobs)."""
+  bins, free = [[] for _ in range(rows)], [seq_len] * rows
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    row = next((r for r in range(rows) if free[r] >= lengths[i]), None)
+    if row is None:
+      raise ValueError(f"{len(lengths)} examples of {sum(lengths)} tokens (longest {max(lengths)}) do not fit "
+                       f"into {rows} rows of {seq_len} tokens")
+    bins[row].append(i)
+    free[row] -= lengths[i]
+  return [sorted(b) for b in bins]
+
+
 def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, micro_batch_size: int, pad_id: int,
-              seq_len: Optional[int] = None, rows_multiple: int = 1, truncate: bool = False
-              ) -> dict[str, np.ndarray]:
+              seq_len: Optional[int] = None, rows_multiple: int = 1, truncate: bool = False,
+              packed_rows: Optional[int] = None) -> dict[str, np.ndarray]:
   """SFT batch from (tokens, loss_mask) pairs. `truncate=True` cuts rows longer than seq_len instead of
-  raising (an SFT trace is still a valid prefix; an RL trajectory is not, so RL never truncates)."""
+  raising (an SFT trace is still a valid prefix; an RL trajectory is not, so RL never truncates).
+
+  `packed_rows=R` packs the examples into R rows of `seq_len` (first fit, longest first; needs seq_len) with a
+  `segment_ids` array (1, 2, ... per example in its row, 0 on padding): the model attends within each example and
+  the loss is the same token mean over the same trained tokens, on fewer padded tokens. ValueError when they do
+  not fit."""
   if not examples:
     raise ValueError("sft_batch got no examples")
+  if packed_rows:
+    if seq_len is None:
+      raise ValueError("sft_batch(packed_rows=...) needs seq_len (the length of a packed row)")
+    cut = [(np.asarray(tok)[:seq_len], np.asarray(m)[:seq_len]) if truncate else (np.asarray(tok), np.asarray(m))
+           for tok, m in examples]
+    for i, (tok, m) in enumerate(cut):
+      if len(tok) != len(m):
+        raise ValueError(f"SFT example {i}: tokens ({len(tok)}) and loss_mask ({len(m)}) differ in length")
+      if len(tok) > seq_len:
+        raise ValueError(f"an SFT example has {len(tok)} tokens but seq_len={seq_len}; raise seq_len "
+                         "or pass truncate=True")
+    arrays = {k: np.zeros((packed_rows, seq_len), np.int32) for k in ("tokens", "attention_mask", "loss_mask",
+                                                                       "segment_ids")}
+    arrays["tokens"][:] = pad_id
+    for r, members in enumerate(pack_rows([len(tok) for tok, _ in cut], packed_rows, seq_len)):
+      at = 0
+      for j, i in enumerate(members, start=1):
+        tok, m = cut[i]
+        sl = slice(at, at + len(tok))
+        arrays["tokens"][r, sl], arrays["loss_mask"][r, sl] = tok, m
+        arrays["attention_mask"][r, sl], arrays["segment_ids"][r, sl] = 1, j
+        at += len(tok)
+    return micro_batches(arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
+                         rows_multiple=rows_multiple)
   lengths = [len(tok) for tok, _ in examples]
   t = max(lengths) if seq_len is None else seq_len
   if seq_len is not None and max(lengths) > seq_len and not truncate:

@@ -151,6 +151,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sft.batch_size = 8
   c.sft.micro_batch_size = 8
   c.sft.max_len = 1024
+  # 0: one demo per row of max_len. R > 0: each step's batch_size demos are packed into R rows of max_len
+  # (attention within each demo; the same loss on fewer padded tokens); micro_batch_size then counts rows.
+  c.sft.packed_rows = 0
   c.sft.seed = 0
 
   c.eval = ml_collections.ConfigDict()
@@ -331,8 +334,13 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
        "train.nan_limit >= 0, train.log_every >= 1, train.eval_every >= 0.")
   if s.enabled or config.mode == "sft":
     need(s.steps >= 1, f"sft.steps={s.steps}: must be >= 1 when SFT runs.")
-    need(s.micro_batch_size >= 1 and s.batch_size % s.micro_batch_size == 0,
-         f"sft.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={s.batch_size}.")
+    if s.packed_rows:
+      need(0 < s.packed_rows <= s.batch_size and s.micro_batch_size >= 1 and s.packed_rows % s.micro_batch_size == 0,
+           f"sft.packed_rows={s.packed_rows}: must be in [1, sft.batch_size={s.batch_size}] and a multiple of "
+           f"sft.micro_batch_size={s.micro_batch_size} (0 turns packing off).")
+    else:
+      need(s.micro_batch_size >= 1 and s.batch_size % s.micro_batch_size == 0,
+           f"sft.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={s.batch_size}.")
     need(s.lr > 0 and 0 <= s.warmup_frac < 1, "sft.lr must be > 0 and sft.warmup_frac in [0, 1).")
     need(s.schedule in ("constant", "cosine", "linear"), f"sft.schedule={s.schedule!r}: constant, cosine or linear.")
   su, ev = d.suite, config.eval

@@ -94,9 +94,11 @@ def _shift_left(x_bt):
 
 
 def next_token_logprobs(model_config, params, tokens_bt, attention_mask_bt, *, temperature=1.0,
-                        chunk=DEFAULT_LOGPROB_CHUNK):
-  """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target)."""
-  h_btd = forward_hidden(model_config, params, tokens_bt, None, attention_mask_bt)
+                        chunk=DEFAULT_LOGPROB_CHUNK, segment_ids_bt=None):
+  """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target).
+  With `segment_ids_bt` (packed rows) the column before a segment's first token is meaningless too; callers mask
+  it (an SFT segment starts with untrained prompt tokens)."""
+  h_btd = forward_hidden(model_config, params, tokens_bt, None, attention_mask_bt, segment_ids_bt)
   return objectives.token_logprobs_and_entropy(
       h_btd, lambda h: unembed(model_config, params, h), _shift_left(tokens_bt), temperature, chunk)
 
@@ -284,12 +286,16 @@ def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransfo
                   mesh: Optional[Mesh] = None, rules=DEFAULT_RULES, temperature: float = 1.0,
                   logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global"):
   """Cold-start SFT step: masked NLL, token-mean over the loss_mask (prompt and tool results excluded).
-  batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T]."""
+  batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T], and `segment_ids` when rows are packed
+  (`sft_batch(pack_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens."""
 
   def micro_loss(params, mb, normalizer, scale):
+    seg = mb.get("segment_ids")
     logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
-                                    temperature=temperature, chunk=logprob_chunk)
+                                    temperature=temperature, chunk=logprob_chunk, segment_ids_bt=seg)
     mask = _shift_left(mb["loss_mask"])
+    if seg is not None:  # a target in another segment than its context (the next demo's first token)
+      mask = mask * (_shift_left(seg) == seg)
     nll = objectives.aggregate(-logp, mask, "token-mean", normalizer) * scale
     valid = mask > 0
     aux = {"sum:sft/nll": nll, "tokens": jnp.sum(valid).astype(jnp.float32),

@@ -197,7 +197,7 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   if meta.get("data_state") is not None:
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   pad_id = _wiring.pad_id(model_cfg, tokenizer)
-  micro = s.batch_size // s.micro_batch_size
+  micro = (s.packed_rows or s.batch_size) // s.micro_batch_size
   sft_step = _step.make_sft_step(model_cfg, optimizer=optimizer, micro_batches=micro, mesh=mesh)
   nan_count = int(meta.get("nan_count", 0))
 
@@ -206,8 +206,14 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   while step < s.steps:
     t0 = time.perf_counter()
     idx = next(loader)
-    batch = _batch.sft_batch([examples[i] for i in idx], micro_batch_size=s.micro_batch_size, pad_id=pad_id,
-                             seq_len=s.max_len, truncate=True)
+    try:
+      batch = _batch.sft_batch([examples[i] for i in idx], micro_batch_size=s.micro_batch_size, pad_id=pad_id,
+                               seq_len=s.max_len, truncate=True, packed_rows=s.packed_rows or None)
+    except ValueError as e:
+      if not s.packed_rows:
+        raise
+      raise ValueError(f"SFT step {step + 1}: {e}. Raise sft.packed_rows (at most sft.batch_size="
+                       f"{s.batch_size}) or sft.max_len={s.max_len}, or set sft.packed_rows=0.") from e
     params, opt_state, m = sft_step(params, opt_state, _batch.shard_batch(_process_rows(batch), mesh))
     step += 1
     m = jax.device_get(m)
