@@ -10,8 +10,8 @@ Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (band
 the bandwidth of a 1 GiB numpy copy (read + write counted, as issue 8 defines it) and with the read bandwidth of a
 jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction of each; the cost of the entropy
 in a decode step (alternating rounds, and the sampling step alone); the decode step's weight matmuls alone at batch
-8 with XLA's and numpy's BLAS kernels (the floor any step built from them has; our step against it); the cost of a fork (copy_slots) against
-re-prefilling a 512-token prefix. Where the time goes: docs/performance.md.
+8 with XLA's and numpy's BLAS kernels (the floor any step built from them has; our step against it); the cost of a
+fork (copy_slots) against re-prefilling a 512-token prefix. Where the time goes: docs/performance.md.
 """
 from __future__ import annotations
 
@@ -63,21 +63,22 @@ def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
   import jax.numpy as jnp
   d = config.hidden_size
   layers = [jax.tree.map(lambda w: np.asarray(w[i]), params["layers"]) for i in range(config.num_layers)]
-  head = np.asarray(params["embed_tokens"]["embedding"] if config.tie_word_embeddings else params["lm_head"]["kernel"].T)
+  head = np.asarray(params["embed_tokens"]["embedding"] if config.tie_word_embeddings
+                    else params["lm_head"]["kernel"].T)
   mats = [tuple(lp["self_attn"][n]["kernel"].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
           + (lp["self_attn"]["o_proj"]["kernel"].reshape(-1, d),)
           + tuple(lp["mlp"][n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj")) for lp in layers]
   nbytes = sum(m.nbytes for ms in mats for m in ms) + head.nbytes
 
   def chain(x, mats, head, xp):
-    for q, k, v, o, g, u, d in mats:
+    for q, k, v, o, gate, up, down in mats:
       a = (x @ q)[:, :o.shape[0]] + (x @ k).sum() + (x @ v).sum()
       x = x + a @ o
-      x = x + ((x @ g) * (x @ u)) @ d
+      x = x + ((x @ gate) * (x @ up)) @ down
       x = x / (1.0 + xp.abs(x).max())  # keep values finite
     return x @ head.T
 
-  x0 = np.random.default_rng(0).standard_normal((batch, config.hidden_size)).astype(np.float32)
+  x0 = np.random.default_rng(0).standard_normal((batch, d)).astype(np.float32)
   jmats, jhead, jx = jax.device_put(mats), jax.device_put(head), jax.device_put(x0)
   f = jax.jit(lambda x, m, h: chain(x, m, h, jnp))
   jax.block_until_ready(f(jx, jmats, jhead))

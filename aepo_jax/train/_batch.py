@@ -136,45 +136,35 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, micro_
   not fit."""
   if not examples:
     raise ValueError("sft_batch got no examples")
-  if packed_rows:
-    if seq_len is None:
-      raise ValueError("sft_batch(packed_rows=...) needs seq_len (the length of a packed row)")
-    cut = [(np.asarray(tok)[:seq_len], np.asarray(m)[:seq_len]) if truncate else (np.asarray(tok), np.asarray(m))
-           for tok, m in examples]
-    for i, (tok, m) in enumerate(cut):
-      if len(tok) != len(m):
-        raise ValueError(f"SFT example {i}: tokens ({len(tok)}) and loss_mask ({len(m)}) differ in length")
-      if len(tok) > seq_len:
-        raise ValueError(f"an SFT example has {len(tok)} tokens but seq_len={seq_len}; raise seq_len "
-                         "or pass truncate=True")
-    arrays = {k: np.zeros((packed_rows, seq_len), np.int32) for k in ("tokens", "attention_mask", "loss_mask",
-                                                                       "segment_ids")}
-    arrays["tokens"][:] = pad_id
-    for r, members in enumerate(pack_rows([len(tok) for tok, _ in cut], packed_rows, seq_len)):
-      at = 0
-      for j, i in enumerate(members, start=1):
-        tok, m = cut[i]
-        sl = slice(at, at + len(tok))
-        arrays["tokens"][r, sl], arrays["loss_mask"][r, sl] = tok, m
-        arrays["attention_mask"][r, sl], arrays["segment_ids"][r, sl] = 1, j
-        at += len(tok)
-    return micro_batches(arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
-                         rows_multiple=rows_multiple)
-  lengths = [len(tok) for tok, _ in examples]
-  t = max(lengths) if seq_len is None else seq_len
-  if seq_len is not None and max(lengths) > seq_len and not truncate:
-    raise ValueError(f"an SFT example has {max(lengths)} tokens but seq_len={seq_len}; raise seq_len "
-                     "or pass truncate=True")
-  tokens = np.full((len(examples), t), pad_id, np.int32)
-  loss_mask = np.zeros((len(examples), t), np.int32)
-  attn = np.zeros((len(examples), t), np.int32)
+  if packed_rows and seq_len is None:
+    raise ValueError("sft_batch(packed_rows=...) needs seq_len (the length of a packed row)")
+  cut = []
   for i, (tok, m) in enumerate(examples):
+    tok, m = np.asarray(tok), np.asarray(m)
     if len(tok) != len(m):
       raise ValueError(f"SFT example {i}: tokens ({len(tok)}) and loss_mask ({len(m)}) differ in length")
-    k = min(len(tok), t)
-    tokens[i, :k], loss_mask[i, :k], attn[i, :k] = np.asarray(tok)[:k], np.asarray(m)[:k], 1
-  return micro_batches({"tokens": tokens, "attention_mask": attn, "loss_mask": loss_mask},
-                       micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
+    if seq_len is not None and len(tok) > seq_len:
+      if not truncate:
+        raise ValueError(f"an SFT example has {len(tok)} tokens but seq_len={seq_len}; raise seq_len "
+                         "or pass truncate=True")
+      tok, m = tok[:seq_len], m[:seq_len]
+    cut.append((tok, m))
+  t = max(len(tok) for tok, _ in cut) if seq_len is None else seq_len
+  rows = (pack_rows([len(tok) for tok, _ in cut], packed_rows, t) if packed_rows
+          else [[i] for i in range(len(cut))])
+  names = ("tokens", "attention_mask", "loss_mask") + (("segment_ids",) if packed_rows else ())
+  arrays = {k: np.zeros((len(rows), t), np.int32) for k in names}
+  arrays["tokens"][:] = pad_id
+  for r, members in enumerate(rows):
+    at = 0
+    for j, i in enumerate(members, start=1):
+      tok, m = cut[i]
+      sl = slice(at, at + len(tok))
+      arrays["tokens"][r, sl], arrays["loss_mask"][r, sl], arrays["attention_mask"][r, sl] = tok, m, 1
+      if packed_rows:
+        arrays["segment_ids"][r, sl] = j
+      at += len(tok)
+  return micro_batches(arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
                        rows_multiple=rows_multiple)
 
 

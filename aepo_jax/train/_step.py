@@ -287,7 +287,7 @@ def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransfo
                   logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global"):
   """Cold-start SFT step: masked NLL, token-mean over the loss_mask (prompt and tool results excluded).
   batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T], and `segment_ids` when rows are packed
-  (`sft_batch(pack_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens."""
+  (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens."""
 
   def micro_loss(params, mb, normalizer, scale):
     seg = mb.get("segment_ids")

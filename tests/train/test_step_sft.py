@@ -124,9 +124,11 @@ def test_packing_errors_name_the_limits():
     sft_batch(examples, micro_batch_size=1, pad_id=0, seq_len=8, packed_rows=2)
   with pytest.raises(ValueError, match="needs seq_len"):
     sft_batch(examples, micro_batch_size=1, pad_id=0, packed_rows=2)
+  import os
   from aepo_jax.train import ConfigError, load_config
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   with pytest.raises(ConfigError, match="sft.packed_rows=3"):
-    load_config("configs/testing/tiny_sft.py", overrides={"sft.packed_rows": 3, "sft.micro_batch_size": 2,
+    load_config(os.path.join(root, "configs", "testing", "tiny_sft.py"), overrides={"sft.packed_rows": 3, "sft.micro_batch_size": 2,
                                                           "sft.batch_size": 8}, num_devices=None)
 
 
