@@ -10,8 +10,9 @@ Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (band
 the bandwidth of a 1 GiB numpy copy (read + write counted, as issue 8 defines it) and with the read bandwidth of a
 jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction of each; the cost of the entropy
 in a decode step (alternating rounds, and the sampling step alone); the decode step's weight matmuls alone at batch
-8 with XLA's and numpy's BLAS kernels (the floor any step built from them has; our step against it); the cost of a
-fork (copy_slots) against re-prefilling a 512-token prefix. Where the time goes: docs/performance.md.
+8 with XLA's, numpy's BLAS and our CPU kernel (aepo_jax/rollout/_cpu_matmul.py), against the read limit; ours
+against the same engine decoding with XLA's dots; the cost of a fork (copy_slots) against re-prefilling a
+512-token prefix. Where the time goes: docs/performance.md.
 """
 from __future__ import annotations
 
@@ -86,6 +87,27 @@ def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
   out["xla"] = min(timed(lambda: jax.block_until_ready(f(jx, jmats, jhead))) for _ in range(repeats)) * 1000
   chain(x0, mats, head, np)
   out["numpy"] = min(timed(lambda: chain(x0, mats, head, np)) for _ in range(repeats)) * 1000
+  from aepo_jax.rollout import _cpu_matmul
+  if _cpu_matmul.available():
+    # The same chain through the small-M kernel, on stacked weights stored [L, N, K] and a layer index.
+    stacked = [jax.device_put(np.stack([np.ascontiguousarray(ms[i].T) for ms in mats])) for i in range(7)]
+    jhead_t = jax.device_put(np.ascontiguousarray(head))
+
+    def kchain(x, ws, h):
+      mm = _cpu_matmul.matmul_t
+
+      def layer(x, li):
+        q, k, v, o, gate, up, down = ws
+        a = mm(x, q, li)[:, :o.shape[2]] + mm(x, k, li).sum() + mm(x, v, li).sum()
+        x = x + mm(a, o, li)
+        x = x + mm(mm(x, gate, li) * mm(x, up, li), down, li)
+        return x / (1.0 + jnp.abs(x).max()), None
+      x, _ = jax.lax.scan(layer, x, jnp.arange(config.num_layers, dtype=jnp.int32))
+      return mm(x, h, jnp.int32(0))
+
+    fk = jax.jit(kchain)
+    jax.block_until_ready(fk(jx, stacked, jhead_t))
+    out["kernel"] = min(timed(lambda: jax.block_until_ready(fk(jx, stacked, jhead_t))) for _ in range(repeats)) * 1000
   return out
 
 
@@ -118,11 +140,13 @@ def timed(fn, repeats: int = 1):
   return best
 
 
-def ours_tokens_per_s(config, params, prompts, new_tokens: int, with_entropy: bool = True) -> float:
-  """End to end (prefill + new_tokens decode steps), after a warm-up run of the same shapes."""
+def ours_tokens_per_s(config, params, prompts, new_tokens: int, with_entropy: bool = True,
+                      cpu_kernels=None) -> float:
+  """End to end (prefill + new_tokens decode steps), after a warm-up run of the same shapes (which also prepares
+  the decode weights of the CPU kernel, once per parameter version)."""
   b = len(prompts)
   eng = Engine(config, max_slots=b, max_len=len(prompts[0]) + new_tokens + 1, eos_ids=(),
-               sampling=SamplingParams(0.0))
+               sampling=SamplingParams(0.0), cpu_kernels=cpu_kernels)
 
   def run():
     s = eng.add(params, eng.init_decode_state(), list(range(b)), prompts, list(range(b)), new_tokens)
@@ -131,7 +155,7 @@ def ours_tokens_per_s(config, params, prompts, new_tokens: int, with_entropy: bo
     return out.token
 
   run()
-  return b * new_tokens / timed(run)
+  return b * new_tokens / timed(run, repeats=2)
 
 
 def hf_tokens_per_s(hf, prompts, new_tokens: int) -> float:
@@ -206,15 +230,25 @@ def main():
         f"('read limit' below: a decode step only reads the weights)")
   rng = np.random.default_rng(0)
   print(f"\nprompt {args.prompt_len} tokens, {new_tokens} new tokens, greedy, tokens/s (prefill included):")
-  print(f"{'batch':>5} {'ours':>9} {'transformers':>13} {'ratio':>7} {'limit':>9} {'ours/limit':>10} "
+  from aepo_jax.rollout import _cpu_matmul
+  kernel = _cpu_matmul.available()
+  print("'ours' decodes with the CPU small-M kernel (aepo_jax/rollout/_cpu_matmul.py); 'XLA dots' is the same engine "
+        "with cpu_kernels=False (the path used on accelerators)" if kernel else
+        f"CPU kernel unavailable ({_cpu_matmul.reason()}): 'ours' uses XLA dots")
+  print(f"{'batch':>5} {'ours':>9} {'XLA dots':>9} {'transformers':>13} {'ratio':>7} {'limit':>9} {'ours/limit':>10} "
         f"{'read limit':>10} {'ours/read':>9}")
   for b in batches:
     prompts = [[1] + [int(t) for t in rng.integers(3, config.vocab_size, args.prompt_len - 1)] for _ in range(b)]
     ours = ours_tokens_per_s(config, params, prompts, new_tokens)
+    xla = ours_tokens_per_s(config, params, prompts, new_tokens, cpu_kernels=False) if kernel else float("nan")
     theirs = hf_tokens_per_s(hf, prompts, new_tokens)
     limit, rlimit = b * limit_steps, b * read_steps
-    print(f"{b:>5} {ours:>9.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x {limit:>9.1f} {ours / limit:>9.0%} "
+    print(f"{b:>5} {ours:>9.1f} {xla:>9.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x {limit:>9.1f} {ours / limit:>9.0%} "
           f"{rlimit:>10.1f} {ours / rlimit:>8.0%}")
+  if kernel:
+    from aepo_jax.rollout._engine import _decode_weights
+    t_prep = timed(lambda: _decode_weights(config, params), repeats=3)
+    print(f"preparing the kernel's decode weights (once per parameter version, cached): {1000 * t_prep:.0f} ms")
 
   ms = step_ms(config, params, 8)
   extra = ms["sample_with"] - ms["sample_without"]
@@ -224,11 +258,15 @@ def main():
         f"{ms['sample_without']:.2f} ms without -> entropy adds {extra:.2f} ms = "
         f"{100 * extra / ms['without']:.1f}% of a decode step")
   mm = matmul_chain_ms(config, params, 8)
-  print(f"  the same step's weight matmuls alone at M=8 (chained, weights pre-sliced; no attention or copies): "
-        f"XLA {mm['xla']:.1f} ms ({mm['bytes'] / mm['xla'] / 1e6:.1f} GB/s of weight reads), numpy/BLAS "
-        f"{mm['numpy']:.1f} ms ({mm['bytes'] / mm['numpy'] / 1e6:.1f} GB/s); read limit {mm['bytes'] / rbw / 1e6:.1f} "
-        f"ms -> the kernels alone reach {mm['bytes'] / rbw / 1e6 / mm['xla']:.0%} of it, our step "
-        f"{mm['bytes'] / rbw / 1e6 / ms['with']:.0%}")
+  read_ms = mm["bytes"] / rbw / 1e6
+  line = (f"  the same step's weight matmuls alone at M=8 (chained; no attention, norms or sampling), read limit "
+          f"{read_ms:.1f} ms: XLA dots {mm['xla']:.1f} ms ({mm['bytes'] / mm['xla'] / 1e6:.1f} GB/s of weight reads, "
+          f"{read_ms / mm['xla']:.0%} of the limit), numpy/BLAS {mm['numpy']:.1f} ms "
+          f"({mm['bytes'] / mm['numpy'] / 1e6:.1f} GB/s)")
+  if "kernel" in mm:
+    line += (f", our CPU kernel {mm['kernel']:.1f} ms ({mm['bytes'] / mm['kernel'] / 1e6:.1f} GB/s, "
+             f"{read_ms / mm['kernel']:.0%} of the limit)")
+  print(line + f"; our whole decode step reaches {read_ms / ms['with']:.0%} of the limit")
   t_fork, t_prefill = fork_vs_prefill(config, params)
   print(f"fork (copy_slots, one 576-entry slot) {1000 * t_fork:.1f} ms vs re-prefilling a 512-token prefix "
         f"{1000 * t_prefill:.1f} ms -> {100 * t_fork / t_prefill:.1f}%")

@@ -7,6 +7,9 @@ what bounds decode at small batch:
   * attention reads only the first `attend_len` cache entries (a static bucket >= every active row's length),
     not the whole max_len.
 The mask depends only on the positions, so it is built once per step, outside the layer loop.
+
+On CPU the engine passes `weights_t = decode_weights(config, params)` (prepared once per parameter version) and
+the projections run through the small-M kernel of `_cpu_matmul` instead of XLA dots (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -26,12 +29,39 @@ def _rms(x, scale, eps, dt):
   return (y * scale.astype(jnp.float32)).astype(dt)
 
 
-def _dense(x, kernel, dt, spec):
-  return jnp.einsum(spec, x, kernel.astype(dt))
+def decode_weights(config, params) -> dict:
+  """The projection weights re-laid out for `aepo_jax.rollout._cpu_matmul` (one row per output column), float32:
+  qkv [L, (H + 2K) * hd, D] (q, k, v fused), o [L, D, H * hd], gate_up [L, 2F, D] (gate, up fused),
+  down [L, D, F], and head [V, D] when the embeddings are untied (a tied head is the embedding itself)."""
+  lay = params["layers"]
+  a, m = lay["self_attn"], lay["mlp"]
+  f32 = jnp.float32
+
+  def in_heads(kernel):  # [L, D, N, hd] -> [L, N*hd, D]
+    l, d = kernel.shape[:2]
+    return jnp.swapaxes(kernel.reshape(l, d, -1), 1, 2).astype(f32)
+
+  o = a["o_proj"]["kernel"]  # [L, H, hd, D]
+  out = {
+      "qkv": jnp.concatenate([in_heads(a[n]["kernel"]) for n in ("q_proj", "k_proj", "v_proj")], axis=1),
+      "o": jnp.swapaxes(o.reshape(o.shape[0], -1, o.shape[-1]), 1, 2).astype(f32),
+      "gate_up": jnp.concatenate([jnp.swapaxes(m[n]["kernel"], 1, 2).astype(f32) for n in ("gate_proj", "up_proj")],
+                                 axis=1),
+      "down": jnp.swapaxes(m["down_proj"]["kernel"], 1, 2).astype(f32),
+  }
+  if not config.tie_word_embeddings:
+    out["head"] = params["lm_head"]["kernel"].T.astype(f32)
+  return out
 
 
-def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, return_hidden: bool = False):
-  """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache)."""
+def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, return_hidden: bool = False,
+                   weights_t: dict = None):
+  """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache).
+
+  weights_t: `decode_weights(config, params)`; when given, the projections run through the CPU small-M kernel
+  (`_cpu_matmul.matmul_t`) on the stacked weights with the layer index (no per-layer weight slices), otherwise
+  through XLA dots on `params`.
+  """
   cfg = config
   dt = jnp.dtype(cfg.dtype)
   s = token_s.shape[0]
@@ -41,6 +71,49 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
   inv_freq = rope_inv_freq(cfg)
   mask_sa = jnp.arange(attend_len)[None, :] <= pos_s[:, None]
   pos_s1 = pos_s[:, None]
+  lay = params["layers"]
+  n_q, n_kv = h_heads * d, k_heads * d
+
+  if weights_t is None:
+    def qkv(x, p, li):
+      a = p["self_attn"]
+      return tuple(x @ a[n]["kernel"].reshape(cfg.hidden_size, -1).astype(dt) for n in ("q_proj", "k_proj", "v_proj"))
+
+    def o_proj(x, p, li):
+      kernel = p["self_attn"]["o_proj"]["kernel"]  # [H, hd, D]
+      return x @ kernel.reshape(-1, kernel.shape[-1]).astype(dt)
+
+    def gate_up(x, p, li):
+      return x @ p["mlp"]["gate_proj"]["kernel"].astype(dt), x @ p["mlp"]["up_proj"]["kernel"].astype(dt)
+
+    def down(x, p, li):
+      return x @ p["mlp"]["down_proj"]["kernel"].astype(dt)
+
+    layer_xs = lay
+  else:
+    from aepo_jax.rollout import _cpu_matmul
+    kmm = _cpu_matmul.matmul_t
+
+    def qkv(x, p, li):
+      y = kmm(x, weights_t["qkv"], li)
+      return y[:, :n_q], y[:, n_q:n_q + n_kv], y[:, n_q + n_kv:]
+
+    def o_proj(x, p, li):
+      return kmm(x, weights_t["o"], li)
+
+    def gate_up(x, p, li):
+      y = kmm(x, weights_t["gate_up"], li)
+      return y[:, :cfg.intermediate_size], y[:, cfg.intermediate_size:]
+
+    def down(x, p, li):
+      return kmm(x, weights_t["down"], li)
+
+    # Only the small per-layer parameters ride in the scan; the projections stay stacked in weights_t.
+    layer_xs = {"input_layernorm": lay["input_layernorm"], "post_attention_layernorm": lay["post_attention_layernorm"],
+                "self_attn": {n: v for n, v in lay["self_attn"].items() if n in ("q_norm", "k_norm")}}
+    if cfg.attention_bias:
+      for n in ("q_proj", "k_proj", "v_proj"):
+        layer_xs["self_attn"][n] = {"bias": lay["self_attn"][n]["bias"]}
 
   x_sd = params["embed_tokens"]["embedding"][token_s].astype(dt)
 
@@ -48,10 +121,9 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
     x_sd, cache = carry
     p, li = xs
     a = p["self_attn"]
-    hn = _rms(x_sd, p["input_layernorm"]["scale"], cfg.rms_norm_eps, dt)[:, None]  # [S,1,D]
-    q = _dense(hn, a["q_proj"]["kernel"], dt, "btd,dnh->btnh")
-    k = _dense(hn, a["k_proj"]["kernel"], dt, "btd,dnh->btnh")
-    v = _dense(hn, a["v_proj"]["kernel"], dt, "btd,dnh->btnh")
+    hn = _rms(x_sd, p["input_layernorm"]["scale"], cfg.rms_norm_eps, dt)  # [S,D]
+    q, k, v = qkv(hn, p, li)
+    q, k, v = q.reshape(s, 1, h_heads, d), k.reshape(s, 1, k_heads, d), v.reshape(s, 1, k_heads, d)
     if cfg.attention_bias:
       q, k, v = (t + a[n]["bias"].astype(dt) for t, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
     if cfg.qk_norm:
@@ -68,20 +140,21 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
     logits = jnp.einsum("skgd,sakd->skga", q_skgd, keys).astype(jnp.float32) / math.sqrt(d)
     logits = jnp.where(mask_sa[:, None, None, :], logits, _NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    out = jnp.einsum("skga,sakd->skgd", probs, vals).reshape(s, h_heads, d)
-    x_sd = x_sd + jnp.einsum("snh,nhd->sd", out, a["o_proj"]["kernel"].astype(dt))
-    m = p["mlp"]
+    out = jnp.einsum("skga,sakd->skgd", probs, vals).reshape(s, h_heads * d)
+    x_sd = x_sd + o_proj(out, p, li)
     hn = _rms(x_sd, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps, dt)
-    gate = hn @ m["gate_proj"]["kernel"].astype(dt)
-    up = hn @ m["up_proj"]["kernel"].astype(dt)
-    x_sd = x_sd + (jax.nn.silu(gate) * up) @ m["down_proj"]["kernel"].astype(dt)
+    gate, up = gate_up(hn, p, li)
+    x_sd = x_sd + down(jax.nn.silu(gate) * up, p, li)
     return (x_sd, {"k": ck, "v": cv}), None
 
-  (x_sd, cache), _ = jax.lax.scan(layer, (x_sd, cache), (params["layers"], jnp.arange(cfg.num_layers)))
+  (x_sd, cache), _ = jax.lax.scan(layer, (x_sd, cache), (layer_xs, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
   h_sd = _rms(x_sd, params["norm"]["scale"], cfg.rms_norm_eps, dt)
   if return_hidden:
     return h_sd, cache
-  if cfg.tie_word_embeddings:
+  if weights_t is not None:
+    head = weights_t["head"] if "head" in weights_t else params["embed_tokens"]["embedding"]
+    logits = _cpu_matmul.matmul_t(h_sd, head.astype(jnp.float32), jnp.int32(0))
+  elif cfg.tie_word_embeddings:
     logits = h_sd @ params["embed_tokens"]["embedding"].astype(dt).T
   else:
     logits = h_sd @ params["lm_head"]["kernel"].astype(dt)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+import weakref
 from typing import Optional, Sequence
 
 import jax
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aepo_jax.model import ModelConfig
+from aepo_jax.rollout import _cpu_matmul
 from aepo_jax.rollout import _ops
 from aepo_jax.rollout import _state as st
 from aepo_jax.rollout._sampling import SamplingParams
@@ -53,11 +56,49 @@ def _stop_matrix(seqs: tuple):
 # Module-level jitted functions (static: config, spec, sizes), so engines of the same model share compilations.
 # The state argument is donated: the KV cache is updated in place.
 _decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_decode_weights = jax.jit(_ops.decode_weights, static_argnums=(0,))
 _fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1), donate_argnums=(3,))
 _start = jax.jit(_ops.start_rows, static_argnums=(7, 8, 9), donate_argnums=(0,))
 _copy = jax.jit(_ops.copy_rows, donate_argnums=(0,))
 _truncate = jax.jit(_ops.truncate_rows, static_argnums=(3, 4), donate_argnums=(0,))
 _release = jax.jit(_ops.release_rows, donate_argnums=(0,))
+
+
+class _PreparedWeights:
+  """One cached `decode_weights` copy, for the parameter version it was made from (matched by identity of
+  every leaf, held weakly: the copy is dropped as soon as those parameters are freed). Shared by all engines
+  of the process, so a training loop that rolls out with the same parameters many times prepares them once."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._entry = None  # (config, [weakref to leaf], weights)
+
+  def get(self, config, params):
+    leaves = jax.tree.leaves(params)
+    with self._lock:
+      e = self._entry
+      if e is not None and e[0] == config and len(e[1]) == len(leaves) and all(
+          r() is x for r, x in zip(e[1], leaves)):
+        return e[2]
+      self._entry = None  # release the previous copy before making a new one
+    weights = _decode_weights(config, params)
+    refs = [weakref.ref(x) for x in leaves]
+    with self._lock:
+      self._entry = (config, refs, weights)
+    weakref.finalize(leaves[0], self._drop, refs[0])
+    return weights
+
+  def _drop(self, ref):
+    with self._lock:
+      if self._entry is not None and self._entry[1][0] is ref:
+        self._entry = None
+
+  def clear(self):
+    with self._lock:
+      self._entry = None
+
+
+prepared_weights = _PreparedWeights()
 
 
 def _bucket(n: int, lo: int = 1) -> int:
@@ -70,7 +111,10 @@ class Engine:
   def __init__(self, model_config: ModelConfig, *, max_slots: int, max_len: int, eos_ids: Sequence[int] = None,
                stop_sequences: Sequence[Sequence[int]] = (), sampling: SamplingParams = SamplingParams(),
                entropy_window: int = 20, topk_entropy: int = 10, mesh=None, prefill_chunk: int = 128,
-               cache_dtype: Optional[str] = None):
+               cache_dtype: Optional[str] = None, cpu_kernels: Optional[bool] = None):
+    """cpu_kernels: decode through the CPU small-M kernel (`_cpu_matmul`): None (default) when it applies
+    (float32 model on one CPU device, max_slots <= 64, kernel built), True to require it (an error says why it
+    cannot), False for XLA's dots."""
     if max_slots < 1 or max_len < 2:
       raise ValueError(f"Engine: max_slots={max_slots} must be >= 1 and max_len={max_len} >= 2.")
     self.config = model_config
@@ -91,6 +135,8 @@ class Engine:
     self.prefill_chunk = int(prefill_chunk)
     self.mesh = mesh
     self.cache_dtype = cache_dtype
+    self.cpu_kernels = cpu_kernels
+    self._use_kernels = None  # decided at the first decode (needs the parameters' device)
   # ------------------------------------------------------------------------------------------------
   # JetStream-style sizes
   # ------------------------------------------------------------------------------------------------
@@ -249,7 +295,21 @@ class Engine:
     # Attention reads only the cache prefix any row can reach in this call (one small host read).
     reach = int(jax.device_get(jnp.max(state.length))) + int(num_steps)
     spec = self.step_spec(sampling, with_entropy, self.attend_bucket(reach))
-    return _decode(self.config, spec, int(num_steps), params, state)
+    weights_t = prepared_weights.get(self.config, params) if self.uses_cpu_kernels(params) else None
+    return _decode(self.config, spec, int(num_steps), params, state, weights_t)
+
+  def uses_cpu_kernels(self, params) -> bool:
+    """Whether decode runs through the CPU small-M kernel (decided once per engine, see `cpu_kernels`)."""
+    if self._use_kernels is None:
+      if self.cpu_kernels is False:
+        self._use_kernels = False
+      else:
+        why = _cpu_matmul.unavailable_reason_for(self.config, self.max_slots, self.mesh, params)
+        if why is not None and self.cpu_kernels:
+          raise ValueError(f"Engine(cpu_kernels=True): the CPU decode kernel cannot be used: {why}. Pass "
+                           "cpu_kernels=None (use it where it applies) or False.")
+        self._use_kernels = why is None
+    return self._use_kernels
 
   def copy_slots(self, state, src, dst, seeds=None):
     """Forks src slots into dst slots on device. seeds: one int per child for a fresh key, or None (or a

@@ -9,20 +9,21 @@ import jax.numpy as jnp
 
 from aepo_jax.model import forward_cached
 from aepo_jax.rollout import _state as st
-from aepo_jax.rollout._decode_forward import decode_forward
+from aepo_jax.rollout._decode_forward import decode_forward, decode_weights  # noqa: F401 (engine)
 from aepo_jax.rollout._sampling import sample_step
 
 
 # ----------------------------------------------------------------------------------------------------
 # Decode
 # ----------------------------------------------------------------------------------------------------
-def decode_step(config, params, state: st.DecodeState, spec):
-  """One token for every active slot. `spec` is the engine's static `_StepSpec`."""
+def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
+  """One token for every active slot. `spec` is the engine's static `_StepSpec`; weights_t: see decode_forward."""
   s, max_len = state.tokens.shape
   rows = jnp.arange(s)
   # Paused/free rows also write: the KV of their own last_token at length-1, which is the correct value.
   write_s = jnp.clip(state.length - 1, 0, max_len - 1)
-  logits_sv, cache = decode_forward(config, params, state.last_token, write_s, state.cache, spec.attend_len)
+  logits_sv, cache = decode_forward(config, params, state.last_token, write_s, state.cache, spec.attend_len,
+                                    weights_t=weights_t)
   token_s, logprob_s, entropy_s, topk_s, rng = sample_step(
       logits_sv, state.rng, spec.sampling, with_entropy=spec.with_entropy, topk=spec.topk_entropy)
   act = state.active
@@ -63,9 +64,9 @@ def decode_step(config, params, state: st.DecodeState, spec):
   return state, out
 
 
-def decode(config, spec, num_steps: int, params, state):
+def decode(config, spec, num_steps: int, params, state, weights_t=None):
   def body(carry, _):
-    return decode_step(config, params, carry, spec)
+    return decode_step(config, params, carry, spec, weights_t)
 
   state, out = jax.lax.scan(body, state, None, length=num_steps)
   return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)

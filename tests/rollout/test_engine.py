@@ -193,7 +193,8 @@ def test_sharded_cache_matches_single_device(params):
     s, o = eng.decode(params, s, 8)
     if m is not None:
       assert len(s.cache["k"].sharding.device_set) == 8
-    out.append(jax.device_get(o))
+      assert not eng.uses_cpu_kernels(params)  # a mesh decodes with XLA's dots (the accelerator path) ...
+    out.append(jax.device_get(o))  # ... one CPU device with the small-M kernel where it builds: both must agree
   np.testing.assert_array_equal(out[0].token, out[1].token)
   np.testing.assert_allclose(out[0].logprob, out[1].logprob, atol=TOL)
 

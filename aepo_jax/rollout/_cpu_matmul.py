@@ -1,0 +1,146 @@
+"""A small-M float32 matmul kernel for decode on CPU, called through the XLA FFI.
+
+At small batch a decode step reads every weight once; XLA:CPU's GEMM reaches only ~5-7 GB/s of weight reads at
+M = 8 on the development machine (a quarter of its memory bandwidth), and slicing a layer's weights out of the
+scanned, stacked parameters adds a copy per layer per step (docs/performance.md). `csrc/small_m_matmul.cc`
+streams weights stored as [L, N, K] (one contiguous row per output column) with prefetching and register
+blocking, and takes the whole stack plus a layer index, so nothing is sliced.
+
+The kernel is compiled on first use with the system C++ compiler (`$CXX`, default g++; ~5 s) into
+`~/.cache/aepo_jax/kernels` (`$AEPO_JAX_KERNEL_CACHE`) and registered as an XLA FFI target. It needs x86-64
+with AVX2 and FMA. `AEPO_JAX_CPU_KERNELS=0` turns it off. When it cannot be built or loaded, `available()` is
+False, `reason()` says why, and the engine decodes with XLA's dots instead (same results to float32 rounding).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SRC = Path(__file__).parent / "csrc" / "small_m_matmul.cc"
+_TARGET = "aepo_small_m_matmul"
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+_lock = threading.Lock()
+_status: dict = {}  # {"ok": bool, "reason": str, "path": str}
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+  return Path(os.environ.get("AEPO_JAX_KERNEL_CACHE") or Path.home() / ".cache" / "aepo_jax" / "kernels")
+
+
+def _cpu_flags() -> set:
+  try:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("flags"):
+        return set(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return set()
+
+
+def _build() -> Path:
+  """Compiles the kernel into the cache (once per source, flags and jaxlib version) and returns the .so path."""
+  include = jax.ffi.include_dir()
+  cxx = os.environ.get("CXX", "g++")
+  key = hashlib.sha256(b"\0".join([_SRC.read_bytes(), " ".join((cxx,) + _FLAGS).encode(), jax.__version__.encode(),
+                                   str(include).encode()])).hexdigest()[:16]
+  out_dir = cache_dir()
+  so = out_dir / f"small_m_matmul-{key}.so"
+  if so.exists():
+    return so
+  out_dir.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+  os.close(fd)
+  try:
+    cmd = [cxx, *_FLAGS, f"-I{include}", str(_SRC), "-o", tmp]
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+      raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (install g++ or set $CXX)") from None
+    if proc.returncode != 0:
+      raise RuntimeError(f"compiling {_SRC.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, so)  # atomic: concurrent builders (test workers) never load a half-written file
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return so
+
+
+def _load() -> dict:
+  if os.environ.get("AEPO_JAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    return {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}
+  if platform.machine().lower() not in ("x86_64", "amd64"):
+    return {"ok": False, "reason": f"needs x86-64 (this machine: {platform.machine()})"}
+  missing = {"avx2", "fma"} - _cpu_flags()
+  if missing:
+    return {"ok": False, "reason": f"the CPU lacks {sorted(missing)}"}
+  try:
+    import ctypes
+    so = _build()
+    lib = ctypes.cdll.LoadLibrary(str(so))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.AepoSmallMMatmul), platform="cpu")
+  except Exception as e:  # noqa: BLE001 - any failure means: decode with XLA instead, and say why
+    return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
+  return {"ok": True, "reason": "", "path": str(so)}
+
+
+def available() -> bool:
+  """True when the kernel is built, loaded and registered (builds it on the first call)."""
+  with _lock:
+    if not _status:
+      _status.update(_load())
+      if not _status["ok"]:
+        log.warning("CPU decode kernel unavailable (%s); decoding with XLA dots.", _status["reason"])
+  return _status["ok"]
+
+
+def reason() -> str:
+  """Why the kernel is unavailable ('' when it is available)."""
+  available()
+  return _status["reason"]
+
+
+def matmul_t(x, w_stacked, layer, *, parts: int = 0):
+  """x [M, K] @ w_stacked[layer]^T with w_stacked [L, N, K] (or [N, K] with layer 0) -> [M, N], float32.
+
+  `layer` is an int32 scalar (traced inside a layer scan). `parts`: column blocks run in parallel on XLA's
+  intra-op thread pool (0: one per pool thread).
+  """
+  if not available():
+    raise RuntimeError(f"aepo_jax CPU decode kernel unavailable: {reason()}")
+  if x.dtype != jnp.float32 or w_stacked.dtype != jnp.float32:
+    raise TypeError(f"matmul_t: float32 only (x {x.dtype}, w {w_stacked.dtype}).")
+  n = w_stacked.shape[-2]
+  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+  return call(x, w_stacked, jnp.asarray(layer, jnp.int32), parts=np.int64(parts))
+
+
+def unavailable_reason_for(config, max_slots: int, mesh, params) -> Optional[str]:
+  """Why the engine cannot decode with the kernel for these settings (None: it can)."""
+  if jnp.dtype(config.dtype) != jnp.float32:
+    return f"model dtype is {config.dtype} (the kernel computes in float32)"
+  if max_slots > MAX_ROWS:
+    return f"max_slots={max_slots} > {MAX_ROWS} (large batches are compute-bound; XLA's GEMM is used)"
+  if mesh is not None and mesh.devices.size > 1:
+    return "the engine runs on a multi-device mesh"
+  leaf = jax.tree.leaves(params)[0]
+  devices = leaf.devices() if hasattr(leaf, "devices") else set()
+  if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+    return "the parameters are not on a single CPU device"
+  if not available():
+    return reason()
+  return None
+
+
+MAX_ROWS = 64  # beyond this batch size the step is compute-bound and XLA's GEMM is as good

@@ -1,0 +1,117 @@
+"""The CPU small-M decode kernel (aepo_jax/rollout/_cpu_matmul.py): against numpy, inside the decode forward
+against XLA's dots, the engine's choice of path, and the cache of prepared decode weights."""
+import dataclasses
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aepo_jax.model import ModelConfig, init_params
+from aepo_jax.rollout import Engine, _cpu_matmul
+from aepo_jax.rollout._decode_forward import decode_forward, decode_weights
+from aepo_jax.rollout._engine import prepared_weights
+
+if not {"avx2", "fma"} <= _cpu_matmul._cpu_flags():
+  pytest.skip("the CPU decode kernel needs AVX2 and FMA", allow_module_level=True)
+
+
+def test_kernel_builds_and_loads():
+  assert _cpu_matmul.available(), _cpu_matmul.reason()
+
+
+@pytest.mark.parametrize("n,k", [(1, 5), (2, 8), (7, 37), (50, 32), (97, 64), (120, 576)])
+def test_kernel_matches_numpy(n, k):
+  """All row tails (M = 1..13 against the 4-row tiles), column tails (N against the 3-column tiles) and K not a
+  multiple of the 8-wide vectors; every layer of a stack is addressed through the index."""
+  rng = np.random.default_rng(n * 1000 + k)
+  w = rng.standard_normal((3, n, k)).astype(np.float32)
+  f = jax.jit(_cpu_matmul.matmul_t)
+  for m in (1, 3, 4, 5, 8, 13):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for layer in (0, 2):
+      got = np.asarray(f(jnp.asarray(x), jnp.asarray(w), jnp.int32(layer)))
+      want = x.astype(np.float64) @ w[layer].T.astype(np.float64)
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"M={m} layer={layer}")
+  # One part (the caller's thread only) gives the same numbers as the pool-split call.
+  x = jnp.asarray(rng.standard_normal((8, k)).astype(np.float32))
+  np.testing.assert_array_equal(_cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=1),
+                                _cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=4))
+
+
+def test_kernel_rejects_bad_input():
+  x = jnp.ones((2, 8), jnp.float32)
+  with pytest.raises(Exception, match="last axis of w must equal"):
+    jax.block_until_ready(_cpu_matmul.matmul_t(x, jnp.ones((3, 4, 7), jnp.float32), 0))
+  with pytest.raises(Exception, match="layer index out of range"):
+    jax.block_until_ready(_cpu_matmul.matmul_t(x, jnp.ones((3, 4, 8), jnp.float32), 3))
+  with pytest.raises(TypeError, match="float32 only"):
+    _cpu_matmul.matmul_t(x.astype(jnp.bfloat16), jnp.ones((3, 4, 8), jnp.float32), 0)
+
+
+def test_off_switch_and_missing_compiler_are_explained(monkeypatch, tmp_path):
+  monkeypatch.setenv("AEPO_JAX_CPU_KERNELS", "0")
+  assert _cpu_matmul._load() == {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}
+  monkeypatch.delenv("AEPO_JAX_CPU_KERNELS")
+  monkeypatch.setenv("AEPO_JAX_KERNEL_CACHE", str(tmp_path))  # nothing cached: must compile
+  monkeypatch.setenv("CXX", "no-such-compiler-aepo")
+  status = _cpu_matmul._load()
+  assert not status["ok"] and "no C++ compiler 'no-such-compiler-aepo'" in status["reason"]
+  assert not list(tmp_path.iterdir())  # no half-written library left behind
+
+
+FAMILIES = {  # together: tied and untied head, q/k/v biases, q/k norms
+    "qwen2_bias_untied": dict(family="qwen2", attention_bias=True, tie_word_embeddings=False),
+    "qwen3_qknorm_tied": dict(family="qwen3", qk_norm=True, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decode_forward_kernel_equals_xla_dots(family):
+  cfg = ModelConfig(vocab_size=101, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=6, num_kv_heads=2,
+                    head_dim=8, **FAMILIES[family])
+  params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, init_params(cfg, jax.random.PRNGKey(1)))
+  s, max_len = 5, 16
+  cache = {n: jnp.asarray(np.random.default_rng(0).standard_normal((3, s, max_len, 2, 8)), jnp.float32)
+           for n in ("k", "v")}
+  tokens, pos = jnp.asarray([3, 17, 99, 0, 42]), jnp.asarray([0, 4, 9, 15, 2])
+  f = jax.jit(decode_forward, static_argnums=(0, 5))
+  ref_logits, ref_cache = f(cfg, params, tokens, pos, cache, max_len)
+  logits, new_cache = f(cfg, params, tokens, pos, cache, max_len, weights_t=decode_weights(cfg, params))
+  scale = float(jnp.abs(ref_logits).max())
+  np.testing.assert_allclose(logits, ref_logits, atol=2e-6 * scale)
+  for n in ("k", "v"):
+    np.testing.assert_allclose(new_cache[n], ref_cache[n], atol=1e-5)
+
+
+def test_engine_uses_the_kernel_where_it_applies_and_says_why_not():
+  cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8)
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  assert Engine(cfg, max_slots=4, max_len=16).uses_cpu_kernels(params)
+  assert not Engine(cfg, max_slots=4, max_len=16, cpu_kernels=False).uses_cpu_kernels(params)
+  assert not Engine(cfg, max_slots=65, max_len=16).uses_cpu_kernels(params)  # large batch: XLA's GEMM
+  from aepo_jax.parallel import make_mesh
+  mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+  with pytest.raises(ValueError, match="cpu_kernels=True.*multi-device mesh"):
+    Engine(cfg, max_slots=4, max_len=16, mesh=mesh, cpu_kernels=True).uses_cpu_kernels(params)
+  bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+  with pytest.raises(ValueError, match="model dtype is bfloat16"):
+    Engine(bf16, max_slots=4, max_len=16, cpu_kernels=True).uses_cpu_kernels(params)
+
+
+def test_prepared_weights_are_made_once_per_parameter_version_and_freed_with_it():
+  cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8)
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  first = prepared_weights.get(cfg, params)
+  assert prepared_weights.get(cfg, params) is first  # reused across calls (and engines)
+  np.testing.assert_array_equal(first["down"], np.swapaxes(params["layers"]["mlp"]["down_proj"]["kernel"], 1, 2))
+  new = jax.tree.map(lambda x: x + 0, params)  # an updated parameter version
+  second = prepared_weights.get(cfg, new)
+  assert second is not first
+  assert prepared_weights._entry is not None
+  del new, second, params
+  gc.collect()
+  assert prepared_weights._entry is None  # dropped with the parameters it was made from
