@@ -32,13 +32,19 @@ def _unembed_fn(unembed, d: int) -> Callable:
 
 
 def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], targets_bt,
-                               temperature: float = 1.0, chunk_size: int = 128):
+                               temperature: float = 1.0, chunk_size: int = 128, *, where_bt=None,
+                               capacity: int = 0):
   """(log π(targets) [B, T], entropy [B, T]) from final hidden states, T processed in chunks.
 
   hidden_btd: final-norm hidden states whose logits at t predict targets_bt[:, t] (already shifted).
   unembed: a function h[B, C, D] -> logits[B, C, V], or the tied embedding matrix [V, D].
   temperature: logits are divided by it before log-softmax and entropy (the rollout temperature, §1.5).
   chunk_size: tokens of T per chunk; peak logits memory is B·chunk_size·V floats (forward and backward).
+  where_bt, capacity: compute only the positions where `where_bt` is true (e.g. the loss mask: prompt and padding
+    positions need no logits), gathered into one row of `capacity` (static) positions; the others get 0. The LM
+    head is a quarter of a small model's update-step FLOPs and most of its memory traffic, and the loss positions
+    are often a quarter of the batch. A batch with more than `capacity` such positions takes the dense path
+    (`lax.cond`, both compiled), so the result never depends on the capacity; only the time does.
   """
   hidden_btd = jnp.asarray(hidden_btd)
   targets_bt = jnp.asarray(targets_bt)
@@ -49,8 +55,32 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
     raise ValueError(f"chunk_size={chunk_size} must be >= 1")
   if not temperature > 0:
     raise ValueError(f"temperature={temperature} must be > 0")
+  if capacity < 0:
+    raise ValueError(f"capacity={capacity} must be >= 0 (0: every position)")
   b, t, d = hidden_btd.shape
   fn = _unembed_fn(unembed, d)
+  if where_bt is None or not capacity or capacity >= b * t:
+    return _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size)
+  where_bt = jnp.asarray(where_bt)
+  if where_bt.shape != (b, t):
+    raise ValueError(f"where_bt must be [B, T] = {(b, t)}; got {where_bt.shape}")
+
+  def selected(_):
+    idx = jnp.nonzero(where_bt.reshape(-1), size=capacity, fill_value=b * t)[0]  # fill: out of range
+    h_1cd = jnp.take(hidden_btd.reshape(b * t, d), idx, axis=0, mode="fill", fill_value=0)[None]
+    tgt_1c = jnp.take(targets_bt.reshape(-1), idx, mode="fill", fill_value=0)[None]
+    logp_1c, ent_1c = _chunked(h_1cd, tgt_1c, fn, temperature, chunk_size)
+    put = lambda x_1c: jnp.zeros((b * t,), x_1c.dtype).at[idx].set(x_1c[0], mode="drop").reshape(b, t)  # noqa: E731
+    return put(logp_1c), put(ent_1c)
+
+  def dense(_):
+    return _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size)
+
+  return jax.lax.cond(jnp.sum(where_bt) <= capacity, selected, dense, None)
+
+
+def _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size):
+  b, t, d = hidden_btd.shape
   c = min(chunk_size, t)
   n = -(-t // c)
   pad = n * c - t

@@ -140,6 +140,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.nan_limit = 3  # non-finite losses skipped before a clear stop
   c.train.eval_every = 0  # 0 = only before and after RL
   c.train.log_every = 1
+  # > 0: the update steps (SFT and RL) compute the LM head only at loss positions, up to this fraction of a
+  # micro-batch's rows x length (a micro-batch with more loss tokens takes the dense path: same result, only the
+  # time differs). The head is ~1/4 of a small model's step FLOPs; prompts and padding need no logits.
+  c.train.logit_fraction = 0.0
 
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = False
@@ -332,6 +336,8 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(t.steps > 0 or t.epochs > 0, "train.steps=0 needs train.epochs > 0 (or set train.steps).")
   need(t.nan_limit >= 0 and t.log_every >= 1 and t.eval_every >= 0,
        "train.nan_limit >= 0, train.log_every >= 1, train.eval_every >= 0.")
+  need(0.0 <= t.logit_fraction <= 1.0,
+       f"train.logit_fraction={t.logit_fraction}: must be in [0, 1] (0: the LM head at every position).")
   if s.enabled or config.mode == "sft":
     need(s.steps >= 1, f"sft.steps={s.steps}: must be >= 1 when SFT runs.")
     if s.packed_rows:

@@ -23,6 +23,7 @@ A non-finite loss or gradient norm skips the update (params and optimizer state 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Callable, Optional, Union
 
 import jax
@@ -94,13 +95,23 @@ def _shift_left(x_bt):
 
 
 def next_token_logprobs(model_config, params, tokens_bt, attention_mask_bt, *, temperature=1.0,
-                        chunk=DEFAULT_LOGPROB_CHUNK, segment_ids_bt=None):
+                        chunk=DEFAULT_LOGPROB_CHUNK, segment_ids_bt=None, where_bt=None, capacity: int = 0):
   """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target).
   With `segment_ids_bt` (packed rows) the column before a segment's first token is meaningless too; callers mask
-  it (an SFT segment starts with untrained prompt tokens)."""
+  it (an SFT segment starts with untrained prompt tokens). where_bt / capacity: only those columns are computed
+  (the others are 0), see `objectives.token_logprobs_and_entropy`."""
   h_btd = forward_hidden(model_config, params, tokens_bt, None, attention_mask_bt, segment_ids_bt)
   return objectives.token_logprobs_and_entropy(
-      h_btd, lambda h: unembed(model_config, params, h), _shift_left(tokens_bt), temperature, chunk)
+      h_btd, lambda h: unembed(model_config, params, h), _shift_left(tokens_bt), temperature, chunk,
+      where_bt=where_bt, capacity=capacity)
+
+
+def logit_capacity(fraction: float, rows: int, length: int, multiple: int = 64) -> int:
+  """Positions of a [rows, length] micro-batch that get logits when `train.logit_fraction` is `fraction`
+  (0: all, returned as 0), rounded up to a multiple of 64."""
+  if not fraction:
+    return 0
+  return min(rows * length, -(-int(math.ceil(fraction * rows * length)) // multiple) * multiple)
 
 
 def _unshift(x_bt):
@@ -237,7 +248,7 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
                      optimizer: optax.GradientTransformation, micro_batches: int, mesh: Optional[Mesh] = None,
                      rules=DEFAULT_RULES, temperature: float = 1.0, kl_name: Optional[str] = None,
                      kl_coef: float = 0.0, need_entropy: bool = False, logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
-                     aggregation: str = "global"):
+                     aggregation: str = "global", logit_capacity: int = 0):
   """The RL update step. batch: tokens, attention_mask, loss_mask, old_log_prob, advantages (+ ref_log_prob
   when kl_coef != 0), each [micro_batches, mb, T] and aligned with the tokens (see `_batch`).
 
@@ -246,6 +257,8 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
   need_entropy: pass the current policy's entropy to the loss (AEPO's entropy-aware advantage, §2.3).
     The entropy is computed in the same chunked pass either way and reported as `actor/entropy_mean`.
   kl_name / kl_coef: a KL loss term kl_coef · aggregate(kl(log_prob, ref_log_prob)) (verl use_kl_loss).
+  logit_capacity: > 0 computes the LM head only at the loss positions of a micro-batch, up to this many (a
+    micro-batch with more takes the dense path; same result either way), see `objectives.token_logprobs_and_entropy`.
   """
   fn = objectives.policy_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn
   hp = dict(loss_hp or {})
@@ -258,9 +271,10 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
     raise ValueError(f"kl_coef={kl_coef} needs kl_name (one of {objectives.list_kl_estimators()})")
 
   def micro_loss(params, mb, normalizer, scale):
-    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
-                                    temperature=temperature, chunk=logprob_chunk)
     mask = _shift_left(mb["loss_mask"])
+    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
+                                    temperature=temperature, chunk=logprob_chunk, where_bt=mask > 0,
+                                    capacity=logit_capacity)
     pg_loss, metrics = fn(logp, _shift_left(mb["old_log_prob"]), _shift_left(mb["advantages"]), mask,
                           entropy=jax.lax.stop_gradient(ent) if need_entropy else None,
                           normalizer=normalizer, **hp)
@@ -284,18 +298,20 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
 
 def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransformation, micro_batches: int,
                   mesh: Optional[Mesh] = None, rules=DEFAULT_RULES, temperature: float = 1.0,
-                  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global"):
+                  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global", logit_capacity: int = 0):
   """Cold-start SFT step: masked NLL, token-mean over the loss_mask (prompt and tool results excluded).
   batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T], and `segment_ids` when rows are packed
-  (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens."""
+  (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens.
+  logit_capacity: as in `make_update_step` (the LM head only at loss positions)."""
 
   def micro_loss(params, mb, normalizer, scale):
     seg = mb.get("segment_ids")
-    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
-                                    temperature=temperature, chunk=logprob_chunk, segment_ids_bt=seg)
     mask = _shift_left(mb["loss_mask"])
     if seg is not None:  # a target in another segment than its context (the next demo's first token)
       mask = mask * (_shift_left(seg) == seg)
+    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
+                                    temperature=temperature, chunk=logprob_chunk, segment_ids_bt=seg,
+                                    where_bt=mask > 0, capacity=logit_capacity)
     nll = objectives.aggregate(-logp, mask, "token-mean", normalizer) * scale
     valid = mask > 0
     aux = {"sum:sft/nll": nll, "tokens": jnp.sum(valid).astype(jnp.float32),

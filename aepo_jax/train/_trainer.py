@@ -198,7 +198,9 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   pad_id = _wiring.pad_id(model_cfg, tokenizer)
   micro = (s.packed_rows or s.batch_size) // s.micro_batch_size
-  sft_step = _step.make_sft_step(model_cfg, optimizer=optimizer, micro_batches=micro, mesh=mesh)
+  rows = (s.packed_rows or s.batch_size) // micro
+  sft_step = _step.make_sft_step(model_cfg, optimizer=optimizer, micro_batches=micro, mesh=mesh,
+                                 logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len))
   nan_count = int(meta.get("nan_count", 0))
 
   bar = _metrics.progress(s.steps, "sft", initial=start, enabled=progress)
@@ -264,7 +266,8 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   update_step = _step.make_update_step(
       model_cfg, loss_fn=a.loss, loss_hp=_wiring.loss_hparams(config), optimizer=optimizer,
       micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
-      kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0)
+      kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
+      logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len))
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
 
   def evaluate(step):

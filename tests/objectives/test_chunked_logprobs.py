@@ -72,6 +72,34 @@ def test_gradients_match_dense():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_only_selected_positions_match_dense_values_and_gradients():
+  """where_bt + capacity: values and gradients at the selected positions equal the dense ones, the other positions
+  are 0; when more positions are selected than the capacity, the dense path gives every position."""
+  hidden, emb, targets = _inputs(6)
+  where = jnp.asarray(np.random.default_rng(7).random((B, T)) < 0.4)
+  n = int(where.sum())
+  assert 0 < n < B * T
+  w = jnp.asarray(np.random.default_rng(8).normal(size=(B, T)), jnp.float32) * where
+
+  def loss(h, e, capacity):
+    logp, ent = obj.token_logprobs_and_entropy(h, e, targets, 0.8, chunk_size=4, where_bt=where, capacity=capacity)
+    return jnp.sum(logp * w) + jnp.sum(ent * w), (logp, ent)
+
+  want_logp, want_ent = _dense(hidden, emb, targets, 0.8)
+  want_grads = jax.grad(lambda h, e: jnp.sum((lambda r: r[0] * w + r[1] * w)(_dense(h, e, targets, 0.8))),
+                        argnums=(0, 1))(hidden, emb)
+  for capacity in (n, n + 5):
+    (_, (logp, ent)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+                                      static_argnums=2)(hidden, emb, capacity)
+    np.testing.assert_allclose(logp, jnp.where(where, want_logp, 0.0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, jnp.where(where, want_ent, 0.0), rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  _, (logp, ent) = jax.jit(loss, static_argnums=2)(hidden, emb, n - 1)  # over capacity: dense path
+  np.testing.assert_allclose(logp, want_logp, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent, want_ent, rtol=1e-5, atol=1e-5)
+
+
 def test_peak_logits_are_one_chunk():
   """No [B, T, V] array appears in the compiled forward/backward: only [B, chunk, V]."""
   t, v, c = 64, 4099, 8

@@ -16,9 +16,10 @@ ONE = jax.devices()[:1]
 
 
 @functools.lru_cache(maxsize=None)
-def _step(micro, loss="ppo", aggregation="global", need_entropy=False):
+def _step(micro, loss="ppo", aggregation="global", need_entropy=False, logit_capacity=0):
   return make_update_step(CFG, loss_fn=loss, optimizer=sgd(), micro_batches=micro, temperature=TEMPERATURE,
-                          aggregation=aggregation, need_entropy=need_entropy, logprob_chunk=8)
+                          aggregation=aggregation, need_entropy=need_entropy, logprob_chunk=8,
+                          logit_capacity=logit_capacity)
 
 
 def _run(step, batch_np, params_np=None, optimizer=None, mesh=None):
@@ -81,6 +82,21 @@ def test_aepo_with_entropy_matches_reference():
   # Looser than ppo: standardising the entropy (÷ its std) amplifies the ~1e-7 chunked-vs-full differences.
   assert max_abs_diff(grads, ref) <= 1e-5
   assert "actor/entropy_adv_factor_mean" in metrics
+
+
+def test_logits_only_at_loss_positions_give_the_same_update():
+  """logit_capacity: the LM head on the gathered loss positions only (AEPO with the current entropy, the loss
+  that uses the most of them) gives the dense step's gradient and metrics (the dense step is checked against the
+  full-logits reference above); a capacity below a micro-batch's loss tokens takes the dense path for it."""
+  counts = rl_batch(M)["loss_mask"][:, :, 1:].sum(axis=(1, 2))
+  assert counts.max() < MB * T and counts.min() < counts.max()
+  _, _, dense_metrics, dense_grads = _run(_step(M, loss="aepo", need_entropy=True), rl_batch(M))
+  # every micro-batch gathered (positions skipped); then only the smallest gathered, the others dense
+  for capacity in (int(counts.max()), int(counts.min())):
+    _, _, metrics, grads = _run(_step(M, loss="aepo", need_entropy=True, logit_capacity=capacity), rl_batch(M))
+    assert max_abs_diff(grads, dense_grads) <= 1e-6, capacity
+    for k in ("train/loss", "actor/entropy_mean", "actor/ratio_max", "actor/pg_clipfrac"):
+      np.testing.assert_allclose(metrics[k], dense_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 @pytest.mark.slow

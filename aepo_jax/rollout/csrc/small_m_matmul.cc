@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -120,7 +121,15 @@ void run_parts(ffi::ThreadPool& pool, int parts, Fn fn) {
     pool.Schedule(std::move(task));
   }
   work();
-  while (job->done.load(std::memory_order_acquire) < parts) _mm_pause();
+  // Parts still running belong to threads that already started them. Spin briefly, then yield the core: with
+  // more runnable threads than cores (several processes on a small machine) that thread may need this one.
+  for (int spins = 0; job->done.load(std::memory_order_acquire) < parts; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 ffi::Error SmallMMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
