@@ -91,6 +91,7 @@ def test_model_override_typo():
     ("rollout.entropy_estimator", "topk", "rollout.entropy_estimator='topk'"),
     ("optim.schedule", "cosine_decay", "optim.schedule='cosine_decay'"),
     ("workdir", "", "workdir is empty"),
+    ("train.logit_fraction", 1.5, "train.logit_fraction=1.5: must be in [0, 1]"),
 ])
 def test_bad_values_name_the_key(key, value, needle):
   c = base_config()
