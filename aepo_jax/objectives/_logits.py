@@ -59,8 +59,12 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
     raise ValueError(f"capacity={capacity} must be >= 0 (0: every position)")
   b, t, d = hidden_btd.shape
   fn = _unembed_fn(unembed, d)
-  if where_bt is None or not capacity or capacity >= b * t:
+
+  def dense(_=None):
     return _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size)
+
+  if where_bt is None or not capacity or capacity >= b * t:
+    return dense()
   where_bt = jnp.asarray(where_bt)
   if where_bt.shape != (b, t):
     raise ValueError(f"where_bt must be [B, T] = {(b, t)}; got {where_bt.shape}")
@@ -72,9 +76,6 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
     logp_1c, ent_1c = _chunked(h_1cd, tgt_1c, fn, temperature, chunk_size)
     put = lambda x_1c: jnp.zeros((b * t,), x_1c.dtype).at[idx].set(x_1c[0], mode="drop").reshape(b, t)  # noqa: E731
     return put(logp_1c), put(ent_1c)
-
-  def dense(_):
-    return _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size)
 
   return jax.lax.cond(jnp.sum(where_bt) <= capacity, selected, dense, None)
 

@@ -30,6 +30,7 @@ import numpy as np
 _SRC = Path(__file__).parent / "csrc" / "small_m_matmul.cc"
 _TARGET = "aepo_small_m_matmul"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+MAX_ROWS = 64  # beyond this batch size the step is compute-bound and XLA's GEMM is as good
 _lock = threading.Lock()
 _status: dict = {}  # {"ok": bool, "reason": str, "path": str}
 log = logging.getLogger(__name__)
@@ -142,5 +143,3 @@ def unavailable_reason_for(config, max_slots: int, mesh, params) -> Optional[str
     return reason()
   return None
 
-
-MAX_ROWS = 64  # beyond this batch size the step is compute-bound and XLA's GEMM is as good
