@@ -134,7 +134,7 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
     cfg = _checkpoint.model_config_from_json(meta["model_config"])
     if dtype:
       cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))
+    shapes = model_lib.param_shapes(cfg)
     params = jax.device_get(ckpt.restore_params(step, shapes))
     if dtype:  # a checkpoint saved in bfloat16 evaluates in the requested compute dtype
       params = jax.tree.map(lambda x: x.astype(dtype), params)

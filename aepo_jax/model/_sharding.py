@@ -4,13 +4,8 @@ from __future__ import annotations
 import jax
 
 from aepo_jax.model._config import ModelConfig
-from aepo_jax.model._functional import init_params, param_logical_axes
+from aepo_jax.model._functional import param_logical_axes, param_shapes
 from aepo_jax.parallel import DEFAULT_RULES, logical_sharding
-
-
-def param_shapes(config: ModelConfig):
-  """ShapeDtypeStructs of the parameter tree (no memory allocated)."""
-  return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
 
 
 def param_shardings(config: ModelConfig, mesh, rules=None):

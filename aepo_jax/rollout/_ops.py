@@ -65,8 +65,17 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
 
 
 def decode(config, spec, num_steps: int, params, state, weights_t=None):
+  """num_steps decode steps; a step in which no slot is active any more (all stopped at a tool call, EOS or
+  budget within the chunk) is skipped: it would change nothing (see decode_step) and costs a full forward."""
+  def idle(carry):
+    s = carry.active.shape[0]
+    zeros = jnp.zeros((s,), jnp.float32)
+    return carry, st.StepOutputs(token=jnp.zeros((s,), carry.last_token.dtype), logprob=zeros, entropy=zeros,
+                                 topk_entropy=zeros, valid=jnp.zeros((s,), bool))
+
   def body(carry, _):
-    return decode_step(config, params, carry, spec, weights_t)
+    return jax.lax.cond(jnp.any(carry.active), lambda c: decode_step(config, params, c, spec, weights_t), idle,
+                        carry)
 
   state, out = jax.lax.scan(body, state, None, length=num_steps)
   return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)

@@ -33,7 +33,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from aepo_jax import objectives
-from aepo_jax.model import ModelConfig, forward_hidden, init_params, param_logical_axes, unembed
+from aepo_jax.model import ModelConfig, forward_hidden, param_logical_axes, param_shapes, unembed
 from aepo_jax.parallel import DEFAULT_RULES, logical_sharding, make_mesh
 from aepo_jax.train._batch import batch_sharding
 from aepo_jax.train._optim import current_lr
@@ -52,7 +52,7 @@ def _mesh(mesh: Optional[Mesh]) -> Mesh:
 def param_shardings(model_config: ModelConfig, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
   """NamedShardings of the parameter pytree, from the model's logical axes and the rules table."""
   mesh = _mesh(mesh)
-  shapes = jax.eval_shape(lambda: init_params(model_config, jax.random.PRNGKey(0)))
+  shapes = param_shapes(model_config)
   return logical_sharding(param_logical_axes(model_config), shapes, mesh, rules)
 
 
@@ -61,7 +61,7 @@ def opt_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTran
   """Optimizer-state shardings: moments like their parameters, counters and hyperparameters replicated."""
   mesh = _mesh(mesh)
   p_sh = param_shardings(model_config, mesh, rules)
-  shapes = jax.eval_shape(lambda: optimizer.init(init_params(model_config, jax.random.PRNGKey(0))))
+  shapes = jax.eval_shape(optimizer.init, param_shapes(model_config))
   replicated = NamedSharding(mesh, PartitionSpec())
   return optax.tree_map_params(optimizer, lambda _, s: s, shapes, p_sh,
                                transform_non_params=lambda _: replicated)
