@@ -91,6 +91,7 @@ def get_config(arg=None):
   c.eval.batch_size = 40  # all held-out questions in one rollout
 
   c.checkpoint.every_steps = 2
+  c.checkpoint.compression = False  # zstd on 1.6 GB took ~8 CPU-s per save from the two cores (~10 s a step)
   c.checkpoint.keep = 2
   c.checkpoint.best_metric = "eval/accuracy"
   c.metrics.tensorboard = True

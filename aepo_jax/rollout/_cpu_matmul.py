@@ -29,6 +29,7 @@ import numpy as np
 
 _SRC = Path(__file__).parent / "csrc" / "small_m_matmul.cc"
 _TARGET = "aepo_small_m_matmul"
+_ATTN_TARGET = "aepo_decode_attention"
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 MAX_ROWS = 64  # beyond this batch size the step is compute-bound and XLA's GEMM is as good
 _lock = threading.Lock()
@@ -91,6 +92,7 @@ def _load() -> dict:
     so = _build()
     lib = ctypes.cdll.LoadLibrary(str(so))
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.AepoSmallMMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_ATTN_TARGET, jax.ffi.pycapsule(lib.AepoDecodeAttention), platform="cpu")
   except Exception as e:  # noqa: BLE001 - any failure means: decode with XLA instead, and say why
     return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
   return {"ok": True, "reason": "", "path": str(so)}
@@ -125,6 +127,25 @@ def matmul_t(x, w_stacked, layer, *, parts: int = 0):
   n = w_stacked.shape[-2]
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
   return call(x, w_stacked, jnp.asarray(layer, jnp.int32), parts=np.int64(parts))
+
+
+def attention_applies(config, cache_dtype) -> bool:
+  """Whether `attention` handles this model's decode attention (float32 cache, head_dim % 8 == 0, <= 64 heads)."""
+  return (jnp.dtype(cache_dtype) == jnp.float32 and config.head_dim % 8 == 0 and config.num_heads <= 64
+          and config.num_heads % config.num_kv_heads == 0)
+
+
+def attention(q, k_cache, v_cache, layer, pos, *, parts: int = 0):
+  """Decode attention read in place from the stacked KV cache: q [S, H * D] (after RoPE; heads h = kv * G + g),
+  k_cache / v_cache [L, S, T, KH, D] float32, layer an int32 scalar, pos [S] int32: slot s attends to its entries
+  [0, pos[s]] (softmax over them, scaled by 1/sqrt(D)) -> [S, H * D] float32. Nothing beyond pos[s] is read, and
+  no layer slice of the cache is copied (XLA's dots on `cache[layer, :, :attend_len]` copy it first)."""
+  if not available():
+    raise RuntimeError(f"aepo_jax CPU decode kernel unavailable: {reason()}")
+  if q.dtype != jnp.float32 or k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
+    raise TypeError(f"attention: float32 only (q {q.dtype}, cache {k_cache.dtype}).")
+  call = jax.ffi.ffi_call(_ATTN_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  return call(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), jnp.asarray(pos, jnp.int32), parts=np.int64(parts))
 
 
 def unavailable_reason_for(config, max_slots: int, mesh, params) -> Optional[str]:

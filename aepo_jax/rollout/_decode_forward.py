@@ -9,7 +9,9 @@ what bounds decode at small batch:
 The mask depends only on the positions, so it is built once per step, outside the layer loop.
 
 On CPU the engine passes `weights_t = decode_weights(config, params)` (prepared once per parameter version) and
-the projections run through the small-M kernel of `_cpu_matmul` instead of XLA dots (docs/performance.md).
+the projections run through the small-M kernel of `_cpu_matmul` instead of XLA dots, and attention (float32 cache)
+through its decode-attention kernel, which reads each row's entries [0, pos] in place instead of copying the
+layer's first `attend_len` entries of every row (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from aepo_jax.model._decoder import apply_rope, rope_inv_freq  # TODO(model): export these publicly
+from aepo_jax.rollout import _cpu_matmul
 
 _NEG_INF = -1e30
 
@@ -59,8 +62,8 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
   """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache).
 
   weights_t: `decode_weights(config, params)`; when given, the projections run through the CPU small-M kernel
-  (`_cpu_matmul.matmul_t`) on the stacked weights with the layer index (no per-layer weight slices), otherwise
-  through XLA dots on `params`.
+  (`_cpu_matmul.matmul_t`) on the stacked weights with the layer index (no per-layer weight slices), and with a
+  float32 cache attention runs through `_cpu_matmul.attention`; otherwise both are XLA dots on `params`.
   """
   cfg = config
   dt = jnp.dtype(cfg.dtype)
@@ -74,6 +77,7 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
   lay = params["layers"]
   n_q, n_kv = h_heads * d, k_heads * d
 
+  kernel_attention = False
   if weights_t is None:
     def qkv(x, p, li):
       a = p["self_attn"]
@@ -91,8 +95,8 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
 
     layer_xs = lay
   else:
-    from aepo_jax.rollout import _cpu_matmul
     kmm = _cpu_matmul.matmul_t
+    kernel_attention = _cpu_matmul.attention_applies(cfg, cache["k"].dtype) and dt == jnp.float32
 
     def qkv(x, p, li):
       y = kmm(x, weights_t["qkv"], li)
@@ -134,13 +138,16 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
     v = v[:, 0]
     ck = cache["k"].at[li, rows, pos_s].set(k.astype(cache["k"].dtype))
     cv = cache["v"].at[li, rows, pos_s].set(v.astype(cache["v"].dtype))
-    keys = jax.lax.dynamic_slice_in_dim(ck[li], 0, attend_len, axis=1).astype(dt)  # [S,A,K,D]
-    vals = jax.lax.dynamic_slice_in_dim(cv[li], 0, attend_len, axis=1).astype(dt)
-    q_skgd = q.reshape(s, k_heads, g, d)
-    logits = jnp.einsum("skgd,sakd->skga", q_skgd, keys).astype(jnp.float32) / math.sqrt(d)
-    logits = jnp.where(mask_sa[:, None, None, :], logits, _NEG_INF)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    out = jnp.einsum("skga,sakd->skgd", probs, vals).reshape(s, h_heads * d)
+    if kernel_attention:  # reads each row's entries [0, pos] in place
+      out = _cpu_matmul.attention(q.reshape(s, h_heads * d), ck, cv, li, pos_s)
+    else:
+      keys = jax.lax.dynamic_slice_in_dim(ck[li], 0, attend_len, axis=1).astype(dt)  # [S,A,K,D]
+      vals = jax.lax.dynamic_slice_in_dim(cv[li], 0, attend_len, axis=1).astype(dt)
+      q_skgd = q.reshape(s, k_heads, g, d)
+      logits = jnp.einsum("skgd,sakd->skga", q_skgd, keys).astype(jnp.float32) / math.sqrt(d)
+      logits = jnp.where(mask_sa[:, None, None, :], logits, _NEG_INF)
+      probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+      out = jnp.einsum("skga,sakd->skgd", probs, vals).reshape(s, h_heads * d)
     x_sd = x_sd + o_proj(out, p, li)
     hn = _rms(x_sd, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps, dt)
     gate, up = gate_up(hn, p, li)

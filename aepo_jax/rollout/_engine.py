@@ -111,10 +111,12 @@ class Engine:
   def __init__(self, model_config: ModelConfig, *, max_slots: int, max_len: int, eos_ids: Sequence[int] = None,
                stop_sequences: Sequence[Sequence[int]] = (), sampling: SamplingParams = SamplingParams(),
                entropy_window: int = 20, topk_entropy: int = 10, mesh=None, prefill_chunk: int = 128,
-               cache_dtype: Optional[str] = None, cpu_kernels: Optional[bool] = None):
+               cache_dtype: Optional[str] = None, cpu_kernels: Optional[bool] = None, compact: bool = True):
     """cpu_kernels: decode through the CPU small-M kernel (`_cpu_matmul`): None (default) when it applies
     (float32 model on one CPU device, max_slots <= 64, kernel built), True to require it (an error says why it
-    cannot), False for XLA's dots."""
+    cannot), False for XLA's dots.
+    compact: on a single device, a decode call runs only the active slots, gathered into ceil(S/4), ceil(S/2)
+    or S rows (the smallest that holds them; at most three compiled variants), instead of all S slots."""
     if max_slots < 1 or max_len < 2:
       raise ValueError(f"Engine: max_slots={max_slots} must be >= 1 and max_len={max_len} >= 2.")
     self.config = model_config
@@ -136,6 +138,7 @@ class Engine:
     self.mesh = mesh
     self.cache_dtype = cache_dtype
     self.cpu_kernels = cpu_kernels
+    self.compact = bool(compact)
     self._use_kernels = None  # decided at the first decode (needs the parameters' device)
   # ------------------------------------------------------------------------------------------------
   # JetStream-style sizes
@@ -292,11 +295,27 @@ class Engine:
     """num_steps decode steps for all active slots in one jitted call -> (state, StepOutputs [S, num_steps])."""
     if num_steps < 1:
       raise ValueError(f"Engine.decode: num_steps={num_steps} must be >= 1.")
-    # Attention reads only the cache prefix any row can reach in this call (one small host read).
-    reach = int(jax.device_get(jnp.max(state.length))) + int(num_steps)
-    spec = self.step_spec(sampling, with_entropy, self.attend_bucket(reach))
     weights_t = prepared_weights.get(self.config, params) if self.uses_cpu_kernels(params) else None
-    return _decode(self.config, spec, int(num_steps), params, state, weights_t)
+    if weights_t is not None and _cpu_matmul.attention_applies(self.config, state.cache["k"].dtype):
+      attend = self.max_len  # the kernel's attention reads each row's own entries: one compiled variant
+    else:  # XLA's attention reads only the cache prefix any row can reach in this call (one small host read)
+      attend = self.attend_bucket(int(jax.device_get(jnp.max(state.length))) + int(num_steps))
+    spec = self.step_spec(sampling, with_entropy, attend)
+    return _decode(self.config, spec, int(num_steps), params, state, weights_t, self._decode_rows(state))
+
+  def _decode_rows(self, state) -> Optional[jax.Array]:
+    """The slots a compact decode call runs (every active slot, padded with inactive ones to a bucket of
+    ceil(S/4), ceil(S/2) or S rows), or None for all slots. One small device read of `active`."""
+    s = self.max_slots
+    if not self.compact or s < 4 or (self.mesh is not None and self.mesh.devices.size > 1):
+      return None
+    active = np.asarray(jax.device_get(state.active), bool)
+    n = int(active.sum())
+    r = next(b for b in (-(-s // 4), -(-s // 2), s) if b >= n)
+    if r == s:
+      return None
+    order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])[:r]
+    return jnp.asarray(np.sort(order), jnp.int32)
 
   def uses_cpu_kernels(self, params) -> bool:
     """Whether decode runs through the CPU small-M kernel (decided once per engine, see `cpu_kernels`)."""

@@ -64,9 +64,30 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
   return state, out
 
 
-def decode(config, spec, num_steps: int, params, state, weights_t=None):
+def take_rows(state: st.DecodeState, rows) -> st.DecodeState:
+  """The slots `rows` [R] of the state as an R-slot state (cache rows included)."""
+  return jax.tree.map(lambda x: x[rows], state.replace(cache=None)).replace(
+      cache=jax.tree.map(lambda c: c[:, rows], state.cache))
+
+
+def put_rows(state: st.DecodeState, rows, sub: st.DecodeState) -> st.DecodeState:
+  """Writes the R-slot state `sub` back into slots `rows` of `state`."""
+  out = jax.tree.map(lambda x, y: x.at[rows].set(y), state.replace(cache=None), sub.replace(cache=None))
+  return out.replace(cache=jax.tree.map(lambda c, u: c.at[:, rows].set(u), state.cache, sub.cache))
+
+
+def decode(config, spec, num_steps: int, params, state, weights_t=None, rows=None):
   """num_steps decode steps; a step in which no slot is active any more (all stopped at a tool call, EOS or
-  budget within the chunk) is skipped: it would change nothing (see decode_step) and costs a full forward."""
+  budget within the chunk) is skipped: it would change nothing (see decode_step) and costs a full forward.
+
+  rows: None (decode all S slots) or distinct slot indices [R] holding every active slot: only those R rows are
+  gathered (cache rows included), decoded and written back, so a step costs R rows instead of S. The outputs are
+  [S, num_steps] either way (valid=False outside `rows`)."""
+  if rows is not None:
+    sub, out = decode(config, spec, num_steps, params, take_rows(state, rows), weights_t)
+    s = state.active.shape[0]
+    full = jax.tree.map(lambda o: jnp.zeros((s,) + o.shape[1:], o.dtype).at[rows].set(o), out)
+    return put_rows(state, rows, sub), full
   def idle(carry):
     s = carry.active.shape[0]
     zeros = jnp.zeros((s,), jnp.float32)

@@ -175,6 +175,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.best_mode = "max"
   c.checkpoint.async_save = True
   c.checkpoint.ocdbt = True  # Orbax's OCDBT format (few files); False = one zarr per array (storage emulators)
+  c.checkpoint.compression = True  # zstd (Orbax's default); False: ~20% larger, ~4x less CPU per save (small hosts)
 
   c.metrics = ml_collections.ConfigDict(dict(jsonl=True, tensorboard=True, histograms=True, progress=True))
   c.lock()

@@ -108,7 +108,7 @@ def _make_checkpointer(config, phase: str) -> _checkpoint.Checkpointer:
   return _checkpoint.Checkpointer(
       f"{config.workdir}/checkpoints/{phase}", keep=ck.keep,
       best_metric=ck.best_metric if phase == "rl" else "", best_mode=ck.best_mode, async_save=ck.async_save,
-      ocdbt=ck.ocdbt)
+      ocdbt=ck.ocdbt, compression=ck.compression)
 
 
 def _process_rows(batch_np: dict) -> dict:

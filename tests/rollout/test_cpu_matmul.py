@@ -50,6 +50,47 @@ def test_kernel_rejects_bad_input():
     _cpu_matmul.matmul_t(x.astype(jnp.bfloat16), jnp.ones((3, 4, 8), jnp.float32), 0)
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 16, 2, 3, 8), (2, 4, 40, 3, 3, 64), (2, 3, 9, 1, 7, 16), (1, 2, 33, 4, 1, 24)])
+def test_attention_kernel_matches_numpy(shape):
+  """Decode attention read in place from the stacked cache: each slot attends to its entries [0, pos] only (the
+  rest of the cache holds garbage it must not read); GQA group sizes 1, 3, 7; head dims 8..64 (tails of the
+  32-float value blocks); softmax lengths with and without an 8-wide tail, including a single entry."""
+  L, S, T, KH, G, D = shape
+  rng = np.random.default_rng(sum(shape))
+  k = rng.standard_normal((L, S, T, KH, D)).astype(np.float32)
+  v = rng.standard_normal((L, S, T, KH, D)).astype(np.float32)
+  q = (2 * rng.standard_normal((S, KH * G * D))).astype(np.float32)
+  pos = rng.integers(0, T, S).astype(np.int32)
+  pos[0], pos[-1] = T - 1, 0
+  garbage = np.arange(T)[None, :, None, None] > pos[:, None, None, None]  # [S, T, 1, 1]
+  k_dirty, v_dirty = (np.where(garbage[None], np.float32(1e4), c) for c in (k, v))
+  f = jax.jit(_cpu_matmul.attention)
+  for layer in range(L):
+    got = np.asarray(f(jnp.asarray(q), jnp.asarray(k_dirty), jnp.asarray(v_dirty), jnp.int32(layer), jnp.asarray(pos)))
+    want = np.zeros(got.shape)
+    for s in range(S):
+      n = pos[s] + 1
+      for h in range(KH * G):
+        logits = k[layer, s, :n, h // G].astype(np.float64) @ q[s, h * D:(h + 1) * D] / np.sqrt(D)
+        p = np.exp(logits - logits.max())
+        want[s, h * D:(h + 1) * D] = (p / p.sum()) @ v[layer, s, :n, h // G]
+    np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"layer {layer}")
+  np.testing.assert_array_equal(  # the caller's thread alone gives the same numbers as the pool-split call
+      _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=1),
+      _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=4))
+
+
+def test_attention_kernel_rejects_bad_input():
+  cache = jnp.ones((2, 3, 8, 2, 8), jnp.float32)
+  pos = jnp.zeros((3,), jnp.int32)
+  with pytest.raises(Exception, match="H a multiple of KH, D % 8 == 0"):
+    jax.block_until_ready(_cpu_matmul.attention(jnp.ones((3, 20), jnp.float32), cache, cache, 0, pos))
+  with pytest.raises(Exception, match="layer index out of range"):
+    jax.block_until_ready(_cpu_matmul.attention(jnp.ones((3, 32), jnp.float32), cache, cache, 2, pos))
+  with pytest.raises(TypeError, match="float32 only"):
+    _cpu_matmul.attention(jnp.ones((3, 32), jnp.float32), cache.astype(jnp.bfloat16), cache, 0, pos)
+
+
 def test_off_switch_and_missing_compiler_are_explained(monkeypatch, tmp_path):
   monkeypatch.setenv("AEPO_JAX_CPU_KERNELS", "0")
   assert _cpu_matmul._load() == {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}

@@ -14,9 +14,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -103,9 +105,9 @@ struct Job {
 };
 
 template <typename Fn>
-void run_parts(ffi::ThreadPool& pool, int parts, Fn fn) {
-  if (parts <= 1) {
-    fn(0);
+void run_parts(ffi::ThreadPool& pool, int parts, Fn fn, int workers = 1 << 30) {
+  if (parts <= 1 || workers <= 1) {
+    for (int p = 0; p < parts; ++p) fn(p);
     return;
   }
   auto job = std::make_shared<Job>();
@@ -116,7 +118,7 @@ void run_parts(ffi::ThreadPool& pool, int parts, Fn fn) {
       job->done.fetch_add(1, std::memory_order_release);
     }
   };
-  for (int i = 1; i < parts; ++i) {
+  for (int i = 1; i < std::min(parts, workers); ++i) {
     auto task = work;
     pool.Schedule(std::move(task));
   }
@@ -161,6 +163,133 @@ ffi::Error SmallMMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
+
+// exp(x) for 8 floats, x <= 0 (softmax after subtracting the row maximum): Cephes' expf polynomial, ~1 ulp.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Decode attention of slot s for one layer: the query heads of every KV head attend to cache entries
+// [0, n) of that slot (n = pos[s] + 1), read in place from the stacked cache [L, S, T, KH, D].
+//   q [S, H * D] (heads h = kh * G + g), out [S, H * D]; lg: scratch of KH * G * n floats.
+void attend_slot(const float* q, const float* kc, const float* vc, float* out, int64_t s, int64_t n, int64_t T,
+                 int64_t KH, int64_t G, int64_t D, float scale, float* lg) {
+  const int64_t H = KH * G, row = KH * D;  // floats per cache position
+  const float* qs = q + s * H * D;
+  // Logits: one pass over the keys, all heads per position (contiguous reads).
+  for (int64_t a = 0; a < n; ++a) {
+    const float* kp = kc + (s * T + a) * row;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* kh = kp + (h / G) * D;
+      const float* qh = qs + h * D;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + d), _mm256_loadu_ps(kh + d), acc);
+      lg[h * n + a] = hsum(acc) * scale;
+    }
+  }
+  // Softmax per head; the normaliser is applied to the output.
+  float inv[64];
+  for (int64_t h = 0; h < H; ++h) {
+    float* l = lg + h * n;
+    float m = l[0];
+    for (int64_t a = 1; a < n; ++a) m = std::max(m, l[a]);
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    int64_t a = 0;
+    for (; a + 8 <= n; a += 8) {
+      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(l + a), mv));
+      _mm256_storeu_ps(l + a, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (; a < n; ++a) {
+      alignas(32) float t[8] = {l[a] - m, 0, 0, 0, 0, 0, 0, 0};
+      const float e = _mm256_cvtss_f32(exp_ps(_mm256_load_ps(t)));
+      l[a] = e;
+      sum += e;
+    }
+    inv[h] = 1.0f / sum;
+  }
+  // out[h] = sum_a p[h, a] v[a, h / G]: per KV head and 32-float block of D, the G heads' accumulators stay in
+  // registers while the values stream once.
+  float* os = out + s * H * D;
+  for (int64_t kh = 0; kh < KH; ++kh) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const int64_t nb = std::min<int64_t>(4, (D - d0) / 8);
+      for (int64_t g0 = 0; g0 < G; g0 += 3) {
+        const int64_t ng = std::min<int64_t>(3, G - g0);
+        __m256 acc[3][4];
+        for (int i = 0; i < 3; ++i)
+          for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+        const float* vp = vc + s * T * row + kh * D + d0;
+        const float* p0 = lg + (kh * G + g0) * n;
+        for (int64_t a = 0; a < n; ++a, vp += row) {
+          __m256 v[4];
+          for (int j = 0; j < 4; ++j) v[j] = j < nb ? _mm256_loadu_ps(vp + 8 * j) : _mm256_setzero_ps();
+          for (int i = 0; i < 3; ++i) {
+            if (i >= ng) break;
+            const __m256 p = _mm256_broadcast_ss(p0 + i * n + a);
+            for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(p, v[j], acc[i][j]);
+          }
+        }
+        for (int i = 0; i < ng; ++i) {
+          const int64_t h = kh * G + g0 + i;
+          const __m256 iv = _mm256_set1_ps(inv[h]);
+          for (int j = 0; j < nb; ++j) _mm256_storeu_ps(os + h * D + d0 + 8 * j, _mm256_mul_ps(acc[i][j], iv));
+        }
+      }
+    }
+  }
+}
+
+// out[S, H * D] = decode attention of q[S, H * D] over layer `layer` of k/v caches [L, S, T, KH, D], slot s
+// attending to its entries [0, pos[s]]. D must be a multiple of 8 and H <= 64 (checked).
+ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pos,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t parts) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  if (qd.size() != 2 || kd.size() != 5 || v.dimensions().size() != 5)
+    return ffi::Error::InvalidArgument("aepo_decode_attention: q must be [S, H*D] and k, v [L, S, T, KH, D]");
+  const int64_t L = kd[0], S = kd[1], T = kd[2], KH = kd[3], D = kd[4];
+  for (int i = 0; i < 5; ++i)
+    if (v.dimensions()[i] != kd[i]) return ffi::Error::InvalidArgument("aepo_decode_attention: k and v differ in shape");
+  if (qd[0] != S || D % 8 != 0 || qd[1] % (KH * D) != 0 || pos.dimensions().size() != 1 || pos.dimensions()[0] != S)
+    return ffi::Error::InvalidArgument("aepo_decode_attention: q [S, H*D] with H a multiple of KH, D % 8 == 0, pos [S]");
+  const int64_t G = qd[1] / (KH * D);
+  if (KH * G > 64) return ffi::Error::InvalidArgument("aepo_decode_attention: at most 64 query heads");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("aepo_decode_attention: layer index out of range");
+  const float* kc = k.typed_data() + l * S * T * KH * D;
+  const float* vc = v.typed_data() + l * S * T * KH * D;
+  const float* qp = q.typed_data();
+  const int32_t* pp = pos.typed_data();
+  float* op = out->typed_data();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  if (parts <= 0) parts = std::max<int64_t>(1, pool.num_threads());
+  // One part per slot, claimed dynamically (rows differ in length); `parts` threads at most.
+  run_parts(pool, static_cast<int>(S), [=](int s) {
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(pp[s], 0) + 1, T);
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < KH * G * n) scratch.resize(KH * G * n);
+    attend_slot(qp, kc, vc, op, s, n, T, KH, G, D, scale, scratch.data());
+  }, static_cast<int>(parts));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AepoSmallMMatmul, SmallMMatmulImpl,
@@ -168,6 +297,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AepoSmallMMatmul, SmallMMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("parts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AepoDecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("parts"));
