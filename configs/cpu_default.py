@@ -6,9 +6,11 @@ Hardware: 2 CPU cores, 24 GiB RAM, no accelerator, no network (everything it nee
 Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_pretrained`), the generated
   task suite (arithmetic / lookup questions with a generated corpus), the real Python sandbox and local
   BM25 search over the suite's corpus.
-Time: about 21 minutes on 2 cores (16 SFT steps of ~32 s, two evaluations of ~90 s, 5 RL steps of ~115 s:
-  rollout 38-52 s with the CPU decode kernel + two updates 63-71 s); peak RSS 14 GB. KNOB sizes set it.
-  Measured 2026-11-30 (seed 0): 1355 s before train.logit_fraction, 1242 s with it; 0.025 -> 0.375 both times.
+Time: 17 minutes on 2 cores (2026-12-01, seed 0: 17:04; 16 SFT steps of 25-31 s, 5 RL steps of 83-108 s:
+  rollout 21-33 s + two updates 61-73 s, plus two evaluations); peak RSS 10 GB. KNOB sizes set it.
+  History (seed 0, 0.025 -> 0.375 every time): 1355 s before train.logit_fraction, 1242 s with it; 1228-1253 s
+  with idle decode steps skipped; 1024 s with the decode-attention kernel, compact decoding (only the active
+  slots) and uncompressed checkpoints (checkpoint.compression=False).
 Design: 3/4 of the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.25), so after SFT the
   policy almost never calls the tool it needs and mostly answers wrong; RL has to teach it when to call tools.
 Expected: held-out accuracy after RL clearly above after SFT.
@@ -57,7 +59,7 @@ def get_config(arg=None):
 
   c.sft.enabled = True
   c.sft.source = "suite"  # the suite's demonstration traces (tool results masked)
-  c.sft.steps = 16  # KNOB: ~30 s each; 10 steps leave the format too fragile for sampling at T=1
+  c.sft.steps = 16  # KNOB: ~28 s each; 10 steps leave the format too fragile for sampling at T=1
   c.sft.batch_size = 8  # KNOB
   c.sft.micro_batch_size = 8
   c.sft.max_len = 256  # KNOB: the longest demo is 246 tokens
@@ -80,7 +82,7 @@ def get_config(arg=None):
   c.algo.entropy_advantage_coef = 0.2
   c.optim.lr = 1e-5  # far above the 14B runs' 1e-6: few steps, small model
   c.optim.warmup_steps = 0
-  c.train.steps = 5  # KNOB: ~140 s each on 2 cores (rollout ~70 s, two updates ~65 s)
+  c.train.steps = 5  # KNOB: ~90 s each on 2 cores (rollout 21-33 s, two updates 61-73 s)
   c.train.ppo_mini_batch_size = 2
   c.train.micro_batch_size = 8  # one micro-batch per update (mini-batch 2 prompts x n=4)
   c.train.eval_every = 0

@@ -115,8 +115,9 @@ class Engine:
     """cpu_kernels: decode through the CPU small-M kernel (`_cpu_matmul`): None (default) when it applies
     (float32 model on one CPU device, max_slots <= 64, kernel built), True to require it (an error says why it
     cannot), False for XLA's dots.
-    compact: on a single device, a decode call runs only the active slots, gathered into ceil(S/4), ceil(S/2)
-    or S rows (the smallest that holds them; at most three compiled variants), instead of all S slots."""
+    compact: on a single device, a decode call with at most max(4, ceil(S/4)) active slots (< S) runs only
+    those rows (padded with inactive ones to that size; one more compiled variant) instead of all S slots. Fewer
+    rows than 4 would save little: a small-batch step is bound by reading the weights."""
     if max_slots < 1 or max_len < 2:
       raise ValueError(f"Engine: max_slots={max_slots} must be >= 1 and max_len={max_len} >= 2.")
     self.config = model_config
@@ -304,15 +305,14 @@ class Engine:
     return _decode(self.config, spec, int(num_steps), params, state, weights_t, self._decode_rows(state))
 
   def _decode_rows(self, state) -> Optional[jax.Array]:
-    """The slots a compact decode call runs (every active slot, padded with inactive ones to a bucket of
-    ceil(S/4), ceil(S/2) or S rows), or None for all slots. One small device read of `active`."""
+    """The slots a compact decode call runs (every active slot, padded with inactive ones to max(4, ceil(S/4))
+    rows), or None for all slots. One small device read of `active`."""
     s = self.max_slots
-    if not self.compact or s < 4 or (self.mesh is not None and self.mesh.devices.size > 1):
+    r = max(4, -(-s // 4))
+    if not self.compact or r >= s or (self.mesh is not None and self.mesh.devices.size > 1):
       return None
     active = np.asarray(jax.device_get(state.active), bool)
-    n = int(active.sum())
-    r = next(b for b in (-(-s // 4), -(-s // 2), s) if b >= n)
-    if r == s:
+    if int(active.sum()) > r:
       return None
     order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])[:r]
     return jnp.asarray(np.sort(order), jnp.int32)

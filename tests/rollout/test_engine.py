@@ -212,7 +212,7 @@ def test_generate_queues_more_prompts_than_slots(params):
 
 
 def test_compact_decode_runs_only_the_active_slots(params):
-  """With few active slots, a decode call gathers them (and inactive padding up to ceil(S/4) / ceil(S/2) rows),
+  """With few active slots, a decode call gathers them (and inactive padding up to max(4, ceil(S/4)) rows),
   decodes and writes them back: the same tokens, log-probs and entropies as decoding all slots (and as the
   teacher-forced forward), while paused slots, KV rows included, stay untouched (bit for bit)."""
   engines = {c: Engine(CFG, max_slots=8, max_len=40, eos_ids=(), sampling=SamplingParams(0.8), compact=c)
@@ -220,16 +220,16 @@ def test_compact_decode_runs_only_the_active_slots(params):
   results = {}
   for compact, eng in engines.items():
     s = eng.init_decode_state()
-    s = eng.add(params, s, [0], [[3, 4, 5, 6]], [7], 0)  # paused (no budget): must not change
+    s = eng.add(params, s, [7], [[3, 4, 5, 6]], [7], 0)  # paused (no budget): must not change
     s = eng.add(params, s, [2, 5], [[5, 6, 7], [9, 10, 11, 12, 13]], [1, 2], 12)
-    before = jax.device_get((s.cache["k"][:, 0], s.tokens[0], s.length[0]))
+    before = jax.device_get((s.cache["k"][:, 7], s.tokens[7], s.length[7]))
     rows = eng._decode_rows(s)
-    if compact:
-      np.testing.assert_array_equal(rows, [2, 5])  # 2 active of 8 slots: the ceil(8/4) = 2-row bucket
+    if compact:  # 2 active of 8 slots: a 4-row call, padded with the first inactive slots
+      np.testing.assert_array_equal(rows, [0, 1, 2, 5])
     else:
       assert rows is None
     s, out = eng.decode(params, s, 6)
-    after = jax.device_get((s.cache["k"][:, 0], s.tokens[0], s.length[0]))
+    after = jax.device_get((s.cache["k"][:, 7], s.tokens[7], s.length[7]))
     if compact:  # (decoding all slots rewrites a paused slot's last KV entry with decode-path rounding)
       for b, a in zip(before, after):
         np.testing.assert_array_equal(a, b)
@@ -241,7 +241,7 @@ def test_compact_decode_runs_only_the_active_slots(params):
       np.testing.assert_allclose(a[k], b[k], atol=1e-5)
   check_outputs(params, results[True][2], 3, results[True][0], 6)
   check_outputs(params, results[True][3], 5, results[True][1], 6)
-  # Five active of eight: the ceil(8/2) = 4-row bucket is too small, all slots run.
+  # Five active of eight: more than the 4-row call holds, all slots run.
   eng = engines[True]
   s = eng.add(params, eng.init_decode_state(), list(range(5)), [[5, 6, 7]] * 5, list(range(5)), 4)
   assert eng._decode_rows(s) is None
