@@ -53,10 +53,15 @@ def test_orchestrator_serves_concurrent_requests_like_generate(tmp_path):
     text_out = [r.stream_content.samples[0].text async for r in server.Decode(text_req)]
     return await asyncio.gather(*(one(p) for p in prompts)), "".join(text_out)
 
-  try:
-    served, text = asyncio.run(asyncio.wait_for(all_requests(), timeout=240))
-  finally:
-    driver.stop()
+  async def serve():
+    try:
+      return await asyncio.wait_for(all_requests(), timeout=240)
+    finally:
+      # Stop JetStream's threads while the event loop still runs: its detokenize thread can signal a request's
+      # channel after the last token was read, and an error in its threads kills the process (seen under load).
+      await asyncio.to_thread(driver.stop)
+
+  served, text = asyncio.run(serve())
   want = generate(CFG, params, prompts, max_new_tokens=6, temperature=0.0)
   for got, ref in zip(served, want):
     cut = ref["tokens"].tolist()
