@@ -8,9 +8,9 @@ Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_p
   BM25 search over the suite's corpus.
 Time: 17 minutes on 2 cores (2026-12-01, seed 0: 17:04; 16 SFT steps of 25-31 s, 5 RL steps of 83-108 s:
   rollout 21-33 s + two updates 61-73 s, plus two evaluations); peak RSS 10 GB. KNOB sizes set it.
-  History (seed 0, 0.025 -> 0.375 every time): 1355 s before train.logit_fraction, 1242 s with it; 1228-1253 s
-  with idle decode steps skipped; 1024 s with the decode-attention kernel, compact decoding (only the active
-  slots) and uncompressed checkpoints (checkpoint.compression=False).
+  History (seed 0, 0.025 -> 0.375 every time): 1355 s before train.logit_fraction, 1242 s with it; 1228 s
+  with idle decode steps skipped (1253 s adding only the decode-attention kernel); 1024 s with compact decoding
+  (only the active slots) and uncompressed checkpoints (checkpoint.compression=False) as well.
 Design: 3/4 of the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.25), so after SFT the
   policy almost never calls the tool it needs and mostly answers wrong; RL has to teach it when to call tools.
 Expected: held-out accuracy after RL clearly above after SFT.

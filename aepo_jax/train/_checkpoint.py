@@ -106,6 +106,13 @@ def model_mismatch(saved_config, config) -> list[str]:
           for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+def _pytree_restore(target, partial: bool = False):
+  """Restore args for the "state" item (also reads checkpoints written with StandardSave): arrays as `target`'s
+  abstract arrays (shape, dtype, sharding); `partial` reads only the subtree `target` names."""
+  return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                partial_restore=partial)
+
+
 class Checkpointer:
   """Keep-last-N plus best-by-metric, async saves, automatic resume; one directory per training phase."""
 
@@ -200,8 +207,7 @@ class Checkpointer:
             + "\n  ".join(diff) + "\nuse a fresh --config.workdir, or set these fields to the checkpoint's values.")
     target = jax.tree.map(_abstract, abstract_state)
     try:
-      state = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-          target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))))["state"]
+      state = self._mgr.restore(step, args=ocp.args.Composite(state=_pytree_restore(target)))["state"]
     except (ValueError, KeyError, TypeError) as e:
       raise CheckpointError(f"checkpoint {self.directory}/{step} does not match the current model/optimizer "
                             f"state structure ({e}); use a fresh --config.workdir.") from e
@@ -213,15 +219,8 @@ class Checkpointer:
     if is_remote(self.directory):
       self._refresh()
     target = {"params": jax.tree.map(_abstract, abstract_params)}
-    args = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                  partial_restore=True)
-    # Read with a fresh manager (partial restore; also reads checkpoints written with StandardSave).
-    reader = ocp.CheckpointManager(epath.Path(self.directory), item_names=("state", "meta"),
-                                   options=ocp.CheckpointManagerOptions(read_only=True))
-    try:
-      return reader.restore(step, args=ocp.args.Composite(state=args))["state"]["params"]
-    finally:
-      reader.close()
+    args = ocp.args.Composite(state=_pytree_restore(target, partial=True))
+    return self._mgr.restore(step, args=args)["state"]["params"]
 
   def restore_meta(self, step: Optional[int] = None) -> dict:
     step = self.latest_step() if step is None else step
