@@ -20,11 +20,16 @@ import glob
 import gzip
 import json
 import os
+import sys
 import re
 import tempfile
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from aepo_jax.parallel import use_cpu_xla_flags  # noqa: E402
+
+use_cpu_xla_flags()
 if "xla_cpu_enable_xprof_traceme" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
 

@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from aepo_jax.parallel import use_cpu_xla_flags  # noqa: E402
+
+use_cpu_xla_flags()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -6,8 +6,9 @@ Hardware: 2 CPU cores, 24 GiB RAM, no accelerator, no network (everything it nee
 Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_pretrained`), the generated
   task suite (arithmetic / lookup questions with a generated corpus), the real Python sandbox and local
   BM25 search over the suite's corpus.
-Time: 17 minutes on 2 cores (2026-12-01, seed 0: 17:04; 16 SFT steps of 25-31 s, 5 RL steps of 83-108 s:
-  rollout 21-33 s + two updates 61-73 s, plus two evaluations); peak RSS 10 GB. KNOB sizes set it.
+Time: 17-18 minutes on 2 cores (2026-12-01, seed 0: 17:04; 17:44 with session 8's update step, same accuracies;
+  16 SFT steps of 24-32 s, the odd ones share the cores with an async checkpoint save; 5 RL steps of 89-123 s:
+  rollout + two updates, plus two evaluations); peak RSS 8.0 GB (10.1 before session 8). KNOB sizes set it.
   History (seed 0, 0.025 -> 0.375 every time): 1355 s before train.logit_fraction, 1242 s with it; 1228 s
   with idle decode steps skipped (1253 s adding only the decode-attention kernel); 1024 s with compact decoding
   (only the active slots) and uncompressed checkpoints (checkpoint.compression=False) as well.

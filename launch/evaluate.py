@@ -56,6 +56,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  from aepo_jax.parallel import use_cpu_xla_flags
+  use_cpu_xla_flags()  # before JAX starts its backend
   from aepo_jax import eval as eval_lib
 
   if args.compare is not None:

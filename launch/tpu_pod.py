@@ -59,6 +59,8 @@ def main(argv):
     print(_config.to_json(config))
     return
 
+  from aepo_jax.parallel import use_cpu_xla_flags
+  use_cpu_xla_flags()  # before JAX starts its backend
   import jax
   if _PLATFORM.value:
     jax.config.update("jax_platforms", _PLATFORM.value)

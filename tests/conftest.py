@@ -7,6 +7,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from aepo_jax.parallel import use_cpu_xla_flags  # noqa: E402  (imports jax; its backend starts later)
+
+use_cpu_xla_flags()  # the XLA:CPU flags the launchers use, so tests compile what users run
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -10,6 +10,11 @@ Two call modes share the same layer code:
   * cached (rollout engine): `cache` holds K/V rows of shape [L, S, T_max, K, D]; row b writes its T new
     entries at its own offset `write_index_b[b]` and attends to cache entries j <= write_index_b[b] + t.
     Flax's built-in decode cache has one index for the whole batch, hence this layer keeps its own.
+
+Differentiated (training) calls go through two custom backward rules, `_attend_recompute` (probabilities recomputed,
+not stored per layer) and `_swiglu` (weight gradients from row-major activations); their gradients are checked
+against transformers' autograd in tests/model/test_grad_parity.py, the reasons and timings are in
+docs/performance.md ("Session 8").
 """
 from __future__ import annotations
 
@@ -75,6 +80,57 @@ def apply_rope(x_btnd, positions_bt, inv_freq):
   x1, x2 = jnp.split(x_btnd, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return x_btnd * cos + rotated * sin
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention core
+# ----------------------------------------------------------------------------------------------------
+def _scores(q_btkgd, k_bskd, mask_bts):
+  logits = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd).astype(jnp.float32) / math.sqrt(q_btkgd.shape[-1])
+  return jnp.where(mask_bts[:, None, None, :, :], logits, _NEG_INF)
+
+
+def _attend(q_btkgd, k_bskd, v_bskd, mask_bts):
+  """softmax(q·k / sqrt(d), masked) · v with grouped query heads: [B,T,K,G,D] x [B,S,K,D] -> [B,T,K,G,D]."""
+  probs = jax.nn.softmax(_scores(q_btkgd, k_bskd, mask_bts), axis=-1).astype(q_btkgd.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
+
+
+@jax.custom_vjp
+def _attend_recompute(q_btkgd, k_bskd, v_bskd, mask_bts):
+  """`_attend` whose backward recomputes the probabilities from q, k and the saved row max and sum.
+
+  Autodiff would keep the [B, K, G, T, S] probabilities of every layer for the backward (in a scanned stack,
+  one [L, B, K, G, T, S] buffer: 566 MB for SmolLM2 at 8 x 256); this keeps [B, K, G, T] statistics instead and
+  pays one more q·k product per layer in the backward. Same forward values as `_attend`."""
+  return _attend(q_btkgd, k_bskd, v_bskd, mask_bts)
+
+
+def _attend_fwd(q_btkgd, k_bskd, v_bskd, mask_bts):
+  s = _scores(q_btkgd, k_bskd, mask_bts)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  e = jnp.exp(s - m)
+  l = jnp.sum(e, axis=-1, keepdims=True)
+  out = jnp.einsum("bkgts,bskd->btkgd", (e / l).astype(q_btkgd.dtype), v_bskd)
+  return out, (q_btkgd, k_bskd, v_bskd, mask_bts, out, m, l)
+
+
+def _attend_bwd(res, dout_btkgd):
+  q, k, v, mask, out, m, l = res
+  dt = q.dtype
+  p = (jnp.exp(_scores(q, k, mask) - m) / l)  # float32, exactly the forward's probabilities
+  dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(dt), dout_btkgd)
+  dp = jnp.einsum("btkgd,bskd->bkgts", dout_btkgd, v).astype(jnp.float32)
+  delta = jnp.einsum("btkgd,btkgd->bkgt", dout_btkgd.astype(jnp.float32), out.astype(jnp.float32))
+  ds = p * (dp - delta[..., None]) / math.sqrt(q.shape[-1])
+  # masked scores are constants (their gradient is 0), which matters for a row with no valid key (uniform p)
+  ds = jnp.where(mask[:, None, None, :, :], ds, 0.0).astype(dt)
+  dq = jnp.einsum("bkgts,bskd->btkgd", ds, k)
+  dk = jnp.einsum("bkgts,btkgd->bskd", ds, q)
+  return dq, dk, dv, None
+
+
+_attend_recompute.defvjp(_attend_fwd, _attend_bwd)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -156,16 +212,60 @@ class Attention(nn.Module):
       k_bskd, v_bskd = k_btkd, v_btkd
 
     b, t = x_btd.shape[:2]
-    g = h // k
-    q_btkgd = q_btnd.reshape(b, t, k, g, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q_btkgd, k_bskd).astype(jnp.float32) / math.sqrt(d)
-    logits = jnp.where(mask_bts[:, None, None, :, :], logits, _NEG_INF)
-    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-    out_btkgd = jnp.einsum("bkgts,bskd->btkgd", probs, v_bskd)
-    out_btnd = out_btkgd.reshape(b, t, h, d)
+    q_btkgd = q_btnd.reshape(b, t, k, h // k, d)
+    # Cached calls (engine) are never differentiated; full-sequence calls may be (training).
+    attend = _attend if layer_cache is not None else _attend_recompute
+    out_btnd = attend(q_btkgd, k_bskd, v_bskd, mask_bts).reshape(b, t, h, d)
     out = Einsum("btnh,nhd->btd", (h, d, cfg.hidden_size), ("heads", "head_dim", "embed"), None,
                  cfg.dtype, cfg.param_dtype, name="o_proj")(out_btnd)
     return out, new_cache
+
+
+class _Kernel(nn.Module):
+  """A bare 'kernel' parameter (the name and shape `nn.Dense` gives it), for layers that do their own matmuls."""
+  shape: tuple
+  axes: tuple
+  param_dtype: str
+
+  @nn.compact
+  def __call__(self):
+    return self.param("kernel", _param(nn.initializers.normal(0.02), self.axes), self.shape, _dtype(self.param_dtype))
+
+
+def _t(x):
+  """x.T; on CPU written out (an optimization barrier keeps XLA from folding it into the dot): XLA:CPU runs
+  `a.T @ b` on Eigen and `a @ b.T` at about half the speed of `a @ b`, and the operands transposed here are the
+  small ones ([N, D] activations, [D, F] weights), never the [N, F] MLP activations."""
+  if jax.default_backend() != "cpu":
+    return x.T
+  return jax.lax.optimization_barrier(x.T)
+
+
+@jax.custom_vjp
+def _swiglu(x_nd, wg_df, wu_df, wd_fd):
+  """down(silu(x·Wg) * (x·Wu)) on [N, D] rows, with a backward written for CPU dots (`_t`): the weight gradients
+  are `x.T @ dG` and `(dY.T @ H).T`, so the [N, F] activations are read row-major. Residuals: x, x·Wg, x·Wu."""
+  return (jax.nn.silu(x_nd @ wg_df) * (x_nd @ wu_df)) @ wd_fd
+
+
+def _swiglu_fwd(x_nd, wg_df, wu_df, wd_fd):
+  g, u = x_nd @ wg_df, x_nd @ wu_df
+  return (jax.nn.silu(g) * u) @ wd_fd, (x_nd, g, u, wg_df, wu_df, wd_fd)
+
+
+def _swiglu_bwd(res, dy_nd):
+  x, g, u, wg, wu, wd = res
+  sig = jax.nn.sigmoid(g)
+  silu = g * sig
+  dh = dy_nd @ _t(wd)
+  dg = dh * u * (sig * (1 + g * (1 - sig)))
+  du = dh * silu
+  x_t = _t(x)
+  dwd = _t(_t(dy_nd) @ (silu * u))
+  return dg @ _t(wg) + du @ _t(wu), x_t @ dg, x_t @ du, dwd
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class MLP(nn.Module):
@@ -174,13 +274,16 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_btd):
     cfg = self.config
-    dt, pdt = _dtype(cfg.dtype), _dtype(cfg.param_dtype)
-    init = nn.initializers.normal(0.02)
-    dense = functools.partial(nn.Dense, use_bias=False, dtype=dt, param_dtype=pdt)
-    gate = dense(cfg.intermediate_size, name="gate_proj", kernel_init=_param(init, ("embed", "mlp")))(x_btd)
-    up = dense(cfg.intermediate_size, name="up_proj", kernel_init=_param(init, ("embed", "mlp")))(x_btd)
-    hidden = nn.with_logical_constraint(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "mlp"))
-    return dense(cfg.hidden_size, name="down_proj", kernel_init=_param(init, ("mlp", "embed")))(hidden)
+    dt = _dtype(cfg.dtype)
+    b, t, d = x_btd.shape
+    f = cfg.intermediate_size
+    wg = _Kernel((d, f), ("embed", "mlp"), cfg.param_dtype, name="gate_proj")()
+    wu = _Kernel((d, f), ("embed", "mlp"), cfg.param_dtype, name="up_proj")()
+    wd = _Kernel((f, d), ("mlp", "embed"), cfg.param_dtype, name="down_proj")()
+    # Rows flattened: each weight gradient then contracts one token axis (with [B, T] XLA:CPU wrote the SiLU
+    # backward transposed, [F, B*T], for its weight-gradient dots: ~2 s of a SmolLM2 8 x 256 step).
+    y_nd = _swiglu(x_btd.reshape(b * t, d).astype(dt), wg.astype(dt), wu.astype(dt), wd.astype(dt))
+    return y_nd.reshape(b, t, d)
 
 
 class Block(nn.Module):

@@ -1,0 +1,28 @@
+"""use_cpu_xla_flags: adds the XLA:CPU defaults, never overrides the user's own setting, and XLA accepts them."""
+import os
+import subprocess
+import sys
+
+from aepo_jax.parallel import CPU_XLA_FLAGS, use_cpu_xla_flags
+
+
+def test_adds_missing_flags_and_keeps_the_users():
+  env = {}
+  assert use_cpu_xla_flags(env) == " ".join(f"--{k}={v}" for k, v in CPU_XLA_FLAGS) == env["XLA_FLAGS"]
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  use_cpu_xla_flags(env)
+  assert env["XLA_FLAGS"].startswith("--xla_force_host_platform_device_count=8 --xla_cpu_")
+  for name, _ in CPU_XLA_FLAGS:
+    mine = {"XLA_FLAGS": f"--{name}="}  # e.g. the user switched YNNPACK off entirely
+    assert use_cpu_xla_flags(mine) == f"--{name}="
+  assert use_cpu_xla_flags(dict(env)) == env["XLA_FLAGS"]  # idempotent
+
+
+def test_xla_accepts_the_flags():
+  """XLA aborts the process on an unknown flag: a fresh interpreter compiles and runs a dot with them."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  code = ("from aepo_jax.parallel import use_cpu_xla_flags; use_cpu_xla_flags(); import jax, jax.numpy as jnp; "
+          "x = jnp.ones((64, 64)); print(float(jax.jit(lambda a: jax.nn.logsumexp(a @ a, -1).sum())(x)))")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert abs(float(out.stdout.split()[-1]) - 64 * (64 + 4.1588830833596715)) < 1e-2
