@@ -118,7 +118,7 @@ def _attend_fwd(q_btkgd, k_bskd, v_bskd, mask_bts):
 def _attend_bwd(res, dout_btkgd):
   q, k, v, mask, out, m, l = res
   dt = q.dtype
-  p = (jnp.exp(_scores(q, k, mask) - m) / l)  # float32, exactly the forward's probabilities
+  p = jnp.exp(_scores(q, k, mask) - m) / l  # float32, exactly the forward's probabilities
   dv = jnp.einsum("bkgts,btkgd->bskd", p.astype(dt), dout_btkgd)
   dp = jnp.einsum("btkgd,bskd->bkgts", dout_btkgd, v).astype(jnp.float32)
   delta = jnp.einsum("btkgd,btkgd->bkgt", dout_btkgd.astype(jnp.float32), out.astype(jnp.float32))

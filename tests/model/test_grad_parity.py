@@ -6,7 +6,6 @@ the parameter gradients are checked against torch's autograd, not only the logit
 as a safetensors "checkpoint" next to the config and read back with `load_hf`, which maps every tensor to our
 layout with the same (linear) transposes and reshapes as the weights.
 """
-import json
 import os
 import shutil
 
