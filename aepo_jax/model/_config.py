@@ -34,6 +34,10 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer in the backward pass (training)
+  # Full-sequence attention: 'xla' (jnp ops, any backend and mesh), 'cpu_kernel' (the C++ kernel of
+  # model/_cpu_attention.py: float32, one CPU device), 'auto' ('xla', except where a training or scoring step
+  # resolves it with `resolve_attention_impl(config, mesh)`). Execution only: parameters are the same.
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     if self.family not in FAMILIES:
@@ -41,6 +45,8 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
+    if self.attention_impl not in ("auto", "xla", "cpu_kernel"):
+      raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}: use 'auto', 'xla' or 'cpu_kernel'.")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16", "float64"):
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use 'float32', 'bfloat16' or 'float16' "

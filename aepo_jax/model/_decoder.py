@@ -14,7 +14,8 @@ Two call modes share the same layer code:
 Differentiated (training) calls go through two custom backward rules, `_attend_recompute` (probabilities recomputed,
 not stored per layer) and `_swiglu` (weight gradients from row-major activations); their gradients are checked
 against transformers' autograd in tests/model/test_grad_parity.py, the reasons and timings are in
-docs/performance.md ("Session 8").
+docs/performance.md ("Session 8"). With `attention_impl='cpu_kernel'` (float32, one CPU device; selected by the
+training steps) full-sequence attention runs through the C++ kernel of `_cpu_attention` instead.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aepo_jax.model import _cpu_attention
 from aepo_jax.model._config import ModelConfig
 
 _NEG_INF = -1e30  # finite, so a query row with no valid key gives a uniform softmax, never NaN
@@ -212,10 +214,13 @@ class Attention(nn.Module):
       k_bskd, v_bskd = k_btkd, v_btkd
 
     b, t = x_btd.shape[:2]
-    q_btkgd = q_btnd.reshape(b, t, k, h // k, d)
-    # Cached calls (engine) are never differentiated; full-sequence calls may be (training).
-    attend = _attend if layer_cache is not None else _attend_recompute
-    out_btnd = attend(q_btkgd, k_bskd, v_bskd, mask_bts).reshape(b, t, h, d)
+    if layer_cache is None and cfg.attention_impl == "cpu_kernel":
+      out_btnd = _cpu_attention.attention(q_btnd, k_bskd, v_bskd, mask_bts.astype(bool))
+    else:
+      q_btkgd = q_btnd.reshape(b, t, k, h // k, d)
+      # Cached calls (engine) are never differentiated; full-sequence calls may be (training).
+      attend = _attend if layer_cache is not None else _attend_recompute
+      out_btnd = attend(q_btkgd, k_bskd, v_bskd, mask_bts).reshape(b, t, h, d)
     out = Einsum("btnh,nhd->btd", (h, d, cfg.hidden_size), ("heads", "head_dim", "embed"), None,
                  cfg.dtype, cfg.param_dtype, name="o_proj")(out_btnd)
     return out, new_cache

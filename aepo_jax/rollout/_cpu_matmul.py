@@ -7,18 +7,13 @@ streams weights stored as [L, N, K] (one contiguous row per output column) with 
 blocking, and takes the whole stack plus a layer index, so nothing is sliced.
 
 The kernel is compiled on first use with the system C++ compiler (`$CXX`, default g++; ~5 s) into
-`~/.cache/aepo_jax/kernels` (`$AEPO_JAX_KERNEL_CACHE`) and registered as an XLA FFI target. It needs x86-64
-with AVX2 and FMA. `AEPO_JAX_CPU_KERNELS=0` turns it off. When it cannot be built or loaded, `available()` is
-False, `reason()` says why, and the engine decodes with XLA's dots instead (same results to float32 rounding).
+`~/.cache/aepo_jax/kernels` (`$AEPO_JAX_KERNEL_CACHE`) and registered as an XLA FFI target
+(`aepo_jax.parallel._native`). It needs x86-64 with AVX2 and FMA. `AEPO_JAX_CPU_KERNELS=0` turns it off. When
+it cannot be built or loaded, `available()` is False, `reason()` says why, and the engine decodes with XLA's dots instead (same results to float32 rounding).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
@@ -27,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aepo_jax.parallel import _native
+
 _SRC = Path(__file__).parent / "csrc" / "small_m_matmul.cc"
 _TARGET = "aepo_small_m_matmul"
 _ATTN_TARGET = "aepo_decode_attention"
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 MAX_ROWS = 64  # beyond this batch size the step is compute-bound and XLA's GEMM is as good
 _lock = threading.Lock()
 _status: dict = {}  # {"ok": bool, "reason": str, "path": str}
@@ -38,64 +34,11 @@ log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
-  return Path(os.environ.get("AEPO_JAX_KERNEL_CACHE") or Path.home() / ".cache" / "aepo_jax" / "kernels")
-
-
-def _cpu_flags() -> set:
-  try:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("flags"):
-        return set(line.split(":", 1)[1].split())
-  except OSError:
-    pass
-  return set()
-
-
-def _build() -> Path:
-  """Compiles the kernel into the cache (once per source, flags and jaxlib version) and returns the .so path."""
-  include = jax.ffi.include_dir()
-  cxx = os.environ.get("CXX", "g++")
-  key = hashlib.sha256(b"\0".join([_SRC.read_bytes(), " ".join((cxx,) + _FLAGS).encode(), jax.__version__.encode(),
-                                   str(include).encode()])).hexdigest()[:16]
-  out_dir = cache_dir()
-  so = out_dir / f"small_m_matmul-{key}.so"
-  if so.exists():
-    return so
-  out_dir.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-  os.close(fd)
-  try:
-    cmd = [cxx, *_FLAGS, f"-I{include}", str(_SRC), "-o", tmp]
-    try:
-      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    except FileNotFoundError:
-      raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (install g++ or set $CXX)") from None
-    if proc.returncode != 0:
-      raise RuntimeError(f"compiling {_SRC.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-    os.replace(tmp, so)  # atomic: concurrent builders (test workers) never load a half-written file
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-  return so
+  return _native.kernel_cache_dir()
 
 
 def _load() -> dict:
-  if os.environ.get("AEPO_JAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-    return {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}
-  if platform.machine().lower() not in ("x86_64", "amd64"):
-    return {"ok": False, "reason": f"needs x86-64 (this machine: {platform.machine()})"}
-  missing = {"avx2", "fma"} - _cpu_flags()
-  if missing:
-    return {"ok": False, "reason": f"the CPU lacks {sorted(missing)}"}
-  try:
-    import ctypes
-    so = _build()
-    lib = ctypes.cdll.LoadLibrary(str(so))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.AepoSmallMMatmul), platform="cpu")
-    jax.ffi.register_ffi_target(_ATTN_TARGET, jax.ffi.pycapsule(lib.AepoDecodeAttention), platform="cpu")
-  except Exception as e:  # noqa: BLE001 - any failure means: decode with XLA instead, and say why
-    return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
-  return {"ok": True, "reason": "", "path": str(so)}
+  return _native.load(_SRC, {_TARGET: "AepoSmallMMatmul", _ATTN_TARGET: "AepoDecodeAttention"})
 
 
 def available() -> bool:

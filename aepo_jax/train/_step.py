@@ -33,7 +33,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from aepo_jax import objectives
-from aepo_jax.model import ModelConfig, forward_hidden, param_logical_axes, param_shapes, unembed
+from aepo_jax.model import (ModelConfig, forward_hidden, param_logical_axes, param_shapes, resolve_attention_impl,
+                            unembed)
 from aepo_jax.parallel import DEFAULT_RULES, logical_sharding, make_mesh
 from aepo_jax.train._batch import batch_sharding
 from aepo_jax.train._optim import current_lr
@@ -128,6 +129,7 @@ def make_logprob_fn(model_config: ModelConfig, mesh: Optional[Mesh] = None, rule
   the batch sharding, ready to be put into the batch as `old_log_prob` / `ref_log_prob`.
   """
   mesh = _mesh(mesh)
+  model_config = resolve_attention_impl(model_config, mesh)
   p_sh, b_sh = param_shardings(model_config, mesh, rules), batch_sharding(mesh, rules)
 
   def one(params, xs):
@@ -260,6 +262,7 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
   logit_capacity: > 0 computes the LM head only at the loss positions of a micro-batch, up to this many (a
     micro-batch with more takes the dense path; same result either way), see `objectives.token_logprobs_and_entropy`.
   """
+  model_config = resolve_attention_impl(model_config, _mesh(mesh))
   fn = objectives.policy_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn
   hp = dict(loss_hp or {})
   if "normalizer" in hp:
@@ -303,6 +306,7 @@ def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransfo
   batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T], and `segment_ids` when rows are packed
   (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens.
   logit_capacity: as in `make_update_step` (the LM head only at loss positions)."""
+  model_config = resolve_attention_impl(model_config, _mesh(mesh))
 
   def micro_loss(params, mb, normalizer, scale):
     seg = mb.get("segment_ids")

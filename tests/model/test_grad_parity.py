@@ -1,7 +1,8 @@
 """Gradients against transformers (CPU torch autograd, float32) on tiny random checkpoints of each family.
 
 The training forward has its own backward rules (`_decoder._attend_recompute`: probabilities recomputed from
-q, k and the saved row statistics; `_swiglu`: weight gradients from written-out transposes), so
+q, k and the saved row statistics; `_swiglu`: weight gradients from written-out transposes; on CPU the C++
+training-attention kernel of `_cpu_attention`), so
 the parameter gradients are checked against torch's autograd, not only the logits. torch's gradients are saved
 as a safetensors "checkpoint" next to the config and read back with `load_hf`, which maps every tensor to our
 layout with the same (linear) transposes and reshapes as the weights.
@@ -18,7 +19,7 @@ import torch
 import transformers
 
 from aepo_jax import model, testing
-from aepo_jax.model import _decoder
+from aepo_jax.model import _cpu_attention, _decoder
 
 REL_TOL = 2e-4  # max |Δgrad| / max |grad| per parameter, float32; measured <= 2e-6
 
@@ -49,10 +50,15 @@ def _torch_grads(path, tokens, mask, positions, weights, out_dir):
   return model.load_hf(out_dir)[1]
 
 
+@pytest.mark.parametrize("impl", ["xla", "cpu_kernel"])
 @pytest.mark.parametrize("family", testing.FAMILIES)
-def test_parameter_gradients_match_transformers(tiny_checkpoint, family, tmp_path):
+def test_parameter_gradients_match_transformers(tiny_checkpoint, family, impl, tmp_path):
+  """Both attention paths: XLA's ops and the CPU training-attention kernel (`_cpu_attention`)."""
+  if impl == "cpu_kernel" and not _cpu_attention.available():
+    pytest.skip(f"CPU attention kernel unavailable: {_cpu_attention.reason()}")
   path = tiny_checkpoint(family)
   config, params = model.load_hf(path)
+  config = config.replace(attention_impl=impl)
   tokens, mask, positions = _batch()
   weights = np.random.RandomState(1).normal(size=(*tokens.shape, config.vocab_size)).astype(np.float32)
   weights *= mask[..., None]

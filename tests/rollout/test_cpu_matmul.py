@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from aepo_jax.model import ModelConfig, init_params
+from aepo_jax.parallel import _native
 from aepo_jax.rollout import Engine, _cpu_matmul
 from aepo_jax.rollout._decode_forward import decode_forward, decode_weights
 from aepo_jax.rollout._engine import prepared_weights
 
-if not {"avx2", "fma"} <= _cpu_matmul._cpu_flags():
+if not {"avx2", "fma"} <= _native.cpu_flags():
   pytest.skip("the CPU decode kernel needs AVX2 and FMA", allow_module_level=True)
 
 
