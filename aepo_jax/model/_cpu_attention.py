@@ -8,7 +8,8 @@ between register-tiled GEMMs. The backward recomputes the probabilities from the
 
 `attention(q, k, v, mask)` has the same values as `_decoder._attend` (float32 rounding) and a custom VJP whose
 gradients match `_decoder._attend_recompute`'s, including query rows with no valid key (uniform probabilities
-over all keys, zero score gradient). Used by the decoder when `ModelConfig.attention_impl == 'cpu_kernel'`, which
+over all keys, zero score gradient). Its backward is itself a kernel call, so it has no derivative of its own:
+grad-of-grad (Hessian-vector products) needs `attention_impl='xla'`. Used by the decoder when `ModelConfig.attention_impl == 'cpu_kernel'`, which
 the training steps select on a single CPU device (`resolve`). Build and fallback rules: `aepo_jax.parallel._native`.
 """
 from __future__ import annotations
@@ -70,7 +71,24 @@ def resolve(config, mesh=None):
   return config.replace(attention_impl="xla" if unavailable_reason(config, mesh) else "cpu_kernel")
 
 
+def _check(q, k, v, mask):
+  if not available():
+    raise RuntimeError(f"aepo_jax CPU training-attention kernel unavailable: {reason()} (use "
+                       "ModelConfig.attention_impl='xla' or 'auto')")
+  if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
+      or q.shape[2] % k.shape[2] or mask.shape != (q.shape[0], q.shape[1], k.shape[1]):
+    raise ValueError(f"attention: q [B,T,H,D], k = v [B,S,KH,D] with H % KH == 0, mask [B,T,S]; got q {q.shape}, "
+                     f"k {k.shape}, v {v.shape}, mask {mask.shape}")
+  if q.shape[3] % 16 or q.shape[2] // k.shape[2] > 64:
+    raise ValueError(f"attention: head_dim % 16 == 0 and at most 64 query heads per KV head (q {q.shape}, "
+                     f"k {k.shape})")
+  if not all(x.dtype == jnp.float32 for x in (q, k, v)):
+    raise TypeError(f"attention: float32 only (q {q.dtype}, k {k.dtype}, v {v.dtype}); use "
+                    "ModelConfig.attention_impl='xla' for other dtypes")
+
+
 def _fwd_call(q, k, v, mask):
+  _check(q, k, v, mask)
   b, t, h, d = q.shape
   call = jax.ffi.ffi_call(_FWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
                                  jax.ShapeDtypeStruct((b, k.shape[2], t, h // k.shape[2]), jnp.float32)),
@@ -82,10 +100,11 @@ def _fwd_call(q, k, v, mask):
 def attention(q_bthd, k_bskd, v_bskd, mask_bts):
   """softmax(q·k / sqrt(D), masked) · v: q [B, T, H, D] (head h = kv * G + g), k, v [B, S, KH, D], mask
   [B, T, S] bool -> [B, T, H, D], float32."""
-  return _fwd_call(q_bthd, k_bskd, v_bskd, mask_bts)[0]
+  return _fwd_call(q_bthd, k_bskd, v_bskd, mask_bts.astype(bool))[0]
 
 
 def _attention_fwd(q, k, v, mask):
+  mask = mask.astype(bool)
   out, lse = _fwd_call(q, k, v, mask)
   return out, (q, k, v, mask, out, lse)
 

@@ -289,7 +289,15 @@ void run_parts(ffi::ThreadPool& pool, int parts, int workers, Fn fn) {
   }
 }
 
-ffi::Error check(const Shape& s, const char* who) {
+template <typename Dims>
+ffi::Error check(const Shape& s, const Dims& qd, const Dims& kd, const Dims& vd, const Dims& md, const char* who) {
+  const std::string w(who);
+  if (qd[2] % kd[2] != 0) return ffi::Error::InvalidArgument(w + ": query heads must be a multiple of KV heads");
+  for (int i = 0; i < 4; ++i)
+    if (vd[i] != kd[i]) return ffi::Error::InvalidArgument(w + ": k and v differ in shape");
+  if (kd[0] != s.B || kd[3] != s.D) return ffi::Error::InvalidArgument(w + ": q and k differ in batch or head_dim");
+  if (md[0] != s.B || md[1] != s.T || md[2] != s.S)
+    return ffi::Error::InvalidArgument(w + ": mask must be [B, T, S] (no broadcasting)");
   if (s.D % kNR != 0) return ffi::Error::InvalidArgument(std::string(who) + ": head_dim must be a multiple of 16");
   if (s.S < 1 || s.T < 1) return ffi::Error::InvalidArgument(std::string(who) + ": empty sequence");
   if (s.G < 1 || s.G > 64) return ffi::Error::InvalidArgument(std::string(who) + ": 1 to 64 query heads per KV head");
@@ -303,7 +311,7 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4 || mask.dimensions().size() != 3)
     return ffi::Error::InvalidArgument("aepo_train_attention_fwd: q [B,T,H,D], k/v [B,S,KH,D], mask [B,T,S]");
   Shape s{qd[0], qd[1], kd[1], kd[2], qd[2] / kd[2], qd[3]};
-  if (auto e = check(s, "aepo_train_attention_fwd"); e.failure()) return e;
+  if (auto e = check(s, qd, kd, v.dimensions(), mask.dimensions(), "aepo_train_attention_fwd"); e.failure()) return e;
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
@@ -335,8 +343,9 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         gemm(false, rows_pad, s1 - s0, D, qb.data(), ldr, 1, pk.kt.data() + s0, lds, pb.data() + s0, lds);
         probabilities(s, mp, pk.empty, b, t0, nrows, rows_pad, s0, s1, scale, pb.data(), lds, nullptr, lse_blk);
         gemm(false, rows_pad, D, s1 - s0, pb.data() + s0, lds, 1, pk.vp.data() + s0 * ldr, ldr, ob.data(), ldr);
-      } else {
+      } else {  // unreachable (an empty row widens the range to all keys); kept well-defined
         std::fill(ob.begin(), ob.end(), 0.f);
+        std::fill(lse_blk, lse_blk + nrows, 0.f);
       }
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t g = 0; g < G; ++g) {
@@ -357,7 +366,12 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4 || mask.dimensions().size() != 3)
     return ffi::Error::InvalidArgument("aepo_train_attention_bwd: q [B,T,H,D], k/v [B,S,KH,D], mask [B,T,S]");
   Shape s{qd[0], qd[1], kd[1], kd[2], qd[2] / kd[2], qd[3]};
-  if (auto e = check(s, "aepo_train_attention_bwd"); e.failure()) return e;
+  if (auto e = check(s, qd, kd, v.dimensions(), mask.dimensions(), "aepo_train_attention_bwd"); e.failure()) return e;
+  if (out.dimensions().size() != 4 || dout.dimensions().size() != 4 || lse.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("aepo_train_attention_bwd: out, dout [B,T,H,D] and lse [B,KH,T,G]");
+  for (int i = 0; i < 4; ++i)
+    if (out.dimensions()[i] != qd[i] || dout.dimensions()[i] != qd[i])
+      return ffi::Error::InvalidArgument("aepo_train_attention_bwd: out and dout must have q's shape");
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
