@@ -180,3 +180,14 @@ def test_killed_mid_save_is_never_latest(tmp_path):
   ck.save(2, {"w": jnp.full((4, 4), 2.0)}, {"step": 2})  # the interrupted step can be written again
   ck.close()
   assert Checkpointer(directory).latest_step() == 2
+
+
+def test_attention_impl_override_is_not_a_model_mismatch():
+  """`model.overrides.attention_impl` picks an execution path, not parameters: resuming across it is allowed."""
+  from aepo_jax.train import base_config
+  from aepo_jax.train._checkpoint import model_mismatch
+  a, b = base_config(), base_config()
+  b.model.overrides.attention_impl = "xla"
+  assert model_mismatch(a, b) == []
+  b.model.overrides.num_layers = 2
+  assert model_mismatch(a, b) == ["model.overrides.num_layers: checkpoint='<unset>' current=2"]
