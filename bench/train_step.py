@@ -75,7 +75,7 @@ def rl_batch(b, t, vocab, prompt=16, seed=0):
   }
 
 
-def jax_runner(config, host_params, b, t, *, remat, chunk, attention="auto"):
+def jax_runner(config, host_params, b, t, *, remat, chunk, attention="auto", unroll=1):
   """(run, seconds of compile + first step, resolved attention_impl); run() does one timed update step."""
   import jax
   from aepo_jax.model import resolve_attention_impl
@@ -86,7 +86,7 @@ def jax_runner(config, host_params, b, t, *, remat, chunk, attention="auto"):
 
   opt = make_optimizer(1e-6)
   mesh = make_mesh((1, 1, 1), jax.devices()[:1])
-  cfg = resolve_attention_impl(config.replace(remat=remat, attention_impl=attention), mesh)
+  cfg = resolve_attention_impl(config.replace(remat=remat, attention_impl=attention, scan_unroll=unroll), mesh)
   step = make_update_step(cfg, loss_fn="ppo", optimizer=opt, micro_batches=1, mesh=mesh, logprob_chunk=chunk)
   state = list(init_train_state(cfg, host_params, opt, mesh))
   batch = shard_batch(rl_batch(b, t, cfg.vocab_size), mesh)
@@ -152,6 +152,8 @@ def main():
   parser.add_argument("--attention", default="auto",
                       help="comma-separated ModelConfig.attention_impl values: auto (the CPU kernel on one CPU "
                            "device), xla, cpu_kernel")
+  parser.add_argument("--unroll", default="1", help="comma-separated ModelConfig.scan_unroll values (layers per "
+                      "loop iteration; 30 = SmolLM2 fully unrolled)")
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--torch-threads", type=int, default=2)
   parser.add_argument("--torch-warmup", type=int, default=1, help="untimed torch steps before timing")
@@ -174,7 +176,7 @@ def main():
   n = config.num_params
   print(f"SmolLM2-135M update step ({weights}, N={n / 1e6:.1f}M), float32, jax {jax.__version__}; "
         f"matmul peak at start {peak_start / 1e9:.1f} GFLOP/s (2048^3 f32); median of {repeats} steps")
-  header = (f"{'shape':>7} {'remat':>5} {'chunk':>5} {'attention':>10} {'jax tok/s':>9} {'torch tok/s':>11} {'jax/torch':>9} "
+  header = (f"{'shape':>7} {'remat':>5} {'chunk':>5} {'attention':>14} {'jax tok/s':>9} {'torch tok/s':>11} {'jax/torch':>9} "
             f"{'jax MFU':>7} {'torch MFU':>9} {'compile+1st s':>13}")
   rows = []
   for b, t in shapes:
@@ -185,8 +187,11 @@ def main():
     for remat in remats:
       for chunk in chunks:
         for attention in args.attention.split(","):
-          run, first, impl = jax_runner(config, host_params, b, t, remat=remat, chunk=chunk, attention=attention)
-          runners[(remat, chunk, impl)], firsts[(remat, chunk, impl)] = run, first
+          for unroll in (int(u) for u in args.unroll.split(",")):
+            run, first, impl = jax_runner(config, host_params, b, t, remat=remat, chunk=chunk, attention=attention,
+                                          unroll=unroll)
+            impl = impl if unroll == 1 else f"{impl}/u{unroll}"
+            runners[(remat, chunk, impl)], firsts[(remat, chunk, impl)] = run, first
     medians = interleaved_medians(runners, repeats)
     tsec = medians.pop("torch", None)
     for (remat, chunk, impl), sec in medians.items():
@@ -203,7 +208,7 @@ def main():
     ttok = f"{b * t / tsec:11.1f}" if tsec else f"{'-':>11}"
     ratio = f"{tsec / sec:9.2f}" if tsec else f"{'-':>9}"
     tmfu = f"{flops / tsec / peak:9.1%}" if tsec else f"{'-':>9}"
-    print(f"{b:>3}x{t:<3} {('on' if remat else 'off'):>5} {chunk:>5} {impl:>10} {b * t / sec:9.1f} {ttok} {ratio} "
+    print(f"{b:>3}x{t:<3} {('on' if remat else 'off'):>5} {chunk:>5} {impl:>14} {b * t / sec:9.1f} {ttok} {ratio} "
           f"{flops / sec / peak:7.1%} {tmfu} {first:13.1f}")
 
 

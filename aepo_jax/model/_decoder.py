@@ -320,6 +320,7 @@ class Decoder(nn.Module):
     self.layers = nn.scan(
         block, variable_axes={"params": 0}, split_rngs={"params": True},
         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), out_axes=0, length=cfg.num_layers,
+        unroll=min(cfg.scan_unroll, cfg.num_layers),
         metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
     self.norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
     if not cfg.tie_word_embeddings:

@@ -97,7 +97,8 @@ def model_mismatch(saved_config, config) -> list[str]:
     d = dict(_config._flatten(c.model, "model."))
     d.update({f"model.overrides.{k}": v for k, v in dict(c.model.overrides).items()})
     d.pop("model.overrides", None)
-    for k in ("model.dtype", "model.remat", "model.tokenizer", "model.init", "model.overrides.attention_impl"):
+    for k in ("model.dtype", "model.remat", "model.tokenizer", "model.init", "model.overrides.attention_impl",
+              "model.overrides.scan_unroll"):
       d.pop(k, None)  # these do not change parameter shapes
     return d
   canon = lambda d: {k: json.loads(json.dumps(v, default=str)) for k, v in d.items()}  # tuples == lists

@@ -141,6 +141,18 @@ def test_model_logits_and_gradients_match_the_xla_path(family="qwen3"):
   assert "aepo_train_attention_fwd" in hlo
 
 
+def test_unrolled_layer_loop_gives_the_same_gradients():
+  """ModelConfig.scan_unroll changes the compiled loop, not the values."""
+  cfg = _tiny("cpu_kernel")
+  params = init_params(cfg, jax.random.PRNGKey(1))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 16)), jnp.int32)
+  grad = lambda c: jax.jit(jax.grad(lambda p: jnp.sum(model.forward(c, p, tokens) ** 2) * 1e-3))(params)  # noqa: E731
+  for a, b in zip(jax.tree.leaves(grad(cfg)), jax.tree.leaves(grad(cfg.replace(scan_unroll=cfg.num_layers)))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="scan_unroll"):
+    cfg.replace(scan_unroll=0)
+
+
 def test_resolve_picks_the_kernel_only_where_it_applies():
   cfg = _tiny("auto")
   one = make_mesh((1, 1, 1), jax.devices()[:1])
