@@ -14,8 +14,6 @@ the training steps select on a single CPU device (`resolve`). Build and fallback
 """
 from __future__ import annotations
 
-import logging
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -27,24 +25,10 @@ from aepo_jax.parallel import _native
 
 _SRC = Path(__file__).parent / "csrc" / "train_attention.cc"
 _FWD, _BWD = "aepo_train_attention_fwd", "aepo_train_attention_bwd"
-_lock = threading.Lock()
-_status: dict = {}
-log = logging.getLogger(__name__)
-
-
-def available() -> bool:
-  """True when the kernel is built, loaded and registered (builds it on the first call)."""
-  with _lock:
-    if not _status:
-      _status.update(_native.load(_SRC, {_FWD: "AepoTrainAttentionFwd", _BWD: "AepoTrainAttentionBwd"}))
-      if not _status["ok"]:
-        log.warning("CPU training-attention kernel unavailable (%s); using XLA's attention.", _status["reason"])
-  return _status["ok"]
-
-
-def reason() -> str:
-  available()
-  return _status["reason"]
+_LIB = _native.Library(_SRC, {_FWD: "AepoTrainAttentionFwd", _BWD: "AepoTrainAttentionBwd"},
+                       "CPU training-attention kernel", "using XLA's attention")
+available = _LIB.available  # True when the kernel is built, loaded and registered (builds it on the first call)
+reason = _LIB.reason  # why the kernel is unavailable ('' when it is available)
 
 
 def unavailable_reason(config, mesh=None) -> Optional[str]:

@@ -215,7 +215,7 @@ class Attention(nn.Module):
 
     b, t = x_btd.shape[:2]
     if layer_cache is None and cfg.attention_impl == "cpu_kernel":
-      out_btnd = _cpu_attention.attention(q_btnd, k_bskd, v_bskd, mask_bts.astype(bool))
+      out_btnd = _cpu_attention.attention(q_btnd, k_bskd, v_bskd, mask_bts)
     else:
       q_btkgd = q_btnd.reshape(b, t, k, h // k, d)
       # Cached calls (engine) are never differentiated; full-sequence calls may be (training).

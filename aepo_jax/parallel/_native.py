@@ -10,13 +10,17 @@ fall back to XLA's own ops and log why.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+SHARED_INCLUDE = Path(__file__).parent / "csrc"  # aepo_cpu.h: helpers every kernel includes
+log = logging.getLogger(__name__)
 
 
 def kernel_cache_dir() -> Path:
@@ -38,8 +42,9 @@ def build(src: Path) -> Path:
   import jax
   include = jax.ffi.include_dir()
   cxx = os.environ.get("CXX", "g++")
-  key = hashlib.sha256(b"\0".join([src.read_bytes(), " ".join((cxx,) + FLAGS).encode(), jax.__version__.encode(),
-                                   str(include).encode()])).hexdigest()[:16]
+  headers = [h.read_bytes() for h in sorted(SHARED_INCLUDE.glob("*.h"))]
+  key = hashlib.sha256(b"\0".join([src.read_bytes(), *headers, " ".join((cxx,) + FLAGS).encode(),
+                                   jax.__version__.encode(), str(include).encode()])).hexdigest()[:16]
   out_dir = kernel_cache_dir()
   so = out_dir / f"{src.stem}-{key}.so"
   if so.exists():
@@ -48,7 +53,7 @@ def build(src: Path) -> Path:
   fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
   os.close(fd)
   try:
-    cmd = [cxx, *FLAGS, f"-I{include}", str(src), "-o", tmp]
+    cmd = [cxx, *FLAGS, f"-I{include}", f"-I{SHARED_INCLUDE}", str(src), "-o", tmp]
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except FileNotFoundError:
@@ -82,3 +87,29 @@ def load(src: Path, targets: dict) -> dict:
   except Exception as e:  # noqa: BLE001 - any failure means: use XLA's ops instead, and say why
     return {"ok": False, "reason": f"{type(e).__name__}: {e}"}
   return {"ok": True, "reason": "", "path": str(so)}
+
+
+class Library:
+  """One kernel source, built and registered on first use (thread-safe); `available()` / `reason()` say whether
+  it loaded and why not, and the first failure is logged once with `fallback` (what the caller does instead)."""
+
+  def __init__(self, src: Path, targets: dict, what: str, fallback: str):
+    self.src, self.targets, self.what, self.fallback = src, targets, what, fallback
+    self._lock = threading.Lock()
+    self._status: dict = {}
+
+  def load(self) -> dict:
+    return load(self.src, self.targets)
+
+  def available(self) -> bool:
+    with self._lock:
+      if not self._status:
+        self._status.update(self.load())
+        if not self._status["ok"]:
+          log.warning("%s unavailable (%s); %s.", self.what, self._status["reason"], self.fallback)
+    return self._status["ok"]
+
+  def reason(self) -> str:
+    """Why the kernel is unavailable ('' when it is available)."""
+    self.available()
+    return self._status["reason"]

@@ -13,8 +13,6 @@ it cannot be built or loaded, `available()` is False, `reason()` says why, and t
 """
 from __future__ import annotations
 
-import logging
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -28,33 +26,15 @@ _SRC = Path(__file__).parent / "csrc" / "small_m_matmul.cc"
 _TARGET = "aepo_small_m_matmul"
 _ATTN_TARGET = "aepo_decode_attention"
 MAX_ROWS = 64  # beyond this batch size the step is compute-bound and XLA's GEMM is as good
-_lock = threading.Lock()
-_status: dict = {}  # {"ok": bool, "reason": str, "path": str}
-log = logging.getLogger(__name__)
+_LIB = _native.Library(_SRC, {_TARGET: "AepoSmallMMatmul", _ATTN_TARGET: "AepoDecodeAttention"},
+                       "CPU decode kernel", "decoding with XLA dots")
+available = _LIB.available  # True when the kernel is built, loaded and registered (builds it on the first call)
+reason = _LIB.reason  # why the kernel is unavailable ('' when it is available)
+_load = _LIB.load
 
 
 def cache_dir() -> Path:
   return _native.kernel_cache_dir()
-
-
-def _load() -> dict:
-  return _native.load(_SRC, {_TARGET: "AepoSmallMMatmul", _ATTN_TARGET: "AepoDecodeAttention"})
-
-
-def available() -> bool:
-  """True when the kernel is built, loaded and registered (builds it on the first call)."""
-  with _lock:
-    if not _status:
-      _status.update(_load())
-      if not _status["ok"]:
-        log.warning("CPU decode kernel unavailable (%s); decoding with XLA dots.", _status["reason"])
-  return _status["ok"]
-
-
-def reason() -> str:
-  """Why the kernel is unavailable ('' when it is available)."""
-  available()
-  return _status["reason"]
 
 
 def matmul_t(x, w_stacked, layer, *, parts: int = 0):

@@ -25,11 +25,16 @@
 #include <thread>
 #include <vector>
 
+#include "aepo_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using aepo_cpu::exp_ps;
+using aepo_cpu::hsum;
+using aepo_cpu::run_parts;
 
 constexpr int64_t kQ = 16;   // queries per block
 constexpr int64_t kNR = 16;  // GEMM tile columns (2 AVX2 vectors)
@@ -90,34 +95,9 @@ void gemm(bool acc, int64_t M, int64_t N, int64_t K, const float* A, int64_t ai,
   }
 }
 
-// exp(x) for 8 floats, x <= 0: Cephes' expf polynomial (~1 ulp), as in the decode kernel.
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 inline float exp1(float x) {
   alignas(32) float t[8] = {x, 0, 0, 0, 0, 0, 0, 0};
   return _mm256_cvtss_f32(exp_ps(_mm256_load_ps(t)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
 }
 
 inline float hmax(__m256 v) {
@@ -254,41 +234,6 @@ void probabilities(const Shape& s, const bool* mask, const std::vector<uint8_t>&
   }
 }
 
-struct Job {
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  int parts = 1;
-};
-
-// fn(p) for p < parts on the caller and up to `workers - 1` pool threads (parts claimed dynamically).
-template <typename Fn>
-void run_parts(ffi::ThreadPool& pool, int parts, int workers, Fn fn) {
-  if (parts <= 1 || workers <= 1) {
-    for (int p = 0; p < parts; ++p) fn(p);
-    return;
-  }
-  auto job = std::make_shared<Job>();
-  job->parts = parts;
-  auto work = [job, fn]() {
-    for (int p; (p = job->next.fetch_add(1)) < job->parts;) {
-      fn(p);
-      job->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int i = 1; i < std::min(parts, workers); ++i) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < parts; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
-}
-
 template <typename Dims>
 ffi::Error check(const Shape& s, const Dims& qd, const Dims& kd, const Dims& vd, const Dims& md, const char* who) {
   const std::string w(who);
@@ -320,7 +265,7 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   float* lp = lse->typed_data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.D));
   if (parts <= 0) parts = std::max<int64_t>(1, pool.num_threads());
-  run_parts(pool, static_cast<int>(s.B * s.KH), static_cast<int>(parts), [=](int task) {
+  run_parts(pool, static_cast<int>(s.B * s.KH), [=](int task) {
     const int64_t b = task / s.KH, kh = task % s.KH, G = s.G, D = s.D, H = s.H(), ldr = s.ldr(), lds = s.lds();
     thread_local Packed pk;
     thread_local std::vector<float> qb, pb, ob;
@@ -354,7 +299,7 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
           lp[((b * s.KH + kh) * s.T + t) * G + g] = lse_blk[(t - t0) * G + g];
         }
     }
-  });
+  }, static_cast<int>(parts));
   return ffi::Error::Success();
 }
 
@@ -384,7 +329,7 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   float* dvp = dv->typed_data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.D));
   if (parts <= 0) parts = std::max<int64_t>(1, pool.num_threads());
-  run_parts(pool, static_cast<int>(s.B * s.KH), static_cast<int>(parts), [=](int task) {
+  run_parts(pool, static_cast<int>(s.B * s.KH), [=](int task) {
     const int64_t b = task / s.KH, kh = task % s.KH, G = s.G, D = s.D, H = s.H(), Sp = s.Sp();
     const int64_t ldr = s.ldr(), lds = s.lds();
     thread_local Packed pk;
@@ -455,7 +400,7 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       std::memcpy(dkp + ((b * s.S + a) * s.KH + kh) * D, dkacc.data() + a * ldr, D * sizeof(float));
       std::memcpy(dvp + ((b * s.S + a) * s.KH + kh) * D, dvacc.data() + a * ldr, D * sizeof(float));
     }
-  });
+  }, static_cast<int>(parts));
   return ffi::Error::Success();
 }
 

@@ -20,20 +20,18 @@
 #include <thread>
 #include <vector>
 
+#include "aepo_cpu.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kAhead = 2;  // tiles ahead to prefetch
+using aepo_cpu::exp_ps;
+using aepo_cpu::hsum;
+using aepo_cpu::run_parts;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+constexpr int kAhead = 2;  // tiles ahead to prefetch
 
 // y[r, n + c] = x[r, :] . w[c, :] for r < R, c < C; meanwhile prefetches `pf_lines` cache lines from `pf`.
 template <int R, int C>
@@ -98,42 +96,6 @@ void columns(const float* x, int64_t M, int64_t K, const float* W, int64_t N, fl
   for (; n < n1; ++n) column_block<1>(x, M, K, W + n * K, y + n, N, nullptr, 0);
 }
 
-struct Job {
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  int parts = 1;
-};
-
-template <typename Fn>
-void run_parts(ffi::ThreadPool& pool, int parts, Fn fn, int workers = 1 << 30) {
-  if (parts <= 1 || workers <= 1) {
-    for (int p = 0; p < parts; ++p) fn(p);
-    return;
-  }
-  auto job = std::make_shared<Job>();
-  job->parts = parts;
-  auto work = [job, fn]() {
-    for (int p; (p = job->next.fetch_add(1)) < job->parts;) {
-      fn(p);
-      job->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int i = 1; i < std::min(parts, workers); ++i) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  // Parts still running belong to threads that already started them. Spin briefly, then yield the core: with
-  // more runnable threads than cores (several processes on a small machine) that thread may need this one.
-  for (int spins = 0; job->done.load(std::memory_order_acquire) < parts; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
-}
-
 ffi::Error SmallMMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                             ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int64_t parts) {
   const auto xd = x.dimensions();
@@ -161,25 +123,6 @@ ffi::Error SmallMMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     columns(xp, M, K, W, N, yp, n0, n1);
   });
   return ffi::Error::Success();
-}
-
-
-// exp(x) for 8 floats, x <= 0 (softmax after subtracting the row maximum): Cephes' expf polynomial, ~1 ulp.
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 // Decode attention of slot s for one layer: the query heads of every KV head attend to cache entries
