@@ -52,17 +52,23 @@ def load_model():
     return cfg, init_params(cfg, jax.random.PRNGKey(0)), f"random smollm2-135m weights ({type(e).__name__})"
 
 
+_CONTAINER = re.compile(r"^(while|cond|conditional|call)(\.\d+)?$")
+
+
 def wall_shares(events):
   """{event index: seconds of wall time}, each instant split evenly between the ops running in it; and the wall
-  time in which at least one op ran."""
+  time in which at least one op ran. Control-flow ops (while, cond, call) span their bodies' ops: they get time only
+  when none of those runs (loop bookkeeping, copies of the loop state), not a share of their children's."""
   points = sorted([(e["ts"], 1, i) for i, e in enumerate(events)] + [(e["ts"] + e["dur"], -1, i)
                                                                       for i, e in enumerate(events)])
+  container = {i for i, e in enumerate(events) if _CONTAINER.match(e["name"])}
   share, active, last, busy = collections.defaultdict(float), set(), None, 0.0
   for t, kind, i in points:
     if last is not None and active:
       busy += t - last
-      for j in active:
-        share[j] += (t - last) / len(active)
+      leaves = (active - container) or active
+      for j in leaves:
+        share[j] += (t - last) / len(leaves)
     last = t
     (active.add if kind == 1 else active.discard)(i)
   return {i: s / 1e6 for i, s in share.items()}, busy / 1e6
@@ -74,20 +80,28 @@ def main():
   ap.add_argument("--len", type=int, default=256)
   ap.add_argument("--logit-fraction", type=float, default=0.5)
   ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--step", choices=("sft", "rl"), default="sft",
+                  help="sft: make_sft_step on SFT-like rows; rl: bench/train_step.py's PPO update step and batch")
   args = ap.parse_args()
 
   cfg, params, what = load_model()
   opt = optax.adamw(1e-5)
   params, opt_state = _step.init_train_state(cfg, params, opt)
-  step = _step.make_sft_step(cfg, optimizer=opt, micro_batches=1,
-                             logit_capacity=_step.logit_capacity(args.logit_fraction, args.rows, args.len))
-  rng = np.random.default_rng(0)
-  examples = []
-  for _ in range(args.rows):
-    n = int(rng.integers(args.len // 3, args.len))
-    examples.append((rng.integers(0, cfg.vocab_size, n).tolist(), [0] * (n // 4) + [1] * (n - n // 4)))
-  batch = {k: jnp.asarray(v) for k, v in _batch.sft_batch(examples, micro_batch_size=args.rows, pad_id=0,
-                                                          seq_len=args.len).items()}
+  if args.step == "rl":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from train_step import rl_batch  # the update-step benchmark's batch
+    step = _step.make_update_step(cfg, loss_fn="ppo", optimizer=opt, micro_batches=1, logprob_chunk=128)
+    batch = {k: jnp.asarray(v) for k, v in rl_batch(args.rows, args.len, cfg.vocab_size).items()}
+  else:
+    step = _step.make_sft_step(cfg, optimizer=opt, micro_batches=1,
+                               logit_capacity=_step.logit_capacity(args.logit_fraction, args.rows, args.len))
+    rng = np.random.default_rng(0)
+    examples = []
+    for _ in range(args.rows):
+      n = int(rng.integers(args.len // 3, args.len))
+      examples.append((rng.integers(0, cfg.vocab_size, n).tolist(), [0] * (n // 4) + [1] * (n - n // 4)))
+    batch = {k: jnp.asarray(v) for k, v in _batch.sft_batch(examples, micro_batch_size=args.rows, pad_id=0,
+                                                            seq_len=args.len).items()}
   hlo = step.lower(params, opt_state, batch).compile().as_text()
   names = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
       r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?op_name=\"([^\"]+)\"", hlo, re.M)}

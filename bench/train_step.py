@@ -3,7 +3,8 @@
   python bench/train_step.py            # 8x256 and 16x256; remat off and on; 2 timed steps each
   python bench/train_step.py --quick    # 4x128, remat off, 1 timed step (a few minutes)
 
-JAX side: `make_update_step` (PPO loss, chunked log-probs, AdamW + clip, one micro-batch) in float32, full-sequence
+JAX side: `make_update_step` (PPO loss, log-probs through the LM head's custom VJP with the forward's logits kept for
+the backward (`saved_logits_mb`, 384 MiB here), AdamW + clip, one micro-batch) in float32, full-sequence
 attention as `--attention` says (default `auto`: the C++ kernel of `model/_cpu_attention.py` on one CPU device).
 Torch side: the same forward + backward (cross-entropy over full logits) + clip + AdamW step in
 transformers, float32, `torch.set_num_threads(--torch-threads)` (default 2, this machine's cores).

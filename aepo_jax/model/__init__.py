@@ -6,6 +6,7 @@ Public API:
   init_params(config, rng)                      random parameters (nested dict, layers stacked)
   forward(config, params, tokens, positions=None, attention_mask=None) -> float32 logits [B,T,V]
   forward_hidden / unembed                      the same split in two (for chunked log-prob/entropy)
+  unembed_matrix(config, params) -> (W, layout) the unembedding weight as stored ('vd' tied, 'dv' lm_head)
   init_cache / forward_cached                   per-row KV cache used by the rollout engine
   resolve_attention_impl(config, mesh)          config with attention_impl 'auto' resolved ('cpu_kernel' on one CPU)
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
@@ -20,7 +21,8 @@ Public API:
 from aepo_jax.model._cpu_attention import resolve as resolve_attention_impl
 from aepo_jax.model._config import FAMILIES, PRESETS, ModelConfig, preset
 from aepo_jax.model._functional import (CACHE_LOGICAL_AXES, default_positions, forward, forward_cached,
-                                        forward_hidden, init_cache, init_params, param_logical_axes, unembed)
+                                        forward_hidden, init_cache, init_params, param_logical_axes, unembed,
+                                        unembed_matrix)
 from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
 from aepo_jax.model._hf_io import load_hf, read_hf_config, save_hf
 from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir

@@ -134,6 +134,14 @@ def unembed(config: ModelConfig, params, h_btd):
   return _module(config).apply({"params": params}, h_btd, method=Decoder.unembed)
 
 
+def unembed_matrix(config: ModelConfig, params):
+  """(W, layout): the unembedding as stored, the tied embedding [V, D] ('vd') or the lm_head kernel [D, V] ('dv'),
+  for `objectives.token_logprobs_and_entropy(h, W, ..., layout=layout)` (same logits as `unembed`)."""
+  if config.tie_word_embeddings:
+    return params["embed_tokens"]["embedding"], "vd"
+  return params["lm_head"]["kernel"], "dv"
+
+
 def forward(config: ModelConfig, params, tokens, positions=None, attention_mask=None):
   """Float32 logits [B, T, V]. `attention_mask` [B, T] marks valid tokens (left or right padding);
   `positions` default to the running count of valid tokens in each row."""

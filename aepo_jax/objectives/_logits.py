@@ -2,11 +2,14 @@
 
 The trainer needs log π_θ(y_t) for every response token and, for AEPO's entropy-aware advantage
 (spec §2.3), the full-vocabulary entropy H_t of softmax(z_t / temperature). With V ≈ 152k a dense
-[B, T, V] float32 tensor is tens of GB; here T is cut into chunks, each chunk's logits exist only inside
-a `jax.checkpoint`-ed `lax.map` body, and the backward pass recomputes them chunk by chunk.
+[B, T, V] float32 tensor is tens of GB; here T is cut into chunks and only one chunk's logits exist at a time.
+Given the unembedding matrix, one custom VJP covers all chunks (`_head_logprobs`): its backward recomputes each
+chunk's logits (or, within `max_saved_logits`, reuses the forward's) and forms both gradients from row-major
+operands. Given a function h -> logits, each chunk is a `jax.checkpoint`-ed `lax.map` body differentiated by JAX.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Union
 
 import jax
@@ -20,24 +23,31 @@ def entropy_from_logits(logits):
   return lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
 
 
-def _unembed_fn(unembed, d: int) -> Callable:
+def _check_matrix(unembed, d: int, layout: str):
+  """The unembedding matrix as an array (checked against `layout`), or None when `unembed` is a function."""
   if callable(unembed):
-    return unembed
-  emb_vd = jnp.asarray(unembed)
-  if emb_vd.ndim != 2 or emb_vd.shape[1] != d:
-    raise ValueError(f"unembed matrix must be [V, D={d}] (tied embedding layout); got "
-                     f"{emb_vd.shape}. For a [D, V] lm_head kernel pass `lambda h: h @ kernel`.")
-  return lambda h_bcd: jnp.einsum("bcd,vd->bcv", h_bcd, emb_vd,
-                                  preferred_element_type=jnp.float32)
+    return None
+  if layout not in ("vd", "dv"):
+    raise ValueError(f"layout={layout!r} must be 'vd' ([V, D], a tied embedding) or 'dv' ([D, V], an lm_head "
+                     "kernel)")
+  w = jnp.asarray(unembed)
+  if w.ndim != 2 or w.shape[layout.index("d")] != d:
+    want = f"[V, D={d}]" if layout == "vd" else f"[D={d}, V]"
+    raise ValueError(f"unembed matrix must be {want} (layout={layout!r}); got {w.shape}. Pass "
+                     "layout='dv' for a [D, V] lm_head kernel, or a function h -> logits.")
+  return w
 
 
 def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], targets_bt,
                                temperature: float = 1.0, chunk_size: int = 128, *, where_bt=None,
-                               capacity: int = 0):
+                               capacity: int = 0, layout: str = "vd", max_saved_logits: int = 0):
   """(log π(targets) [B, T], entropy [B, T]) from final hidden states, T processed in chunks.
 
   hidden_btd: final-norm hidden states whose logits at t predict targets_bt[:, t] (already shifted).
-  unembed: a function h[B, C, D] -> logits[B, C, V], or the tied embedding matrix [V, D].
+  unembed: the unembedding matrix, [V, D] (a tied embedding, layout='vd') or [D, V] (an lm_head kernel,
+    layout='dv'), or any function h[B, C, D] -> logits[B, C, V]. A matrix takes a custom-VJP path whose backward
+    recomputes each chunk's logits once and forms both gradients from row-major operands (`_head_logprobs`); a
+    function is differentiated by JAX through a `jax.checkpoint`-ed chunk. Same values either way.
   temperature: logits are divided by it before log-softmax and entropy (the rollout temperature, §1.5).
   chunk_size: tokens of T per chunk; peak logits memory is B·chunk_size·V floats (forward and backward).
   where_bt, capacity: compute only the positions where `where_bt` is true (e.g. the loss mask: prompt and padding
@@ -45,6 +55,9 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
     head is a quarter of a small model's update-step FLOPs and most of its memory traffic, and the loss positions
     are often a quarter of the batch. A batch with more than `capacity` such positions takes the dense path
     (`lax.cond`, both compiled), so the result never depends on the capacity; only the time does.
+  max_saved_logits: with a matrix `unembed`, the forward keeps the float32 logits for the backward when the computed
+    positions x V are at most this many (0: never), instead of recomputing them there: one LM-head matmul fewer per
+    step for B·T·V·4 bytes of memory.
   """
   hidden_btd = jnp.asarray(hidden_btd)
   targets_bt = jnp.asarray(targets_bt)
@@ -58,10 +71,18 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
   if capacity < 0:
     raise ValueError(f"capacity={capacity} must be >= 0 (0: every position)")
   b, t, d = hidden_btd.shape
-  fn = _unembed_fn(unembed, d)
+  w = _check_matrix(unembed, d, layout)
+
+  def run(h_btd, tgt_bt):
+    if w is None:
+      return _chunked(h_btd, tgt_bt, unembed, temperature, chunk_size)
+    save = h_btd.shape[0] * h_btd.shape[1] * w.shape[layout.index("v")] <= max_saved_logits
+    # Saved logits are all in memory anyway: then one chunk (no loop, no stacked outputs to initialise).
+    c = h_btd.shape[1] if save else min(chunk_size, h_btd.shape[1])
+    return _head_logprobs(h_btd, w, tgt_bt, 1.0 / temperature, c, layout, save)
 
   def dense(_=None):
-    return _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size)
+    return run(hidden_btd, targets_bt)
 
   if where_bt is None or not capacity or capacity >= b * t:
     return dense()
@@ -73,20 +94,31 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
     idx = jnp.nonzero(where_bt.reshape(-1), size=capacity, fill_value=b * t)[0]  # fill: out of range
     h_1cd = jnp.take(hidden_btd.reshape(b * t, d), idx, axis=0, mode="fill", fill_value=0)[None]
     tgt_1c = jnp.take(targets_bt.reshape(-1), idx, mode="fill", fill_value=0)[None]
-    logp_1c, ent_1c = _chunked(h_1cd, tgt_1c, fn, temperature, chunk_size)
+    logp_1c, ent_1c = run(h_1cd, tgt_1c)
     put = lambda x_1c: jnp.zeros((b * t,), x_1c.dtype).at[idx].set(x_1c[0], mode="drop").reshape(b, t)  # noqa: E731
     return put(logp_1c), put(ent_1c)
 
   return jax.lax.cond(jnp.sum(where_bt) <= capacity, selected, dense, None)
 
 
-def _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size):
-  b, t, d = hidden_btd.shape
-  c = min(chunk_size, t)
+def _split(x_bt, c):
+  """[B, T, ...] -> [n, B, c, ...] chunks over T (T padded with zeros to n·c)."""
+  b, t = x_bt.shape[:2]
   n = -(-t // c)
-  pad = n * c - t
-  h_nbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
-  tgt_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+  pad = [(0, 0), (0, n * c - t)] + [(0, 0)] * (x_bt.ndim - 2)
+  return jnp.pad(x_bt, pad).reshape(b, n, c, *x_bt.shape[2:]).swapaxes(0, 1)
+
+
+def _join(x_nbc, t):
+  """Inverse of `_split`: [n, B, c, ...] -> [B, T, ...]."""
+  n, b, c = x_nbc.shape[:3]
+  return x_nbc.swapaxes(0, 1).reshape(b, n * c, *x_nbc.shape[3:])[:, :t]
+
+
+def _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size):
+  t = hidden_btd.shape[1]
+  c = min(chunk_size, t)
+  h_nbcd, tgt_nbc = _split(hidden_btd, c), _split(targets_bt, c)
 
   @jax.checkpoint  # keep only the chunk's inputs for backward; recompute its [B, C, V] logits
   def chunk(args):
@@ -98,5 +130,104 @@ def _chunked(hidden_btd, targets_bt, fn, temperature, chunk_size):
     return z_tgt_bc - lse_bc, lse_bc - jnp.sum(probs_bcv * z_bcv, axis=-1)
 
   logp_nbc, ent_nbc = jax.lax.map(chunk, (h_nbcd, tgt_nbc))
-  unchunk = lambda x_nbc: x_nbc.swapaxes(0, 1).reshape(b, n * c)[:, :t]  # noqa: E731
-  return unchunk(logp_nbc), unchunk(ent_nbc)
+  return _join(logp_nbc, t), _join(ent_nbc, t)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The matrix path: one custom VJP over all chunks
+# ----------------------------------------------------------------------------------------------------
+def _t(x):
+  """x.T, written out on CPU (the optimization barrier keeps XLA from folding it back into a dot): XLA:CPU runs
+  `a @ b` at full speed but `a @ b.T` at about half of it and `a.T @ b` on Eigen (docs/performance.md)."""
+  if jax.default_backend() != "cpu":
+    return x.T
+  return jax.lax.optimization_barrier(x.T)
+
+
+def _barrier(x):
+  return jax.lax.optimization_barrier(x) if jax.default_backend() == "cpu" else x
+
+
+def _chunk_logits(h_bcd, w_dv, inv_temp):
+  """[B, C, D] x [D, V] -> float32 logits / temperature [B, C, V], one row-major dot."""
+  b, c, d = h_bcd.shape
+  z = jnp.dot(h_bcd.reshape(b * c, d), w_dv.astype(h_bcd.dtype), preferred_element_type=jnp.float32)
+  z = z.reshape(b, c, -1)
+  return z if inv_temp == 1.0 else z * inv_temp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _head_logprobs(h_btd, w, tgt_bt, inv_temp: float, c: int, layout: str, save_logits: bool):
+  """(log softmax(h·Wᵀ / τ)[target], entropy) [B, T], chunk by chunk over T with C = c positions.
+
+  Forward: per chunk one dot h @ W_dv (W_dv = Wᵀ written out once), then two passes over the logits (row max;
+  Σ e and Σ e·z with e = exp(z − max)) for the log-sum-exp, the target's log-prob and H = lse − Σ p·z. Saved: h,
+  W, W_dv, the targets, lse and H per position, and the logits themselves only with `save_logits` (B·T·V floats).
+  Backward (same chunks): z (recomputed, dot 1, unless saved), dz = g_logp·(onehot − p) − g_H·p·(z − E_p[z]) in
+  one element-wise pass (∂H/∂z = −p·(z − E_p[z]), E_p[z] = lse − H), dh = dz @ W (dot 2) and dW_dv += hᵀ @ dz
+  (dot 3, hᵀ the small transposed operand); Wᵀ's gradient is transposed back once at the end.
+  Against JAX's autodiff of a `jax.checkpoint`-ed chunk (the function path): no recomputed matmul when the logits
+  are saved, one fused pass instead of autodiff's several over [B, C, V], and every dot row-major on both
+  operands (XLA:CPU runs `a.T @ b` forms on Eigen, off its fast path). docs/performance.md, session 10."""
+  return _head_fwd(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits)[0]
+
+
+def _both_layouts(w, layout):
+  """(W [V, D], W [D, V]): the matrix as given and its transpose written out once."""
+  return (w, _t(w)) if layout == "vd" else (_t(w), w)
+
+
+def _head_fwd(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits):
+  t = h_btd.shape[1]
+  w_vd, w_dv = _both_layouts(w, layout)
+
+  def one(args):
+    h_bcd, tgt_bc = args
+    z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
+    # Two passes over the logits: the row max, then Σ e and Σ e·z with e = exp(z − max) (one multi-output reduce).
+    m_bc = jax.lax.stop_gradient(jnp.max(z_bcv, axis=-1))
+    e_bcv = jnp.exp(z_bcv - m_bc[..., None])
+    sum_e_bc, sum_ez_bc = jnp.sum(e_bcv, axis=-1), jnp.sum(e_bcv * z_bcv, axis=-1)
+    lse_bc = m_bc + jnp.log(sum_e_bc)
+    z_tgt_bc = jnp.take_along_axis(z_bcv, tgt_bc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    ent_bc = lse_bc - sum_ez_bc / sum_e_bc
+    return z_tgt_bc - lse_bc, ent_bc, lse_bc, (z_bcv if save_logits else None)
+
+  logp_nbc, ent_nbc, lse_nbc, z_nbcv = jax.lax.map(one, (_split(h_btd, c), _split(tgt_bt, c)))
+  out = (_join(logp_nbc, t), _join(ent_nbc, t))
+  return out, (h_btd, w_vd, w_dv, tgt_bt, lse_nbc, ent_nbc, z_nbcv)
+
+
+def _head_bwd(inv_temp, c, layout, save_logits, res, cts):
+  h_btd, w_vd, w_dv, tgt_bt, lse_nbc, ent_nbc, z_nbcv = res
+  g_logp_bt, g_ent_bt = cts
+  b, t, d = h_btd.shape
+  v = w_vd.shape[0]
+  dt = h_btd.dtype
+
+  def one(dw_dv, args):
+    h_bcd, tgt_bc, lse_bc, ent_bc, glp_bc, gent_bc, z_bcv = args
+    if z_bcv is None:
+      z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
+    p_bcv = jnp.exp(z_bcv - lse_bc[..., None])
+    onehot = jnp.arange(v, dtype=jnp.int32)[None, None, :] == tgt_bc[..., None].astype(jnp.int32)
+    dz_bcv = (jnp.where(onehot, glp_bc[..., None], 0.0)
+              - p_bcv * (glp_bc[..., None] + gent_bc[..., None] * (z_bcv - (lse_bc - ent_bc)[..., None])))
+    if inv_temp != 1.0:
+      dz_bcv = dz_bcv * inv_temp
+    dz_nv = dz_bcv.reshape(-1, v).astype(dt)
+    h_nd = h_bcd.reshape(-1, d)
+    dh_bcd = jnp.dot(dz_nv, w_vd.astype(dt), preferred_element_type=jnp.float32).reshape(h_bcd.shape)
+    dw_dv = dw_dv + jnp.dot(_t(h_nd), dz_nv, preferred_element_type=jnp.float32)
+    return dw_dv, dh_bcd.astype(dt)
+
+  xs = (_split(h_btd, c), _split(tgt_bt, c), lse_nbc, ent_nbc,
+        _split(g_logp_bt.astype(jnp.float32), c), _split(g_ent_bt.astype(jnp.float32), c), z_nbcv)
+  dw_dv, dh_nbcd = jax.lax.scan(one, jnp.zeros((d, v), jnp.float32), xs)
+  # The barrier keeps XLA from folding this transpose into the dW dot (as a dot contracting dz's first axis, which
+  # XLA:CPU runs on Eigen: seen when the loop has one chunk).
+  dw = _t(_barrier(dw_dv)) if layout == "vd" else dw_dv
+  return _join(dh_nbcd, t), dw.astype(w_vd.dtype), None
+
+
+_head_logprobs.defvjp(_head_fwd, _head_bwd)

@@ -144,6 +144,9 @@ def base_config() -> ml_collections.ConfigDict:
   # micro-batch's rows x length (a micro-batch with more loss tokens takes the dense path: same result, only the
   # time differs). The head is ~1/4 of a small model's step FLOPs; prompts and padding need no logits.
   c.train.logit_fraction = 0.0
+  # The update steps keep a micro-batch's float32 logits from the forward for the backward when they take at most
+  # this many MiB (one LM-head matmul fewer per step); larger ones are recomputed chunk by chunk. 0: always recompute.
+  c.train.saved_logits_mb = 1024.0
 
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = False
@@ -337,6 +340,8 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(t.steps > 0 or t.epochs > 0, "train.steps=0 needs train.epochs > 0 (or set train.steps).")
   need(t.nan_limit >= 0 and t.log_every >= 1 and t.eval_every >= 0,
        "train.nan_limit >= 0, train.log_every >= 1, train.eval_every >= 0.")
+  need(t.saved_logits_mb >= 0,
+       f"train.saved_logits_mb={t.saved_logits_mb}: must be >= 0 (MiB of logits kept for the backward; 0: none).")
   need(0.0 <= t.logit_fraction <= 1.0,
        f"train.logit_fraction={t.logit_fraction}: must be in [0, 1] (0: the LM head at every position).")
   if s.enabled or config.mode == "sft":

@@ -34,13 +34,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from aepo_jax import objectives
 from aepo_jax.model import (ModelConfig, forward_hidden, param_logical_axes, param_shapes, resolve_attention_impl,
-                            unembed)
+                            unembed_matrix)
 from aepo_jax.parallel import DEFAULT_RULES, logical_sharding, make_mesh
 from aepo_jax.train._batch import batch_sharding
 from aepo_jax.train._optim import current_lr
 
 AGGREGATIONS = ("global", "verl")
 DEFAULT_LOGPROB_CHUNK = 256
+DEFAULT_SAVED_LOGITS_MB = 1024.0  # a micro-batch's logits up to 1 GiB are kept for the backward, not recomputed
 
 
 def _mesh(mesh: Optional[Mesh]) -> Mesh:
@@ -96,15 +97,18 @@ def _shift_left(x_bt):
 
 
 def next_token_logprobs(model_config, params, tokens_bt, attention_mask_bt, *, temperature=1.0,
-                        chunk=DEFAULT_LOGPROB_CHUNK, segment_ids_bt=None, where_bt=None, capacity: int = 0):
+                        chunk=DEFAULT_LOGPROB_CHUNK, segment_ids_bt=None, where_bt=None, capacity: int = 0,
+                        saved_logits_mb: float = 0.0):
   """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target).
   With `segment_ids_bt` (packed rows) the column before a segment's first token is meaningless too; callers mask
   it (an SFT segment starts with untrained prompt tokens). where_bt / capacity: only those columns are computed
-  (the others are 0), see `objectives.token_logprobs_and_entropy`."""
+  (the others are 0), see `objectives.token_logprobs_and_entropy`. saved_logits_mb: a backward pass keeps the
+  float32 logits of the forward when they take at most this many MiB (else it recomputes them)."""
   h_btd = forward_hidden(model_config, params, tokens_bt, None, attention_mask_bt, segment_ids_bt)
-  return objectives.token_logprobs_and_entropy(
-      h_btd, lambda h: unembed(model_config, params, h), _shift_left(tokens_bt), temperature, chunk,
-      where_bt=where_bt, capacity=capacity)
+  w, layout = unembed_matrix(model_config, params)
+  return objectives.token_logprobs_and_entropy(h_btd, w, _shift_left(tokens_bt), temperature, chunk,
+                                               where_bt=where_bt, capacity=capacity, layout=layout,
+                                               max_saved_logits=int(saved_logits_mb * 2 ** 20) // 4)
 
 
 def logit_capacity(fraction: float, rows: int, length: int, multiple: int = 64) -> int:
@@ -250,7 +254,8 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
                      optimizer: optax.GradientTransformation, micro_batches: int, mesh: Optional[Mesh] = None,
                      rules=DEFAULT_RULES, temperature: float = 1.0, kl_name: Optional[str] = None,
                      kl_coef: float = 0.0, need_entropy: bool = False, logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
-                     aggregation: str = "global", logit_capacity: int = 0):
+                     aggregation: str = "global", logit_capacity: int = 0,
+                     saved_logits_mb: float = DEFAULT_SAVED_LOGITS_MB):
   """The RL update step. batch: tokens, attention_mask, loss_mask, old_log_prob, advantages (+ ref_log_prob
   when kl_coef != 0), each [micro_batches, mb, T] and aligned with the tokens (see `_batch`).
 
@@ -261,6 +266,8 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
   kl_name / kl_coef: a KL loss term kl_coef · aggregate(kl(log_prob, ref_log_prob)) (verl use_kl_loss).
   logit_capacity: > 0 computes the LM head only at the loss positions of a micro-batch, up to this many (a
     micro-batch with more takes the dense path; same result either way), see `objectives.token_logprobs_and_entropy`.
+  saved_logits_mb: the backward reuses the forward's float32 logits of a micro-batch when they take at most this
+    many MiB (one LM-head matmul fewer per step), and recomputes them chunk by chunk otherwise; same values.
   """
   model_config = resolve_attention_impl(model_config, _mesh(mesh))
   fn = objectives.policy_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn
@@ -277,7 +284,7 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
     mask = _shift_left(mb["loss_mask"])
     logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
                                     temperature=temperature, chunk=logprob_chunk, where_bt=mask > 0,
-                                    capacity=logit_capacity)
+                                    capacity=logit_capacity, saved_logits_mb=saved_logits_mb)
     pg_loss, metrics = fn(logp, _shift_left(mb["old_log_prob"]), _shift_left(mb["advantages"]), mask,
                           entropy=jax.lax.stop_gradient(ent) if need_entropy else None,
                           normalizer=normalizer, **hp)
@@ -301,11 +308,12 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
 
 def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransformation, micro_batches: int,
                   mesh: Optional[Mesh] = None, rules=DEFAULT_RULES, temperature: float = 1.0,
-                  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global", logit_capacity: int = 0):
+                  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global", logit_capacity: int = 0,
+                  saved_logits_mb: float = DEFAULT_SAVED_LOGITS_MB):
   """Cold-start SFT step: masked NLL, token-mean over the loss_mask (prompt and tool results excluded).
   batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T], and `segment_ids` when rows are packed
   (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens.
-  logit_capacity: as in `make_update_step` (the LM head only at loss positions)."""
+  logit_capacity, saved_logits_mb: as in `make_update_step`."""
   model_config = resolve_attention_impl(model_config, _mesh(mesh))
 
   def micro_loss(params, mb, normalizer, scale):
@@ -315,7 +323,7 @@ def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransfo
       mask = mask * (_shift_left(seg) == seg)
     logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
                                     temperature=temperature, chunk=logprob_chunk, segment_ids_bt=seg,
-                                    where_bt=mask > 0, capacity=logit_capacity)
+                                    where_bt=mask > 0, capacity=logit_capacity, saved_logits_mb=saved_logits_mb)
     nll = objectives.aggregate(-logp, mask, "token-mean", normalizer) * scale
     valid = mask > 0
     aux = {"sum:sft/nll": nll, "tokens": jnp.sum(valid).astype(jnp.float32),

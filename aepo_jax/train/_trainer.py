@@ -200,7 +200,8 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   micro = (s.packed_rows or s.batch_size) // s.micro_batch_size
   rows = (s.packed_rows or s.batch_size) // micro
   sft_step = _step.make_sft_step(model_cfg, optimizer=optimizer, micro_batches=micro, mesh=mesh,
-                                 logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len))
+                                 logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len),
+                                 saved_logits_mb=config.train.saved_logits_mb)
   nan_count = int(meta.get("nan_count", 0))
 
   bar = _metrics.progress(s.steps, "sft", initial=start, enabled=progress)
@@ -267,7 +268,8 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       model_cfg, loss_fn=a.loss, loss_hp=_wiring.loss_hparams(config), optimizer=optimizer,
       micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
       kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
-      logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len))
+      logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
+      saved_logits_mb=t.saved_logits_mb)
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
 
   def evaluate(step):

@@ -16,10 +16,10 @@ ONE = jax.devices()[:1]
 
 
 @functools.lru_cache(maxsize=None)
-def _step(micro, loss="ppo", aggregation="global", need_entropy=False, logit_capacity=0):
+def _step(micro, loss="ppo", aggregation="global", need_entropy=False, logit_capacity=0, saved_logits_mb=1024.0):
   return make_update_step(CFG, loss_fn=loss, optimizer=sgd(), micro_batches=micro, temperature=TEMPERATURE,
                           aggregation=aggregation, need_entropy=need_entropy, logprob_chunk=8,
-                          logit_capacity=logit_capacity)
+                          logit_capacity=logit_capacity, saved_logits_mb=saved_logits_mb)
 
 
 def _run(step, batch_np, params_np=None, optimizer=None, mesh=None):
@@ -50,9 +50,11 @@ def test_accumulation_over_micro_batches_equals_one_big_batch():
   assert len(set(counts.tolist())) > 1
 
 
-def test_step_gradient_matches_full_logits_reference():
-  """Chunked unembedding + temperature + token shift == jax.grad of the loss on full log_softmax logits."""
-  _, _, metrics, grads = _run(_step(M), rl_batch(M))
+@pytest.mark.parametrize("saved_logits_mb", [1024.0, 0.0])
+def test_step_gradient_matches_full_logits_reference(saved_logits_mb):
+  """Chunked unembedding + temperature + token shift == jax.grad of the loss on full log_softmax logits, with the
+  forward's logits kept for the backward (one chunk) and recomputed chunk by chunk (saved_logits_mb=0)."""
+  _, _, metrics, grads = _run(_step(M, saved_logits_mb=saved_logits_mb), rl_batch(M))
   arrays = {k: jnp.asarray(v) for k, v in rl_arrays().items()}
   ref = jax.device_get(reference_grads(host_params(), arrays, "ppo"))
   scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(ref))
