@@ -46,8 +46,9 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
   hidden_btd: final-norm hidden states whose logits at t predict targets_bt[:, t] (already shifted).
   unembed: the unembedding matrix, [V, D] (a tied embedding, layout='vd') or [D, V] (an lm_head kernel,
     layout='dv'), or any function h[B, C, D] -> logits[B, C, V]. A matrix takes a custom-VJP path whose backward
-    recomputes each chunk's logits once and forms both gradients from row-major operands (`_head_logprobs`); a
-    function is differentiated by JAX through a `jax.checkpoint`-ed chunk. Same values either way.
+    recomputes each chunk's logits (or reuses the forward's, see max_saved_logits) and forms both gradients from
+    row-major operands (`_head_logprobs`); a function is differentiated by JAX through a `jax.checkpoint`-ed chunk.
+    Same values either way.
   temperature: logits are divided by it before log-softmax and entropy (the rollout temperature, §1.5).
   chunk_size: tokens of T per chunk; peak logits memory is B·chunk_size·V floats (forward and backward).
   where_bt, capacity: compute only the positions where `where_bt` is true (e.g. the loss mask: prompt and padding
@@ -185,7 +186,7 @@ def _head_fwd(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits):
     h_bcd, tgt_bc = args
     z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
     # Two passes over the logits: the row max, then Σ e and Σ e·z with e = exp(z − max) (one multi-output reduce).
-    m_bc = jax.lax.stop_gradient(jnp.max(z_bcv, axis=-1))
+    m_bc = jnp.max(z_bcv, axis=-1)
     e_bcv = jnp.exp(z_bcv - m_bc[..., None])
     sum_e_bc, sum_ez_bc = jnp.sum(e_bcv, axis=-1), jnp.sum(e_bcv * z_bcv, axis=-1)
     lse_bc = m_bc + jnp.log(sum_e_bc)
