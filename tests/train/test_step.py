@@ -64,6 +64,25 @@ def test_step_gradient_matches_full_logits_reference(saved_logits_mb):
   assert metrics["actor/pg_clipfrac"] > 0  # old log-probs are perturbed, so some tokens clip
 
 
+def test_untied_lm_head_gradient_matches_full_logits_reference():
+  """An untied head (lm_head kernel [D, V], layout 'dv' of the LM head's custom VJP): the step's gradient of every
+  parameter, lm_head included, equals jax.grad of the loss on full logits."""
+  from aepo_jax.parallel import make_mesh
+  cfg = CFG.replace(tie_word_embeddings=False)
+  params = host_params(config=cfg)
+  assert "lm_head" in params
+  step = make_update_step(cfg, loss_fn="ppo", optimizer=sgd(), micro_batches=1, temperature=TEMPERATURE,
+                          logprob_chunk=8)
+  mesh = make_mesh((1, 1, 1), ONE)
+  p, s = init_train_state(cfg, params, sgd(), mesh)
+  p, _, _ = step(p, s, shard_batch(rl_batch(1), mesh))
+  grads = jax.tree.map(lambda old, new: old - new, params, jax.device_get(p))
+  arrays = {k: jnp.asarray(v) for k, v in rl_arrays().items()}
+  ref = jax.device_get(reference_grads(params, arrays, "ppo", config=cfg))
+  assert float(np.max(np.abs(ref["lm_head"]["kernel"]))) > 1e-3
+  assert max_abs_diff(grads, ref) <= 2e-6
+
+
 @pytest.mark.slow
 def test_verl_aggregation_is_sequence_weighted_micro_batch_token_mean():
   _, _, _, grads = _run(_step(M, aggregation="verl"), rl_batch(M))

@@ -72,14 +72,14 @@ def reference_entropy(params, tokens_bt, attn_bt, temperature=TEMPERATURE, confi
   return jnp.concatenate([jnp.zeros_like(ent[:, :1]), ent], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("loss", "weights", "kl_coef"))
-def reference_grads(params, arrays, loss="ppo", weights=None, kl_coef=0.0):
+@functools.partial(jax.jit, static_argnames=("loss", "weights", "kl_coef", "config"))
+def reference_grads(params, arrays, loss="ppo", weights=None, kl_coef=0.0, config=CFG):
   """Gradient of the loss over the whole batch in one piece. `weights`: a tuple of row-slices defining
   micro-batches for verl's sequence-weighted per-micro-batch token-mean. kl_coef: add
   kl_coef · token-mean(low_var_kl(log_prob, ref_log_prob))."""
 
   def total(p):
-    lp = reference_logprobs(p, arrays["tokens"], arrays["attention_mask"])
+    lp = reference_logprobs(p, arrays["tokens"], arrays["attention_mask"], config=config)
     kw = {}
     if loss == "aepo":
       kw["entropy"] = jax.lax.stop_gradient(
