@@ -17,6 +17,7 @@ else random weights of preset 'smollm2-135m' (said so in the output).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import statistics
@@ -76,7 +77,7 @@ def rl_batch(b, t, vocab, prompt=16, seed=0):
   }
 
 
-def jax_runner(config, host_params, b, t, *, remat, chunk, attention="auto", unroll=1):
+def jax_runner(config, host_params, b, t, *, remat, chunk, attention="auto", unroll=1, saved_logits_mb=1024.0):
   """(run, seconds of compile + first step, resolved attention_impl); run() does one timed update step."""
   import jax
   from aepo_jax.model import resolve_attention_impl
@@ -88,7 +89,8 @@ def jax_runner(config, host_params, b, t, *, remat, chunk, attention="auto", unr
   opt = make_optimizer(1e-6)
   mesh = make_mesh((1, 1, 1), jax.devices()[:1])
   cfg = resolve_attention_impl(config.replace(remat=remat, attention_impl=attention, scan_unroll=unroll), mesh)
-  step = make_update_step(cfg, loss_fn="ppo", optimizer=opt, micro_batches=1, mesh=mesh, logprob_chunk=chunk)
+  step = make_update_step(cfg, loss_fn="ppo", optimizer=opt, micro_batches=1, mesh=mesh, logprob_chunk=chunk,
+                          saved_logits_mb=saved_logits_mb)
   state = list(init_train_state(cfg, host_params, opt, mesh))
   batch = shard_batch(rl_batch(b, t, cfg.vocab_size), mesh)
 
@@ -155,6 +157,8 @@ def main():
                            "device), xla, cpu_kernel")
   parser.add_argument("--unroll", default="1", help="comma-separated ModelConfig.scan_unroll values (layers per "
                       "loop iteration; 30 = SmolLM2 fully unrolled)")
+  parser.add_argument("--saved-logits-mb", default="1024", help="comma-separated train.saved_logits_mb values "
+                      "(0: the LM head's backward recomputes the logits, one matmul more)")
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--torch-threads", type=int, default=2)
   parser.add_argument("--torch-warmup", type=int, default=1, help="untimed torch steps before timing")
@@ -188,10 +192,11 @@ def main():
     for remat in remats:
       for chunk in chunks:
         for attention in args.attention.split(","):
-          for unroll in (int(u) for u in args.unroll.split(",")):
+          for unroll, saved in itertools.product((int(u) for u in args.unroll.split(",")),
+                                                 (float(m) for m in args.saved_logits_mb.split(","))):
             run, first, impl = jax_runner(config, host_params, b, t, remat=remat, chunk=chunk, attention=attention,
-                                          unroll=unroll)
-            impl = impl if unroll == 1 else f"{impl}/u{unroll}"
+                                          unroll=unroll, saved_logits_mb=saved)
+            impl += (f"/u{unroll}" if unroll != 1 else "") + (f"/s{saved:g}" if saved != 1024 else "")
             runners[(remat, chunk, impl)], firsts[(remat, chunk, impl)] = run, first
     medians = interleaved_medians(runners, repeats)
     tsec = medians.pop("torch", None)

@@ -9,8 +9,9 @@ between register-tiled GEMMs. The backward recomputes the probabilities from the
 `attention(q, k, v, mask)` has the same values as `_decoder._attend` (float32 rounding) and a custom VJP whose
 gradients match `_decoder._attend_recompute`'s, including query rows with no valid key (uniform probabilities
 over all keys, zero score gradient). Its backward is itself a kernel call, so it has no derivative of its own:
-grad-of-grad (Hessian-vector products) needs `attention_impl='xla'`. Used by the decoder when `ModelConfig.attention_impl == 'cpu_kernel'`, which
-the training steps select on a single CPU device (`resolve`). Build and fallback rules: `aepo_jax.parallel._native`.
+grad-of-grad (Hessian-vector products) needs `attention_impl='xla'`. Used by the decoder when
+`ModelConfig.attention_impl == 'cpu_kernel'`, which the training steps select on a single CPU device (`resolve`).
+Build and fallback rules: `aepo_jax.parallel._native`.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ blocking, and takes the whole stack plus a layer index, so nothing is sliced.
 The kernel is compiled on first use with the system C++ compiler (`$CXX`, default g++; ~5 s) into
 `~/.cache/aepo_jax/kernels` (`$AEPO_JAX_KERNEL_CACHE`) and registered as an XLA FFI target
 (`aepo_jax.parallel._native`). It needs x86-64 with AVX2 and FMA. `AEPO_JAX_CPU_KERNELS=0` turns it off. When
-it cannot be built or loaded, `available()` is False, `reason()` says why, and the engine decodes with XLA's dots instead (same results to float32 rounding).
+it cannot be built or loaded, `available()` is False, `reason()` says why, and the engine decodes with XLA's dots
+instead (same results to float32 rounding).
 """
 from __future__ import annotations
 
@@ -30,11 +31,6 @@ _LIB = _native.Library(_SRC, {_TARGET: "AepoSmallMMatmul", _ATTN_TARGET: "AepoDe
                        "CPU decode kernel", "decoding with XLA dots")
 available = _LIB.available  # True when the kernel is built, loaded and registered (builds it on the first call)
 reason = _LIB.reason  # why the kernel is unavailable ('' when it is available)
-_load = _LIB.load
-
-
-def cache_dir() -> Path:
-  return _native.kernel_cache_dir()
 
 
 def matmul_t(x, w_stacked, layer, *, parts: int = 0):

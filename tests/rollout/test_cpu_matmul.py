@@ -94,11 +94,11 @@ def test_attention_kernel_rejects_bad_input():
 
 def test_off_switch_and_missing_compiler_are_explained(monkeypatch, tmp_path):
   monkeypatch.setenv("AEPO_JAX_CPU_KERNELS", "0")
-  assert _cpu_matmul._load() == {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}
+  assert _cpu_matmul._LIB.load() == {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}
   monkeypatch.delenv("AEPO_JAX_CPU_KERNELS")
   monkeypatch.setenv("AEPO_JAX_KERNEL_CACHE", str(tmp_path))  # nothing cached: must compile
   monkeypatch.setenv("CXX", "no-such-compiler-aepo")
-  status = _cpu_matmul._load()
+  status = _cpu_matmul._LIB.load()
   assert not status["ok"] and "no C++ compiler 'no-such-compiler-aepo'" in status["reason"]
   assert not list(tmp_path.iterdir())  # no half-written library left behind
 
