@@ -3,8 +3,10 @@
 XLA:CPU computes masked attention as batched dots over every head's whole [T, S] score matrix (the causal upper
 half computed, then masked) and writes scores, probabilities and their transposes between the dots. The kernel
 works per (batch row, KV head) in blocks of 16 queries, only over the key range the mask allows for the block
-(causal: about half the work; left padding: the pad columns skipped), with the softmax and its backward fused
-between register-tiled GEMMs. The backward recomputes the probabilities from the saved log-sum-exp.
+(causal: about half the work; left padding: the pad columns skipped, and the pad queries, which see no key, kept
+out of the key ranges: their output is the mean of v), with the softmax and its backward fused between
+register-tiled GEMMs. The backward recomputes the probabilities from the saved log-sum-exp.
+`python bench/attention.py` times it against the XLA path and torch's SDPA.
 
 `attention(q, k, v, mask)` has the same values as `_decoder._attend` (float32 rounding) and a custom VJP whose
 gradients match `_decoder._attend_recompute`'s, including query rows with no valid key (uniform probabilities

@@ -85,6 +85,19 @@ def test_row_without_any_valid_key_is_uniform_like_xla():
   _check(b, t, kh, g, d, "causal", seed=1, mask=mask)
 
 
+@pytest.mark.parametrize("pads", [(40, 17), (70, 16), (70, 70)])
+def test_long_left_padding_whole_blocks_of_empty_rows(pads):
+  """Left padding longer than a 16-query block: whole blocks of empty rows (no key range at all), blocks mixing
+  empty and attending rows, and a batch row with no valid key anywhere. Empty rows stay out of the GEMM key ranges;
+  their output (mean of v) and their dO's share of dV (dO / S on every key) must still match the XLA path."""
+  b, t, kh, g, d = 2, 70, 2, 3, 16
+  valid = np.ones((b, t), bool)
+  for row, p in enumerate(pads):
+    valid[row, :p] = False
+  mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0) & valid[:, None, :]
+  _check(b, t, kh, g, d, "causal", seed=4, mask=mask)
+
+
 def test_more_keys_than_queries():
   """T != S (the kernel reads the key range from the mask; the decoder passes T == S today)."""
   b, t, s, kh, g, d = 2, 20, 37, 2, 3, 16

@@ -12,7 +12,9 @@
 // Layouts (row-major): q [B, T, H, D] with query head h = kh * G + g; k, v [B, S, KH, D]; mask [B, T, S] (PRED);
 // out [B, T, H, D]; lse [B, KH, T, G] (log-sum-exp of the scaled, masked scores: the backward recomputes the
 // probabilities from it). A query row whose mask row is all false gets uniform probabilities over all S keys
-// and zero score gradient, exactly what the XLA path does with its finite -1e30 fill.
+// and zero score gradient, exactly what the XLA path does with its finite -1e30 fill. Such rows (the queries of
+// left padding) stay out of the blocks' key ranges: their output is the mean of v, and their dO reaches dV as
+// (1/S) * sum of their dO, added to every key's row at the end.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -151,6 +153,8 @@ struct Shape {
 struct Packed {
   std::vector<float> kp, kt, vp, vt;  // [Sp, D] (stride ldr) and [D, Sp] (stride lds), zero-padded beyond S
   std::vector<uint8_t> empty;         // [T]
+  std::vector<float> vmean;           // [D]: mean of v over all S keys (the output of an empty row)
+  bool any_empty = false;
   void pack(const Shape& s, const float* k, const float* v, const bool* mask, int64_t b, int64_t kh, bool need_vt,
             bool need_kp) {
     const int64_t Sp = s.Sp(), D = s.D, ldr = s.ldr(), lds = s.lds();
@@ -170,20 +174,30 @@ struct Packed {
     }
     empty.assign(s.T, 1);
     const bool* mb = mask + b * s.T * s.S;
+    any_empty = false;
     for (int64_t t = 0; t < s.T; ++t) {
       const bool* mr = mb + t * s.S;
       for (int64_t a = 0; a < s.S; ++a)
         if (mr[a]) { empty[t] = 0; break; }
+      any_empty |= empty[t] != 0;
+    }
+    vmean.assign(D, 0.f);
+    if (any_empty) {
+      for (int64_t a = 0; a < s.S; ++a)
+        for (int64_t d = 0; d < D; ++d) vmean[d] += vp[a * ldr + d];
+      const float inv = 1.0f / static_cast<float>(s.S);
+      for (int64_t d = 0; d < D; ++d) vmean[d] *= inv;
     }
   }
 };
 
-// The key range [s0, s1) (multiples of 16, within [0, Sp)) that queries [t0, t1) of row b may attend to.
+// The key range [s0, s1) (multiples of 16, within [0, Sp)) that the non-empty queries of [t0, t1) of row b may
+// attend to (empty when all are empty).
 void key_range(const Shape& s, const bool* mask, const std::vector<uint8_t>& empty, int64_t b, int64_t t0, int64_t t1,
                int64_t* s0, int64_t* s1) {
   int64_t lo = s.S, hi = -1;
   for (int64_t t = t0; t < t1; ++t) {
-    if (empty[t]) { lo = 0; hi = s.S - 1; break; }
+    if (empty[t]) continue;
     const bool* mr = mask + (b * s.T + t) * s.S;
     for (int64_t a = 0; a < std::min(lo, s.S); ++a)
       if (mr[a]) { lo = a; break; }
@@ -197,7 +211,8 @@ void key_range(const Shape& s, const bool* mask, const std::vector<uint8_t>& emp
 
 // Probabilities of block rows r (query t0 + r / G, head g = r % G) over keys [s0, s1), in place on the scores in
 // p (row stride ldp). With lse_in, p = exp(score - lse) (the backward); otherwise the row max / sum are computed
-// and lse_out written. Masked keys and rows beyond the last query get 0; empty rows 1/S over [0, S).
+// and lse_out written. Masked keys, rows beyond the last query and empty rows get 0 (an empty row's uniform
+// probabilities are applied by the callers, outside the key range); an empty row's lse is log S.
 void probabilities(const Shape& s, const bool* mask, const std::vector<uint8_t>& empty, int64_t b, int64_t t0,
                    int64_t nrows, int64_t rows_pad, int64_t s0, int64_t s1, float scale, float* p, int64_t ldp,
                    const float* lse_in, float* lse_out) {
@@ -210,8 +225,7 @@ void probabilities(const Shape& s, const bool* mask, const std::vector<uint8_t>&
     }
     const int64_t t = t0 + r / G;
     if (empty[t]) {
-      const float u = 1.0f / static_cast<float>(s.S);
-      for (int64_t a = s0; a < s1; ++a) pr[a] = a < s.S ? u : 0.f;
+      std::fill(pr + s0, pr + s1, 0.f);
       if (lse_out) lse_out[r] = std::log(static_cast<float>(s.S));
       continue;
     }
@@ -310,10 +324,12 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
         gemm(false, rows_pad, s1 - s0, D, qb.data(), ldr, 1, pk.kt.data() + s0, lds, pb.data() + s0, lds);
         probabilities(s, mp, pk.empty, b, t0, nrows, rows_pad, s0, s1, scale, pb.data(), lds, nullptr, lse_blk);
         gemm(false, rows_pad, D, s1 - s0, pb.data() + s0, lds, 1, pk.vp.data() + s0 * ldr, ldr, ob.data(), ldr);
-      } else {  // unreachable (an empty row widens the range to all keys); kept well-defined
-        std::fill(ob.begin(), ob.end(), 0.f);
-        std::fill(lse_blk, lse_blk + nrows, 0.f);
       }
+      for (int64_t r = 0; r < nrows; ++r)  // empty rows: uniform over all S keys (with s1 == s0, every row is)
+        if (pk.empty[t0 + r / G]) {
+          std::memcpy(ob.data() + r * ldr, pk.vmean.data(), D * sizeof(float));
+          lse_blk[r] = std::log(static_cast<float>(s.S));
+        }
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t g = 0; g < G; ++g) {
           std::memcpy(op + ((b * s.T + t) * H + kh * G + g) * D, ob.data() + ((t - t0) * G + g) * ldr,
@@ -355,8 +371,9 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     const int64_t b = task / s.KH, kh = task % s.KH, G = s.G, D = s.D, H = s.H(), Sp = s.Sp();
     const int64_t ldr = s.ldr(), lds = s.lds();
     thread_local Packed pk;
-    thread_local std::vector<float> qb, gb, pb, db, dqb, dkacc, dvacc;
+    thread_local std::vector<float> qb, gb, pb, db, dqb, dkacc, dvacc, gsum;
     pk.pack(s, kp, vp, mp, b, kh, true, true);
+    gsum.assign(D, 0.f);  // sum of the empty rows' dO: each key's dV gets gsum / S
     const int64_t rows_pad = round_up(kQ * G, kMR);
     qb.assign(rows_pad * ldr, 0.f);
     gb.assign(rows_pad * ldr, 0.f);
@@ -379,6 +396,8 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
           for (int64_t d = 0; d < D; d += 8)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(gp + off + g * D + d), _mm256_loadu_ps(op + off + g * D + d), acc);
           delta[r] = hsum(acc);
+          if (pk.empty[t])
+            for (int64_t d = 0; d < D; ++d) gsum[d] += gp[off + g * D + d];
         }
       }
       std::fill(qb.begin() + nrows * ldr, qb.end(), 0.f);
@@ -394,7 +413,7 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       // P (recomputed from the saved log-sum-exp), dV += P^T dO, dP = dO V^T
       gemm(false, rows_pad, n, D, qb.data(), ldr, 1, pk.kt.data() + s0, lds, pb.data() + s0, lds);
       probabilities(s, mp, pk.empty, b, t0, nrows, rows_pad, s0, s1, scale, pb.data(), lds, lse_blk, nullptr);
-      // empty rows carry 1/S from `probabilities`; the rows with keys carry exp(score - lse)
+      // the rows with keys carry exp(score - lse); empty rows 0 (their dV share is gsum)
       gemm(true, n, D, rows_pad, pb.data() + s0, 1, lds, gb.data(), ldr, dvacc.data() + s0 * ldr, ldr);
       gemm(false, rows_pad, n, D, gb.data(), ldr, 1, pk.vt.data() + s0, lds, db.data() + s0, lds);
       // dS = P * (dP - delta) * scale; zero on masked keys (P is 0 there), padding rows and empty rows
@@ -417,6 +436,12 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       for (int64_t r = 0; r < nrows; ++r)
         std::memcpy(dqp + ((b * s.T + t0 + r / G) * H + kh * G + r % G) * D, dqb.data() + r * ldr,
                     D * sizeof(float));
+    }
+    if (pk.any_empty) {
+      const float inv = 1.0f / static_cast<float>(s.S);
+      for (int64_t d = 0; d < D; ++d) gsum[d] *= inv;
+      for (int64_t a = 0; a < s.S; ++a)
+        for (int64_t d = 0; d < D; ++d) dvacc[a * ldr + d] += gsum[d];
     }
     for (int64_t a = 0; a < s.S; ++a) {
       std::memcpy(dkp + ((b * s.S + a) * s.KH + kh) * D, dkacc.data() + a * ldr, D * sizeof(float));
