@@ -169,6 +169,19 @@ def test_nonfinite_loss_skips_update_and_is_reported():
   assert max_abs_diff(p_ok, host_params()) > 0
 
 
+def test_nonfinite_updates_stop_training_after_train_nan_limit():
+  """The trainer counts the step's skipped updates across steps (and checkpoints: meta 'nan_count'); one more than
+  `train.nan_limit` is a clear stop that names the key and what to do."""
+  from aepo_jax.train._trainer import TrainingError, _check_finite
+  count = 0
+  for step in range(2):  # limit 2: two skipped updates pass (logged), the third stops
+    count = _check_finite({"train/nonfinite_skipped": np.float32(1.0)}, count, 2, step)
+  assert count == 2
+  assert _check_finite({"train/nonfinite_skipped": 0.0}, count, 2, 3) == 2  # finite steps do not reset or add
+  with pytest.raises(TrainingError, match=r"3 updates had a non-finite loss.*train\.nan_limit=2.*lower optim\.lr"):
+    _check_finite({"train/nonfinite_skipped": 1.0}, count, 2, 4)
+
+
 @pytest.mark.slow
 def test_step_compiles_once_and_adamw_lr_is_reported():
   from aepo_jax.parallel import make_mesh
