@@ -51,10 +51,11 @@ def test_kernel_rejects_bad_input():
     _cpu_matmul.matmul_t(x.astype(jnp.bfloat16), jnp.ones((3, 4, 8), jnp.float32), 0)
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 16, 2, 3, 8), (2, 4, 40, 3, 3, 64), (2, 3, 9, 1, 7, 16), (1, 2, 33, 4, 1, 24)])
+@pytest.mark.parametrize("shape", [(3, 5, 16, 2, 3, 8), (2, 4, 40, 3, 3, 64), (2, 3, 9, 1, 7, 16), (1, 2, 33, 4, 1, 24),
+                                   (1, 3, 21, 2, 5, 128)])
 def test_attention_kernel_matches_numpy(shape):
   """Decode attention read in place from the stacked cache: each slot attends to its entries [0, pos] only (the
-  rest of the cache holds garbage it must not read); GQA group sizes 1, 3, 7; head dims 8..64 (tails of the
+  rest of the cache holds garbage it must not read); GQA group sizes 1, 3, 5, 7; head dims 8..128 (tails of the
   32-float value blocks); softmax lengths with and without an 8-wide tail, including a single entry."""
   L, S, T, KH, G, D = shape
   rng = np.random.default_rng(sum(shape))
