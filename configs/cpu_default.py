@@ -24,7 +24,10 @@ Measured (2026-11-30, these settings; seeds = train.seed, sft.seed and data.seed
   mean 0.017 -> 0.667 over 40 held-out questions (after RL: 0.375-0.925); wall 22:55 for seed 2 on a quiet machine.
   Re-run 2026-12-01 with the CPU training-attention kernel: seed 0 0.025 -> 0.375 (15:01), seed 1 0.025 -> 0.925
   (tool calls 0.025 -> 1.0), the same numbers as above. Again after the LM head's custom VJP (session 10): seed 0
-  0.025 -> 0.375, tool calls 0.0 -> 1.0, wall 19:02 on a day the VM's matmul peak was half the day before's.
+  0.025 -> 0.375, tool calls 0.0 -> 1.0, wall 19:02 on a day the VM's matmul peak was half the day before's; and
+  after session 11's kernel fixes: the same numbers, 19:19 on that slow VM (SFT steps 27-35 s, RL rollouts
+  25.5-34.2 s, two updates 72-78 s; transformers' update step took 32-38 s that hour against 20-25 s on the day
+  of the 15:01 run), peak RSS 8.3 GB.
   Train rollouts (seed 1): tool calls per trajectory 0.19 -> 0.44 -> 0.63 -> 0.94 -> 0.88, reward 0.13 -> 0.63.
   Earlier settings that did not work: tool_demo_fraction=0.5 leaves SFT at 0.85 with little room for RL
   (0.85 -> 0.825); rollout T=1.0 after 10 SFT steps broke the tag format in 25-56% of samples and RL at lr 3e-5
