@@ -58,6 +58,7 @@ def _peak() -> float:
 
 
 def _timer(fn, *args):
+  """A call of fn(*args) -> its wall seconds, after its result is ready (jax arrays; torch runs synchronously)."""
   def run():
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -86,7 +87,7 @@ def main():
   q, do = (rng.standard_normal((B, T, H, D), np.float32) for _ in range(2))
   k, v = (rng.standard_normal((B, T, KH, D), np.float32) for _ in range(2))
   mask = _mask(B, T, args.pad, rng)
-  pairs = float(mask.sum()) * (H // KH) * KH
+  pairs = float(mask.sum()) * H  # (query head, allowed key) pairs
   jq, jk, jv, jm, jdo = map(jnp.asarray, (q, k, v, mask, do))
 
   def xla_attn(q, k, v, m):
@@ -126,14 +127,7 @@ def main():
         F.scaled_dot_product_attention(qq, kk, vv, attn_mask=tm, enable_gqa=True).backward(tdo)
         return qq.grad
 
-      def torch_timer(fn):
-        def run():
-          t = time.perf_counter()
-          fn()
-          return time.perf_counter() - t
-        return run
-
-      timers["torch"] = (torch_timer(torch_fwd), torch_timer(torch_fwd_bwd))
+      timers["torch"] = (_timer(torch_fwd), _timer(torch_fwd_bwd))
     except ImportError:
       print("torch not installed: no torch baseline")
   peak_start = _peak()

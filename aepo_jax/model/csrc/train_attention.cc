@@ -153,8 +153,7 @@ struct Shape {
 struct Packed {
   std::vector<float> kp, kt, vp, vt;  // [Sp, D] (stride ldr) and [D, Sp] (stride lds), zero-padded beyond S
   std::vector<uint8_t> empty;         // [T]
-  std::vector<float> vmean;           // [D]: mean of v over all S keys (the output of an empty row)
-  bool any_empty = false;
+  bool any_empty = false;             // some query row of b has no valid key
   void pack(const Shape& s, const float* k, const float* v, const bool* mask, int64_t b, int64_t kh, bool need_vt,
             bool need_kp) {
     const int64_t Sp = s.Sp(), D = s.D, ldr = s.ldr(), lds = s.lds();
@@ -181,13 +180,6 @@ struct Packed {
         if (mr[a]) { empty[t] = 0; break; }
       any_empty |= empty[t] != 0;
     }
-    vmean.assign(D, 0.f);
-    if (any_empty) {
-      for (int64_t a = 0; a < s.S; ++a)
-        for (int64_t d = 0; d < D; ++d) vmean[d] += vp[a * ldr + d];
-      const float inv = 1.0f / static_cast<float>(s.S);
-      for (int64_t d = 0; d < D; ++d) vmean[d] *= inv;
-    }
   }
 };
 
@@ -212,7 +204,7 @@ void key_range(const Shape& s, const bool* mask, const std::vector<uint8_t>& emp
 // Probabilities of block rows r (query t0 + r / G, head g = r % G) over keys [s0, s1), in place on the scores in
 // p (row stride ldp). With lse_in, p = exp(score - lse) (the backward); otherwise the row max / sum are computed
 // and lse_out written. Masked keys, rows beyond the last query and empty rows get 0 (an empty row's uniform
-// probabilities are applied by the callers, outside the key range); an empty row's lse is log S.
+// probabilities, and its lse log S, are applied by the callers, outside the key range).
 void probabilities(const Shape& s, const bool* mask, const std::vector<uint8_t>& empty, int64_t b, int64_t t0,
                    int64_t nrows, int64_t rows_pad, int64_t s0, int64_t s1, float scale, float* p, int64_t ldp,
                    const float* lse_in, float* lse_out) {
@@ -226,7 +218,6 @@ void probabilities(const Shape& s, const bool* mask, const std::vector<uint8_t>&
     const int64_t t = t0 + r / G;
     if (empty[t]) {
       std::fill(pr + s0, pr + s1, 0.f);
-      if (lse_out) lse_out[r] = std::log(static_cast<float>(s.S));
       continue;
     }
     const bool* mr = mask + (b * s.T + t) * s.S;
@@ -304,8 +295,15 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   run_parts(pool, static_cast<int>(s.B * s.KH), [=](int task) {
     const int64_t b = task / s.KH, kh = task % s.KH, G = s.G, D = s.D, H = s.H(), ldr = s.ldr(), lds = s.lds();
     thread_local Packed pk;
-    thread_local std::vector<float> qb, pb, ob;
+    thread_local std::vector<float> qb, pb, ob, vmean;
     pk.pack(s, kp, vp, mp, b, kh, false, false);
+    vmean.assign(D, 0.f);  // the output of an empty row: the mean of v over all S keys
+    if (pk.any_empty) {
+      for (int64_t a = 0; a < s.S; ++a)
+        for (int64_t d = 0; d < D; ++d) vmean[d] += pk.vp[a * ldr + d];
+      const float inv = 1.0f / static_cast<float>(s.S);
+      for (int64_t d = 0; d < D; ++d) vmean[d] *= inv;
+    }
     const int64_t rows_pad = round_up(kQ * G, kMR);
     qb.assign(rows_pad * ldr, 0.f);
     pb.resize(rows_pad * lds);
@@ -327,7 +325,7 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       }
       for (int64_t r = 0; r < nrows; ++r)  // empty rows: uniform over all S keys (with s1 == s0, every row is)
         if (pk.empty[t0 + r / G]) {
-          std::memcpy(ob.data() + r * ldr, pk.vmean.data(), D * sizeof(float));
+          std::memcpy(ob.data() + r * ldr, vmean.data(), D * sizeof(float));
           lse_blk[r] = std::log(static_cast<float>(s.S));
         }
       for (int64_t t = t0; t < t1; ++t)
