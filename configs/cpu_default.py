@@ -80,6 +80,7 @@ def get_config(arg=None):
   c.rollout.initial_rollouts = 2
   c.rollout.beam_size = 2
   c.rollout.enable_dynamic_rollouts = False  # the probe trajectory doubles rollout cost on 2 cores
+  c.rollout.entropy_estimator = "official"  # the code's step entropy, as in the measured runs below
   c.rollout.max_prompt_len = 96  # KNOB: the longest prompt is 92 tokens
   c.rollout.max_response_len = 144  # KNOB: the longest demo response is 129 tokens
   c.rollout.temperature = 0.7  # the 135M model breaks the tag format too often at T=1 (log-probs use it too)

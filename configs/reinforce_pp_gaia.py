@@ -1,29 +1,20 @@
-r"""REINFORCE++ (baseline form) on Qwen3-14B for deep search (GAIA + HLE validation): a baseline of AEPO's comparison (spec §3.4).
+r"""REINFORCE++ (baseline form) on Qwen3-14B deep search, a baseline of AEPO's comparison (spec §3.4).
 
 Command:  python launch/tpu_pod.py --config=configs/reinforce_pp_gaia.py --config.workdir=gs://BUCKET/reinforce_pp_gaia \
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
-Hardware: as configs/aepo_gaia.py (a v5p-64 / v4-128 class TPU slice).
-Needs: a Qwen3-14B cold-start SFT checkpoint (HF directory); hard_search_1k, gaia_test, hle_test (bundled).
-Time: 85 RL steps, about a day.
-Expected: not reported per baseline in the available text (spec §2.5); compare against configs/aepo_gaia.py on the same hardware.
-Rollout: plain group sampling (policy 'none', n = 12), as the baselines have no branching. How the AEPO
-authors ran this baseline is unknown (spec §3); the values are the original paper's / upstream verl's.
+Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `baseline_14b`).
+Expected: no per-baseline number is in the text available here (spec §2.5); run beside configs/aepo_gaia.py.
+REINFORCE++-baseline: R minus the group mean, whitened over the batch's valid tokens; PPO clip 0.2; the KL
+enters the reward (k1, verl's default coefficient 0.001). Which variant and β AEPO ran is unknown.
 """
-import importlib.util
-import pathlib
+from aepo_jax.train import load_sibling
 
-
-def _common():
-  """configs/common.py, loaded by path (configs/ is a folder of files, not a package)."""
-  spec = importlib.util.spec_from_file_location("configs_common", pathlib.Path(__file__).with_name("common.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+common = load_sibling(__file__, "common")
 
 
 def get_config(arg=None):
   del arg
-  c = _common().baseline_14b("ppo", 0.2, 0.2, 0.0)
+  c = common.baseline_14b("ppo", 0.2, 0.2, 0.0)
   c.algo.advantage = "reinforce_pp_baseline"  # group-mean baseline + global whitening; variant unknown (§3.4)
   c.algo.kl.name, c.algo.kl.coef, c.algo.kl.use_in_reward = "k1", 0.001, True  # verl default kl_coef
   return c

@@ -1,69 +1,166 @@
-r"""Evaluate a checkpoint on the papers' benchmarks (Pass@1 / Pass@k, spec §2.5), or compare evaluation runs.
+r"""Evaluate a checkpoint (Pass@1 / Pass@k, spec §2.5) on the papers' benchmarks or your own data, or compare runs.
 
-  python launch/evaluate.py --checkpoint smollm2-135m-instruct --benchmarks gsm8k,math500 --limit 20 \
-      --n 5 --k 1,5 --output /tmp/eval/smollm2
-  python launch/evaluate.py --checkpoint gs://BUCKET/run/checkpoints/rl --benchmarks qa \
-      --search-backend retrieval --search-url http://127.0.0.1:8000 --output /tmp/eval/rl
-  python launch/evaluate.py --checkpoint /ckpt/rl/300 --benchmarks deep_search --search-backend serper \
-      --judge-url http://127.0.0.1:8001/v1 --judge-model Qwen2.5-72B-Instruct --output /tmp/eval/ds
-  python launch/evaluate.py --compare /tmp/eval/smollm2 /tmp/eval/rl [--output /tmp/eval/cmp]
+  python launch/evaluate.py --checkpoint=smollm2-135m-instruct --benchmarks=gsm8k,math500 --limit=20 \
+      --n=5 --k=1,5 --output=/tmp/eval/smollm2
+  python launch/evaluate.py --checkpoint=gs://BUCKET/run/checkpoints/rl --benchmarks=qa \
+      --search_backend=retrieval --search_url=http://127.0.0.1:8000 --output=/tmp/eval/rl
+  python launch/evaluate.py --checkpoint=/ckpt/rl/300 --benchmarks=deep_search --search_backend=serper \
+      --judge_url=http://127.0.0.1:8001/v1 --judge_model=Qwen2.5-72B-Instruct --output=/tmp/eval/ds
+  python launch/evaluate.py --checkpoint=/ckpt/rl/300 --benchmarks=gaia --search_backend=retrieval \
+      --search_url=http://127.0.0.1:8000 --search_mode=browse --browse_pages=/data/wiki.jsonl \
+      --summarizer_url=http://127.0.0.1:8001/v1 --summarizer_model=Qwen2.5-72B-Instruct \
+      --judge_url=http://127.0.0.1:8001/v1 --judge_model=Qwen2.5-72B-Instruct --output=/tmp/eval/sds
+  python launch/evaluate.py --checkpoint=/ckpt/rl/300 --benchmarks=gs://BUCKET/data/my_test.jsonl \
+      --question_field=problem --answer_field=solution --data_family=math --output=/tmp/eval/mine
+  python launch/evaluate.py --compare=/tmp/eval/smollm2,/tmp/eval/rl [--output=/tmp/eval/cmp]
 
 --checkpoint: an Orbax checkpoint (step dir, phase dir or training workdir; local or gs://), an HF directory,
-or a pretrained name. Rerunning the same command resumes: answers already in <output>/<benchmark>.jsonl are
-kept. Bad input (unknown benchmark, missing checkpoint, missing search backend or judge, a judge that does
-not answer) fails before any model is loaded. See docs/evaluation.md.
+or a pretrained name. The defaults are the official evaluation protocol (spec §2.5): T=0.6, top_p 0.95, top_k 20,
+min_p 0, repetition penalty 1.1, at most 4,096 tokens per generation call, 5 python and 10 search calls; with
+--judge_url the QA and deep-search sets are scored by the judge OR math equivalence. Rerunning the same command resumes: answers already in <output>/<benchmark>.jsonl are
+kept. Bad input (unknown benchmark, missing checkpoint or data file, missing search backend or judge, a judge
+that does not answer) fails before any model is loaded. See docs/evaluation.md; data files: docs/data.md.
+Flags are absl flags (--name=value or --name value); the older spellings --search-backend, --no-progress and
+`--compare DIR DIR` still work.
 """
-import argparse
 import os
 import sys
 
+from absl import flags
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+# This script's own flags, so that importing it (tests load it more than once) never collides with another
+# module's definitions in absl's global FLAGS.
+FLAGS = flags.FlagValues()
+_F = {"flag_values": FLAGS}
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--checkpoint", help="Orbax checkpoint (local or gs://), HF directory, or pretrained name.")
-  p.add_argument("--benchmarks", default="math", help="Names, families (math, qa, deep_search) or 'all'.")
-  p.add_argument("--k", default="1,5", help="Pass@k values, e.g. '1,5' or '5' (Pass@1 is always reported).")
-  p.add_argument("--n", type=int, default=None, help="Samples per question (default: the largest k).")
-  p.add_argument("--limit", type=int, default=None, help="First N questions of each benchmark.")
-  p.add_argument("--output", default=None, help="Run directory (JSONL per benchmark + summary).")
-  p.add_argument("--search-backend", default=None,
-                 help="retrieval | replay | local | serper | brave | bing | none (QA/deep-search sets need one).")
-  p.add_argument("--search-url", default=None, help="Retrieval server URL (--search-backend retrieval).")
-  p.add_argument("--search-cache", default=None, help="search_cache.json for replay (default: the ARPO one).")
-  p.add_argument("--search-corpus", default=None, help="Corpus JSONL for --search-backend local.")
-  p.add_argument("--judge-url", default=None, help="OpenAI-compatible base URL of the LLM judge.")
-  p.add_argument("--judge-model", default=None, help="Model name served at --judge-url.")
-  p.add_argument("--tokenizer", default=None, help="Tokenizer dir or pretrained name (overrides the checkpoint's).")
-  p.add_argument("--template", default=None, help="System prompt template (default: code_search; math without search).")
-  p.add_argument("--temperature", type=float, default=0.6)
-  p.add_argument("--top-p", type=float, default=0.95)
-  p.add_argument("--top-k", type=int, default=20)
-  p.add_argument("--max-response-len", type=int, default=4096)
-  p.add_argument("--max-prompt-len", type=int, default=2048)
-  p.add_argument("--batch-size", type=int, default=8, help="Trajectories decoded together.")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--allow-unsandboxed", action="store_true", help="Run the python tool without bwrap/unshare.")
-  p.add_argument("--no-progress", action="store_true")
-  p.add_argument("--compare", nargs="+", default=None, metavar="RUN_DIR", help="Compare evaluation run directories.")
-  args = p.parse_args(argv)
-  if args.compare is None and not args.checkpoint:
-    p.error("give --checkpoint PATH (evaluate) or --compare RUN_DIR [RUN_DIR ...] (compare).")
-  return args
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "Orbax checkpoint (local or gs://), HF directory, or pretrained name.", **_F)
+_BENCHMARKS = flags.DEFINE_string(
+    "benchmarks", "math", "Benchmark names, families (math, qa, deep_search), 'all', or .jsonl / .parquet data "
+    "files (local or gs://), comma separated.", **_F)
+_K = flags.DEFINE_string("k", "1,5", "Pass@k values, e.g. '1,5' or '5' (Pass@1 is always reported).", **_F)
+_N = flags.DEFINE_integer("n", None, "Samples per question (default: the largest k).", **_F)
+_LIMIT = flags.DEFINE_integer("limit", None, "First N questions of each benchmark.", **_F)
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "Run directory (JSONL per benchmark + summary); default eval_runs/<checkpoint name>. With "
+    "--compare: the output prefix.", **_F)
+_SEARCH_BACKEND = flags.DEFINE_string(
+    "search_backend", None, "retrieval | replay | local | serper | brave | bing | none (QA and deep-search "
+    "benchmarks need one).", **_F)
+_SEARCH_URL = flags.DEFINE_string("search_url", None, "Retrieval server URL (--search_backend=retrieval).", **_F)
+_SEARCH_CACHE = flags.DEFINE_string("search_cache", None, "search_cache.json for replay (default: the ARPO one).", **_F)
+_SEARCH_CORPUS = flags.DEFINE_string("search_corpus", None, "Corpus JSONL for --search_backend=local.", **_F)
+_JUDGE_URL = flags.DEFINE_string("judge_url", None, "OpenAI-compatible base URL of the LLM judge.", **_F)
+_JUDGE_MODEL = flags.DEFINE_string("judge_model", None, "Model name served at --judge_url.", **_F)
+_JUDGE_QA = flags.DEFINE_bool(
+    "judge_qa", True, "With a judge, also judge the QA sets (the protocol); --nojudge_qa scores them by exact match.",
+    **_F)
+_SEARCH_MODE = flags.DEFINE_enum(
+    "search_mode", "snippets", ["snippets", "browse"], "snippets: `Page i:` lines; browse: the SDS browser (the "
+    "hits' pages from --browse_pages, condensed by the LLM at --summarizer_url).", **_F)
+_BROWSE_PAGES = flags.DEFINE_string(
+    "browse_pages", None, "Page store of --search_mode=browse: a directory of pages or a corpus JSONL (default: "
+    "--search_corpus).", **_F)
+_SUMMARIZER_URL = flags.DEFINE_string(
+    "summarizer_url", None, "OpenAI-compatible base URL of the browse summariser (--search_mode=browse).", **_F)
+_SUMMARIZER_MODEL = flags.DEFINE_string("summarizer_model", None, "Model name served at --summarizer_url.", **_F)
+_BROWSE_LIVE = flags.DEFINE_bool("browse_live", False, "Fetch http(s) pages the page store lacks.", **_F)
+_TOKENIZER = flags.DEFINE_string(
+    "tokenizer", None, "Tokenizer dir or pretrained name (overrides the checkpoint's).", **_F)
+_TEMPLATE = flags.DEFINE_string(
+    "template", None, "System prompt template (default: code_search; math without search).", **_F)
+_QUESTION_FIELD = flags.DEFINE_string("question_field", "question", "Question field of data-file records.", **_F)
+_ANSWER_FIELD = flags.DEFINE_string(
+    "answer_field", "answer", "Answer field of data-file records (a string, a number or a list of accepted "
+    "answers).", **_F)
+_SYSTEM_FIELD = flags.DEFINE_string(
+    "system_field", "system", "Optional field of data-file records with their own system prompt (replaces the "
+    "template's).", **_F)
+_DATA_FAMILY = flags.DEFINE_enum(
+    "data_family", "qa", ["qa", "math"], "Scoring of data-file answers: qa (math equivalence or exact match) or "
+    "math (math equivalence only).", **_F)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature (0: greedy).", **_F)
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass.", **_F)
+_TOP_K = flags.DEFINE_integer("top_k", 20, "Top-k sampling (0: off).", **_F)
+_MIN_P = flags.DEFINE_float("min_p", 0.0, "min-p sampling (0: off).", **_F)
+_REPETITION_PENALTY = flags.DEFINE_float(
+    "repetition_penalty", 1.1, "vLLM repetition penalty over the prompt and the response (1: off).", **_F)
+_MAX_TOKENS_PER_CALL = flags.DEFINE_integer(
+    "max_tokens_per_call", 4096, "Tokens one generation call may sample (vLLM max_tokens); a call that reaches it "
+    "ends the answer. 0: no cap.", **_F)
+_MAX_RESPONSE_LEN = flags.DEFINE_integer(
+    "max_response_len", 8192, "Response tokens of a whole answer, tool results included (the engine's cache holds "
+    "batch_size x (max_prompt_len + this)).", **_F)
+_MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 2048, "Prompt tokens.", **_F)
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Trajectories decoded together.", **_F)
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.", **_F)
+_ALLOW_UNSANDBOXED = flags.DEFINE_bool("allow_unsandboxed", False, "Run the python tool without bwrap/unshare.", **_F)
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars (--noprogress: off).", **_F)
+_COMPARE = flags.DEFINE_list(
+    "compare", None, "Compare evaluation run directories (comma separated) instead of evaluating.", **_F)
+
+
+def _absl_spelling(argv):
+  """--search-backend -> --search_backend, --no-progress / --no_progress -> --noprogress; `--compare A B C`
+  -> `--compare=A,B,C` (argparse spellings of earlier versions of this script)."""
+  out, compare = [], None
+  for arg in argv:
+    if compare is not None and not arg.startswith("-"):
+      compare.append(arg)
+      continue
+    compare = None
+    if arg.startswith("--") and len(arg) > 2:
+      name, eq, value = arg[2:].partition("=")
+      key = name.replace("-", "_")
+      if key.startswith("no_") and key[3:] in FLAGS and FLAGS[key[3:]].boolean:
+        key = "no" + key[3:]
+      if key == "compare" and not eq:
+        compare = []
+        out.append(compare)
+        continue
+      arg = f"--{key}{eq}{value}"
+    out.append(arg)
+  return [f"--compare={','.join(a)}" if isinstance(a, list) else a for a in out]
+
+
+def _usage() -> str:
+  return __doc__ + "\nFlags:\n" + FLAGS.module_help(FLAGS.find_module_defining_flag(
+      "checkpoint"))
+
+
+def parse(argv):
+  """Parse `argv` (without the program name) into FLAGS; returns leftover positional arguments."""
+  FLAGS.unparse_flags()
+  return FLAGS(["evaluate.py", *_absl_spelling(argv)])[1:]
 
 
 def main(argv=None) -> int:
-  args = parse_args(argv)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
+    print(_usage())
+    return 0
+  try:
+    rest = parse(argv)
+  except flags.Error as e:
+    print(f"error: {e}\nSee --help.", file=sys.stderr)
+    return 2
+  if rest:
+    print(f"error: unexpected arguments {rest}; flags are written --name=value.", file=sys.stderr)
+    return 2
+  if not _COMPARE.value and not _CHECKPOINT.value:
+    print("error: give --checkpoint=PATH (evaluate) or --compare=RUN_DIR,RUN_DIR (compare).", file=sys.stderr)
+    return 2
+
   from aepo_jax.parallel import use_cpu_xla_flags
   use_cpu_xla_flags()  # before JAX starts its backend
   from aepo_jax import eval as eval_lib
 
-  if args.compare is not None:
+  if _COMPARE.value:
     try:
-      out = args.output or os.path.join(args.compare[0], "compare")
-      md, png = eval_lib.compare(args.compare, out)
+      out = _OUTPUT.value or os.path.join(_COMPARE.value[0], "compare")
+      md, png = eval_lib.compare(_COMPARE.value, out)
     except FileNotFoundError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
@@ -72,26 +169,36 @@ def main(argv=None) -> int:
     return 0
 
   try:
-    ks = sorted({int(k) for k in str(args.k).split(",") if k.strip()} | {1})
+    ks = sorted({int(k) for k in str(_K.value).split(",") if k.strip()} | {1})
   except ValueError:
-    print(f"error: --k {args.k!r} must be integers like '1,5'.", file=sys.stderr)
+    print(f"error: --k={_K.value!r} must be integers like '1,5'.", file=sys.stderr)
     return 2
-  n = args.n or max(ks)
-  search_opts = {"url": args.search_url, "path": args.search_cache, "corpus": args.search_corpus}
+  n = _N.value or max(ks)
+  search_opts = {"url": _SEARCH_URL.value, "path": _SEARCH_CACHE.value, "corpus": _SEARCH_CORPUS.value}
+  browse = None
+  if _SEARCH_MODE.value == "browse":
+    browse = {"pages": _BROWSE_PAGES.value or _SEARCH_CORPUS.value, "summarizer_url": _SUMMARIZER_URL.value,
+              "summarizer_model": _SUMMARIZER_MODEL.value, "live": _BROWSE_LIVE.value}
+  data_opts = {"question_key": _QUESTION_FIELD.value, "answer_key": _ANSWER_FIELD.value,
+               "system_key": _SYSTEM_FIELD.value, "family": _DATA_FAMILY.value}
   try:
-    plan = eval_lib.check_inputs(args.checkpoint, args.benchmarks, search_backend=args.search_backend,
-                                 search_options=search_opts, judge_url=args.judge_url, judge_model=args.judge_model,
-                                 tokenizer=args.tokenizer, allow_unsandboxed=args.allow_unsandboxed)
-    template = args.template or ("math" if plan.search_backend in (None, "none") else "code_search")
+    plan = eval_lib.check_inputs(_CHECKPOINT.value, _BENCHMARKS.value, search_backend=_SEARCH_BACKEND.value,
+                                 search_options=search_opts, judge_url=_JUDGE_URL.value,
+                                 judge_model=_JUDGE_MODEL.value, tokenizer=_TOKENIZER.value,
+                                 allow_unsandboxed=_ALLOW_UNSANDBOXED.value, data_options=data_opts,
+                                 judge_qa=_JUDGE_QA.value, browse=browse)
+    template = _TEMPLATE.value or ("math" if plan.search_backend in (None, "none") else "code_search")
     try:
       settings = eval_lib.EvalSettings(
-          n=n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_prompt_len=args.max_prompt_len,
-          max_response_len=args.max_response_len, batch_size=args.batch_size, seed=args.seed, template=template)
+          n=n, temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value, min_p=_MIN_P.value,
+          repetition_penalty=_REPETITION_PENALTY.value, max_tokens_per_call=_MAX_TOKENS_PER_CALL.value,
+          max_prompt_len=_MAX_PROMPT_LEN.value, max_response_len=_MAX_RESPONSE_LEN.value,
+          batch_size=_BATCH_SIZE.value, seed=_SEED.value, template=template)
     except ValueError as e:
       raise eval_lib.EvalInputError(str(e)) from None
-    output = args.output or os.path.join("eval_runs", os.path.basename(os.path.normpath(args.checkpoint)))
-    summary = eval_lib.run_evaluation(plan, output, settings=settings, ks=ks, limit=args.limit,
-                                      show_progress=not args.no_progress)
+    output = _OUTPUT.value or os.path.join("eval_runs", os.path.basename(os.path.normpath(_CHECKPOINT.value)))
+    summary = eval_lib.run_evaluation(plan, output, settings=settings, ks=ks, limit=_LIMIT.value,
+                                      show_progress=_PROGRESS.value)
   except (eval_lib.EvalInputError, eval_lib.CheckpointNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

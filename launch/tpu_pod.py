@@ -4,9 +4,11 @@ r"""Train on a TPU pod, a single accelerator host, or CPU processes: cold-start 
   python launch/tpu_pod.py --config=configs/aepo_gaia.py --config.workdir=gs://BUCKET/aepo_gaia
   # one machine, CPU (the embedded default):
   python launch/tpu_pod.py --config=configs/cpu_default.py --config.workdir=/tmp/aepo_cpu
-  # two CPU processes on one machine with gloo collectives (run both lines):
-  python launch/tpu_pod.py --config=... --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0
-  python launch/tpu_pod.py --config=... --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=1
+  # two CPU processes on one machine with gloo collectives, standing in for two hosts (run both lines):
+  python launch/tpu_pod.py --config=... --config.checkpoint.shared_workdir=True \
+      --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0
+  python launch/tpu_pod.py --config=... --config.checkpoint.shared_workdir=True \
+      --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=1
 
 Any config key can be overridden: `--config.rollout.n=8 --config.train.steps=100`. The config is validated
 before any device is claimed; rerunning the same command resumes from the latest checkpoint in the workdir.
@@ -28,7 +30,10 @@ _NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (multi
 _PID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process CPU/GPU).")
 _CPU_COLLECTIVES = flags.DEFINE_string("cpu_collectives", "gloo", "CPU collectives for multi-process CPU runs.")
 _PLATFORM = flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, tpu, gpu).")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it as JSON and exit.")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "With --dry_run: also compile the RL step for this TPU slice "
+                                "(e.g. v5p:4x4x2) and check it fits (launch/compile.py; needs libtpu).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config and check its files, model, tokenizer, backends "
+                             "and URLs (no device), print it as JSON and exit.")
 
 
 class _QuietOrbax(logging.Filter):
@@ -36,11 +41,6 @@ class _QuietOrbax(logging.Filter):
 
   def filter(self, record):
     return record.levelno >= logging.WARNING or "orbax" not in record.pathname
-
-
-def _on_tpu_pod() -> bool:
-  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-  return len([h for h in hosts.split(",") if h]) > 1
 
 
 def main(argv):
@@ -55,27 +55,37 @@ def main(argv):
   if _MODE.value:
     config.mode = _MODE.value
   _config.validate(config)  # before any device is claimed; the mesh is checked once devices are known
-  if _DRY_RUN.value:
+  if _DRY_RUN.value:  # also check files, names, backends and URLs; still claim no device
+    from aepo_jax.train import _preflight
+    problems = _preflight.preflight(config)
+    if problems:
+      sys.exit("error: the config cannot run here:\n  " + "\n  ".join(problems))
     print(_config.to_json(config))
+    if _TOPOLOGY.value:
+      os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the slice; claim no local device
+      from aepo_jax.train import _compile
+      sys.exit(_compile.check(config, _TOPOLOGY.value))
     return
 
-  from aepo_jax.parallel import use_cpu_xla_flags
-  use_cpu_xla_flags()  # before JAX starts its backend
-  import jax
   if _PLATFORM.value:
-    jax.config.update("jax_platforms", _PLATFORM.value)
-  if _COORD.value or (_NPROC.value or 1) > 1:
-    if (_PLATFORM.value or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
-      jax.config.update("jax_cpu_collectives_implementation", _CPU_COLLECTIVES.value)
-    jax.distributed.initialize(coordinator_address=_COORD.value, num_processes=_NPROC.value,
-                               process_id=_PID.value)
-  elif _on_tpu_pod():
-    jax.distributed.initialize()  # TPU pods: coordinator and ids from the TPU metadata
+    os.environ["JAX_PLATFORMS"] = _PLATFORM.value
+  from aepo_jax import parallel
+  parallel.use_cpu_xla_flags()  # XLA:CPU flags on the CPU only, before JAX starts its backend
+  import jax
+  # Every Cloud TPU VM / GKE TPU host joins jax.distributed by itself (coordinator from the TPU metadata); CPU and
+  # GPU processes need --coordinator_address/--num_processes/--process_id (or JAX_COORDINATOR_ADDRESS, ...).
+  parallel.initialize_distributed(_COORD.value, _NPROC.value, _PID.value, cpu_collectives=_CPU_COLLECTIVES.value)
   logging.info("process %d/%d, %d devices (%d local)", jax.process_index(), jax.process_count(),
                jax.device_count(), jax.local_device_count())
 
-  from aepo_jax.train import run
-  summary = run(config)
+  from aepo_jax.tools import SandboxUnavailableError
+  from aepo_jax.train import CheckpointError, ConfigError, run
+  from aepo_jax.train._preflight import PreflightError
+  try:
+    summary = run(config)
+  except (CheckpointError, ConfigError, PreflightError, SandboxUnavailableError) as e:  # one paragraph that names the input and the fix; no traceback
+    logging.error("%s", e)
+    sys.exit(f"error: {e}")
   if jax.process_index() == 0:
     logging.info("done: %s", {k: v for k, v in summary.items() if k != "params"})
 

@@ -62,17 +62,17 @@ def require(record: Any, field: str, types: type | tuple[type, ...], path: Path 
     return value
 
 
-def answers_from(value: Any, path: Path | str, line: int, field: str = "answer") -> list[str]:
+def answers_from(value: Any, path: Path | str, line: int, field: str = "answer", unit: str = "line") -> list[str]:
     """int | str | list[str|int] -> non-empty list[str]."""
     if isinstance(value, bool) or not isinstance(value, (str, int, list)):
         raise RecordError(path, line, field,
-                          f"expected str, int or list of str, got {type(value).__name__} {value!r:.80}")
+                          f"expected str, int or list of str, got {type(value).__name__} {value!r:.80}", unit=unit)
     items = value if isinstance(value, list) else [value]
     if not items:
-        raise RecordError(path, line, field, "empty list of answers")
+        raise RecordError(path, line, field, "empty list of answers", unit=unit)
     out = []
     for i, a in enumerate(items):
         if isinstance(a, bool) or not isinstance(a, (str, int)):
-            raise RecordError(path, line, f"{field}[{i}]", f"expected str or int, got {type(a).__name__}")
+            raise RecordError(path, line, f"{field}[{i}]", f"expected str or int, got {type(a).__name__}", unit=unit)
         out.append(str(a))
     return out

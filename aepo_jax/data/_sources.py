@@ -3,7 +3,7 @@
 Field differences are normalised into `Example` (see data/README.md there): `Question` (gaia) vs
 `problem` (aime25) vs `question`; answers as int (aime25), str, JSON list, or a GSM8K worked solution
 ending in `#### <number>`. The parquet files' stored system prompt is never used (backspace bug,
-spec §4); `build_messages` rebuilds it, and the loader checks that the stored one is that prompt.
+spec §4): `build_messages` rebuilds it from the template.
 """
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import os
 from pathlib import Path
 
 from aepo_jax.data._records import Example, RecordError, answers_from, require
-from aepo_jax.data.prompts import CODE_SEARCH, fix_backspace_bug, has_backspace_bug
 
 DATA_ENV = "AEPO_ARPO_DATA"
 
 
 def arpo_data_root() -> Path:
-    """$AEPO_ARPO_DATA, else `<repo>/../shared/data/arpo` (where CI and sessions keep it)."""
+    """$AEPO_ARPO_DATA, else `<checkout>/../shared/data/arpo` (where CI keeps it). An installed package (not a
+    checkout) has no default: set $AEPO_ARPO_DATA (docs/data.md)."""
     if os.environ.get(DATA_ENV):
         return Path(os.environ[DATA_ENV])
     return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "arpo"
@@ -111,30 +111,30 @@ _FAMILY_OF_FILE = {"hard_search_1k": "deep_search", "gaia_test": "deep_search", 
 def load_arpo_parquet(name_or_path: str | os.PathLike, root: str | os.PathLike | None = None) -> list[Example]:
     """One ARPO RL parquet file (verl schema) as Examples; `name` is a stem from `ARPO_RL_FILES`.
 
-    The stored system prompt is checked, not used: metadata['stored_prompt_backspace_bug'] records
-    the bug, and a stored prompt that is not the code_search prompt even after the fix raises.
+    The stored system prompt is not used when it is the code_search prompt (the configured template then
+    applies); metadata['stored_prompt_backspace_bug'] records the bug. Any other stored system prompt is the
+    record's own (metadata['system_prompt']).
     """
-    import pyarrow.parquet as pq  # lazy: only this reader needs it
+    import dataclasses
+
+    from aepo_jax.data._files import example_from_verl, iter_rows
 
     path = Path(name_or_path)
     if path.suffix != ".parquet":
         path = Path(root or arpo_data_root()) / "train" / f"{name_or_path}.parquet"
-    rows = pq.read_table(path).to_pylist()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"ARPO RL file {str(name_or_path)!r} is not at {path}. The ARPO data comes from "
+                f"github.com/dongguanting/ARPO (docs/data.md says which files): set ${DATA_ENV} to the folder "
+                "holding its train/ and eval/ folders, or give a .parquet / .jsonl path instead.")
     out = []
-    for i, row in enumerate(rows):
-        prompt = require(row, "prompt", list, path, i)
-        if len(prompt) != 2 or prompt[0].get("role") != "system" or prompt[1].get("role") != "user":
-            raise RecordError(path, i, "prompt", "expected [system, user] messages", unit="row")
-        stored = prompt[0]["content"]
-        if fix_backspace_bug(stored) != CODE_SEARCH:
-            raise RecordError(path, i, "prompt[0].content",
-                              "stored system prompt is not the code_search prompt", unit="row")
-        rm = require(row, "reward_model", dict, path, i)
-        gt = require(rm, "ground_truth", str, path, i)
-        extra = row.get("extra_info") or {}
-        ability = row.get("ability")
-        family = _FAMILY_OF_FILE.get(path.stem, ability if ability in ("math", "qa") else "qa")
-        meta = {"data_source": row.get("data_source"), "ability": ability, "split": extra.get("split"),
-                "index": extra.get("index"), "stored_prompt_backspace_bug": has_backspace_bug(stored)}
-        out.append(Example(f"{path.stem}:{i}", prompt[1]["content"], [gt], path.stem, family, meta))
+    for i, row, unit in iter_rows(str(path)):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), list):
+            raise RecordError(path, i, "prompt", "missing; expected verl's [system, user] messages", unit=unit)
+        if "reward_model" not in row:
+            raise RecordError(path, i, "reward_model", "missing; expected {ground_truth: ...}", unit=unit)
+        ex = example_from_verl(row, str(path), i, name=path.stem, family="qa", unit=unit)
+        if path.stem in _FAMILY_OF_FILE:
+            ex = dataclasses.replace(ex, family=_FAMILY_OF_FILE[path.stem])
+        out.append(ex)
     return out

@@ -82,13 +82,16 @@ def fix_backspace_bug(text: str) -> str:
 def build_messages(example: Any, template: str = "code_search") -> list[dict[str, str]]:
     """[{role: system, content}, {role: user, content: question}] for a chat template.
 
-    `example` is an `Example`, a dict with a 'question' key, or the question string itself.
+    `example` is an `Example`, a dict with a 'question' key (and optionally 'system_prompt'), or the question
+    string itself. A record's own system prompt (Example.metadata['system_prompt'], from a data file that
+    carries one) replaces the template's.
     """
+    own = None
     if isinstance(example, str):
         question = example
     elif isinstance(example, dict):
-        question = example["question"]
+        question, own = example["question"], example.get("system_prompt")
     else:
-        question = example.question
-    return [{"role": "system", "content": system_prompt(template)},
+        question, own = example.question, (example.metadata or {}).get("system_prompt")
+    return [{"role": "system", "content": own if own else system_prompt(template)},
             {"role": "user", "content": question}]

@@ -18,7 +18,7 @@ Pieces
 from aepo_jax.eval._api import EvalInputError, EvalPlan, build_tools, check_inputs, evaluate, run_evaluation
 from aepo_jax.eval._benchmarks import (SCORER_OF_FAMILY, family_of, load_examples, needs_judge, needs_search,
                                        requirements_error, select_benchmarks)
-from aepo_jax.eval._checkpoint_io import (CheckpointNotFoundError, CheckpointRef, Policy, load_policy,
+from aepo_jax.eval._checkpoint_io import (CheckpointDamagedError, CheckpointNotFoundError, CheckpointRef, Policy, load_policy,
                                           load_tokenizer, resolve_checkpoint)
 from aepo_jax.eval._passk import best_of_k, bootstrap_ci, mean_pass_at_k, pass_at_k, summarize
 from aepo_jax.eval._report import compare, load_summary, summarize_records, summary_markdown, write_summary
@@ -28,7 +28,7 @@ from aepo_jax.eval._scoring import JudgeUnavailableError, Scorer, probe_judge
 __all__ = [
     "EvalInputError", "EvalPlan", "build_tools", "check_inputs", "evaluate", "run_evaluation", "SCORER_OF_FAMILY",
     "family_of", "load_examples", "needs_judge", "needs_search", "requirements_error", "select_benchmarks",
-    "CheckpointNotFoundError", "CheckpointRef", "Policy", "load_policy", "load_tokenizer", "resolve_checkpoint",
+    "CheckpointDamagedError", "CheckpointNotFoundError", "CheckpointRef", "Policy", "load_policy", "load_tokenizer", "resolve_checkpoint",
     "best_of_k", "bootstrap_ci", "mean_pass_at_k", "pass_at_k", "summarize", "compare", "load_summary",
     "summarize_records", "summary_markdown", "write_summary", "EvalSettings", "Evaluator", "read_records",
     "tool_calls_from_text", "tool_stop_sequences", "JudgeUnavailableError", "Scorer", "probe_judge",

@@ -5,8 +5,9 @@
   evaluate(config, model_cfg, params, tokenizer, examples, mesh=None, tools=None)   # the trainer's validation
 
 check_inputs fails, in this order and before any weights are read: unknown benchmark names; a checkpoint
-path that does not exist; benchmarks whose search backend or judge is not configured; a judge endpoint that
-does not answer a health probe; a retrieval server that does not answer GET /health.
+path that does not exist; benchmarks whose search backend or judge is not configured; a browse setting without
+its summariser or page store; a judge or summariser endpoint that does not answer a health probe; a retrieval
+server that does not answer GET /health.
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ class EvalPlan:
   tokenizer: Optional[str] = None
   allow_unsandboxed: bool = False
   python_timeout_s: float = 120.0
+  data_options: dict = dataclasses.field(default_factory=dict)  # load_records keywords for data files
+  judge_qa: bool = True                     # with a judge, QA sets are judged too (the protocol)
+  # The SDS browse form of search (spec §2.5): {pages, summarizer_url, summarizer_model, live}; None = snippets.
+  browse: Optional[dict] = None
 
 
 def _probe_retrieval(url: str) -> None:
@@ -44,7 +49,16 @@ def _probe_retrieval(url: str) -> None:
     JsonClient(timeout_s=5.0, retries=0).request("GET", url.rstrip("/") + "/health")
   except Exception as e:  # noqa: BLE001 -- any failure means the server is not usable
     raise EvalInputError(f"the retrieval server at {url} did not answer GET /health ({e}); start it with "
-                         "`python launch/retrieval_server.py ...` or fix --search-url.") from e
+                         "`python launch/retrieval_server.py ...` or fix --search_url.") from e
+
+
+def _probe_summarizer(url: str, model: str) -> None:
+  from aepo_jax.tools import ChatClient
+  try:
+    ChatClient(url, model, timeout_s=10.0, retries=0, max_tokens=4).complete("Say OK.")
+  except (RuntimeError, OSError, ValueError) as e:
+    raise EvalInputError(f"the summariser at {url} (model {model!r}) did not answer a health probe ({e}); start the "
+                         "server, or fix --summarizer_url / --summarizer_model.") from None
 
 
 def check_inputs(checkpoint: str, benchmarks, *, search_backend: Optional[str] = None,
@@ -59,21 +73,41 @@ def check_inputs(checkpoint: str, benchmarks, *, search_backend: Optional[str] =
     ref = _checkpoint_io.resolve_checkpoint(checkpoint)
   except FileNotFoundError as e:
     raise EvalInputError(str(e)) from None
+  from aepo_jax.data import data_file_exists, is_data_file
+  for name in names:
+    if is_data_file(name) and not data_file_exists(name):
+      raise EvalInputError(f"data file {name!r} (in --benchmarks) does not exist; check the path (local or gs://).")
   if bool(judge_url) != bool(judge_model):
-    raise EvalInputError("--judge-url and --judge-model go together (the OpenAI base URL and the model name).")
+    raise EvalInputError("--judge_url and --judge_model go together (the OpenAI base URL and the model name).")
   problem = _benchmarks.requirements_error(names, search_backend=search_backend, judge=bool(judge_url))
   if problem:
     raise EvalInputError(problem)
   opts = {k: v for k, v in (search_options or {}).items() if v not in (None, "")}
   if search_backend == "retrieval" and not opts.get("url"):
-    raise EvalInputError("--search-backend retrieval needs --search-url http://HOST:PORT (the retrieval server).")
+    raise EvalInputError("--search_backend=retrieval needs --search_url=http://HOST:PORT (the retrieval server).")
   if search_backend == "local" and not opts.get("corpus"):
-    raise EvalInputError("--search-backend local needs --search-corpus corpus.jsonl.")
+    raise EvalInputError("--search_backend=local needs --search_corpus=corpus.jsonl.")
+  browse = kwargs.get("browse")
+  if browse is not None:
+    if search_backend in (None, "none"):
+      raise EvalInputError("--search_mode=browse needs a search backend (--search_backend=...): the browser reads "
+                           "the pages of its hits.")
+    if not browse.get("summarizer_url") or not browse.get("summarizer_model"):
+      raise EvalInputError("--search_mode=browse needs --summarizer_url (an OpenAI-compatible base URL, e.g. "
+                           "http://127.0.0.1:8001/v1) and --summarizer_model.")
+    pages = browse.get("pages")
+    if pages and not os.path.exists(pages):
+      raise EvalInputError(f"--browse_pages={pages!r} does not exist; give a directory of pages or a corpus JSONL.")
+    if not pages and not browse.get("live"):
+      raise EvalInputError("--search_mode=browse needs a page store: --browse_pages=DIR_OR_JSONL (or "
+                           "--search_corpus), or --browse_live to fetch pages.")
   if probe and judge_url:
     try:
       probe_judge(judge_url, judge_model)
     except RuntimeError as e:
       raise EvalInputError(str(e)) from None
+  if probe and browse is not None:
+    _probe_summarizer(browse["summarizer_url"], browse["summarizer_model"])
   if probe and search_backend == "retrieval":
     _probe_retrieval(opts["url"])
   return EvalPlan(ref, names, search_backend, opts, judge_url, judge_model, **kwargs)
@@ -92,8 +126,14 @@ def build_tools(plan: EvalPlan, settings: EvalSettings):
     try:
       backend = tools_lib.make_search_backend(plan.search_backend, **opts)
     except (TypeError, ValueError, FileNotFoundError, KeyError) as e:
-      raise EvalInputError(f"--search-backend {plan.search_backend}: {e}") from None
-    tools["search"] = tools_lib.SearchTool(backend, topk=10)
+      raise EvalInputError(f"--search_backend={plan.search_backend}: {e}") from None
+    if plan.browse is not None:  # the SDS browser of the deep-search evaluation (spec §2.5)
+      b = plan.browse
+      tools["search"] = tools_lib.BrowseTool(
+          backend, tools_lib.ChatClient(b["summarizer_url"], b["summarizer_model"]),
+          pages=tools_lib.PageStore(b["pages"]) if b.get("pages") else None, topk=10, live=bool(b.get("live")))
+    else:
+      tools["search"] = tools_lib.SearchTool(backend, topk=10)
   return tools_lib.ToolSet(tools, mode="eval", eval_limits={"python": settings.python_limit,
                                                             "search": settings.search_limit},
                            timeout_s=plan.python_timeout_s + 30.0)
@@ -112,22 +152,30 @@ def run_evaluation(plan: EvalPlan, output: str, *, settings: EvalSettings = Eval
   """Evaluates every benchmark of the plan into `output/<benchmark>.jsonl` and writes the summary."""
   ks = sorted({int(k) for k in ks})
   if ks and ks[-1] > settings.n:
-    raise EvalInputError(f"--k {ks[-1]} needs at least that many samples per question; set --n >= {ks[-1]}.")
+    raise EvalInputError(f"--k={ks[-1]} needs at least that many samples per question; set --n >= {ks[-1]}.")
   os.makedirs(output, exist_ok=True)
-  examples = {name: _benchmarks.load_examples(name, limit) for name in plan.benchmarks}  # data errors: early too
+  try:  # data errors (a missing file, a malformed record) come before the model too
+    examples = {name: _benchmarks.load_examples(name, limit, data_options=plan.data_options)
+                for name in plan.benchmarks}
+  except (ValueError, FileNotFoundError) as e:
+    raise EvalInputError(str(e)) from None
   _check_run_dir(output, plan, settings)
   tools = build_tools(plan, settings)
   try:
     if policy is None:
       policy = _checkpoint_io.load_policy(plan.checkpoint, tokenizer=plan.tokenizer)
-    evaluator = Evaluator(policy, tools, Scorer(make_judge(plan)), settings, show_progress=show_progress)
+    evaluator = Evaluator(policy, tools, Scorer(make_judge(plan), judge_qa=plan.judge_qa), settings,
+                          show_progress=show_progress)
     results, t0 = {}, time.monotonic()
     for name in plan.benchmarks:
-      results[name] = evaluator.run(name, examples[name], os.path.join(output, f"{name}.jsonl"))
+      shown = _benchmarks.display_name(name)
+      results[shown] = evaluator.run(shown, examples[name], os.path.join(output, f"{shown}.jsonl"))
     meta = {"checkpoint": plan.checkpoint.path, "source": policy.source, "settings": dataclasses.asdict(settings),
             "limit": limit, "search_backend": plan.search_backend, "judge_model": plan.judge_model,
+            "judge_qa": plan.judge_qa, "browse": plan.browse,
             "tool_metrics": tools.metrics(), "seconds": time.monotonic() - t0}
-    families = {n: _benchmarks.family_of(n) for n in plan.benchmarks}
+    families = {_benchmarks.display_name(n): _benchmarks.family_of(n, plan.data_options.get("family", "qa"))
+                for n in plan.benchmarks}
     return _report.write_summary(output, results, ks=ks, families=families, meta=meta)
   finally:
     tools.shutdown()
@@ -157,13 +205,15 @@ def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
 
 
 def evaluate(config, model_cfg, params, tokenizer, examples, mesh=None, tools=None) -> dict:
-  """The trainer's validation (ARPO: greedy, n = 1): {'accuracy', 'num_examples'} on `examples`."""
+  """The trainer's validation (ARPO: greedy, n = 1, the rollout's sampler settings, no per-call cap):
+  {'accuracy', 'num_examples'} on `examples`; judged as the protocol when eval.judge_url is set."""
   import tempfile
   from aepo_jax import tools as tools_lib
   r = config.rollout
   ev = config.get("eval", {})
   settings = EvalSettings(n=1, temperature=float(ev.get("temperature", 0.0)), top_p=1.0, top_k=0,
-                          max_prompt_len=int(r.max_prompt_len),
+                          min_p=float(r.get("min_p", 0.0)), repetition_penalty=float(r.get("repetition_penalty", 1.0)),
+                          max_tokens_per_call=0, max_prompt_len=int(r.max_prompt_len),
                           max_response_len=int(ev.get("max_response_len", 0) or r.max_response_len),
                           batch_size=max(1, min(len(examples), int(r.max_slots or 8))),
                           chunk_steps=int(r.decode_chunk), template=config.data.get("template", "code_search"))
@@ -173,7 +223,11 @@ def evaluate(config, model_cfg, params, tokenizer, examples, mesh=None, tools=No
         allow_unsandboxed=bool(config.tools.get("allow_unsandboxed", False)))}, mode="eval")
   policy = _checkpoint_io.Policy(model_cfg, params, tokenizer, "in-training")
   try:
-    ev_ = Evaluator(policy, tools, Scorer(None), settings, mesh=mesh, show_progress=False)
+    judge = None
+    if ev.get("judge_url"):
+      from aepo_jax.rewards import OpenAICompatibleJudge
+      judge = OpenAICompatibleJudge(ev["judge_url"], ev["judge_model"])
+    ev_ = Evaluator(policy, tools, Scorer(judge), settings, mesh=mesh, show_progress=False)
     with tempfile.TemporaryDirectory() as d:
       records = ev_.run("val", list(examples), os.path.join(d, "val.jsonl"))
   finally:

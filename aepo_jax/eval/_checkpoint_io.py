@@ -7,13 +7,20 @@ the trainer's own `Checkpointer`, and the ModelConfig and tokenizer from the che
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import shutil
 import tempfile
 from typing import Any, Optional
 
 
 class CheckpointNotFoundError(FileNotFoundError):
   """The --checkpoint path does not exist or holds nothing we can load."""
+
+
+class CheckpointDamagedError(CheckpointNotFoundError):
+  """The checkpoint's files or parameters differ from what was saved, or cannot be read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +58,12 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
   from aepo_jax.model import PRETRAINED
   if path in PRETRAINED:
     return CheckpointRef(path, "pretrained")
+  if str(path).startswith("gs://"):  # fail in seconds, not after gcsfs's minute of retries
+    from aepo_jax.train import _checkpoint
+    try:
+      _checkpoint.check_remote(path)
+    except _checkpoint.CheckpointError as e:
+      raise CheckpointNotFoundError(f"--checkpoint {e}") from None
   p = _epath(path)
   if not p.exists():
     raise CheckpointNotFoundError(
@@ -70,15 +83,19 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
       "(nor checkpoints/rl or checkpoints/sft below it).")
 
 
-def _local_dir(path: str) -> str:
-  """A gs:// directory copied (flat) to a temporary local one; local paths unchanged."""
+@contextlib.contextmanager
+def _local_dir(path: str):
+  """A gs:// directory copied (flat, file by file) to a temporary local one that is removed on exit; a local
+  path as it is. Everything read from it (weights, tokenizer) is read before the exit."""
   if not str(path).startswith("gs://"):
-    return str(path)
-  local = tempfile.mkdtemp(prefix="aepo_eval_")
-  for f in _epath(path).iterdir():
-    if f.is_file():
-      (_epath(local) / f.name).write_bytes(f.read_bytes())
-  return local
+    yield str(path)
+    return
+  with tempfile.TemporaryDirectory(prefix="aepo_eval_") as local:
+    for f in _epath(path).iterdir():
+      if f.is_file():
+        with f.open("rb") as src, open(os.path.join(local, f.name), "wb") as dst:
+          shutil.copyfileobj(src, dst, 1 << 20)
+    yield local
 
 
 def load_tokenizer(path_or_name: str):
@@ -86,7 +103,8 @@ def load_tokenizer(path_or_name: str):
   from aepo_jax.model import PRETRAINED, Tokenizer, pretrained_dir
   if path_or_name in PRETRAINED:
     return Tokenizer.from_dir(pretrained_dir(path_or_name))
-  return Tokenizer.from_dir(_local_dir(path_or_name))
+  with _local_dir(path_or_name) as local:
+    return Tokenizer.from_dir(local)
 
 
 def _orbax_tokenizer_source(meta: dict) -> Optional[str]:
@@ -114,12 +132,12 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
     tok = load_tokenizer(tokenizer or ref.path)
     return Policy(cfg, params, tok, f"pretrained {ref.path}")
   if ref.kind == "hf":
-    local = _local_dir(ref.path)
-    cfg, params = model_lib.load_hf(local, dtype=dtype)
-    try:
-      tok = load_tokenizer(tokenizer) if tokenizer else model_lib.Tokenizer.from_dir(local)
-    except FileNotFoundError as e:
-      raise CheckpointNotFoundError(f"{e} Or pass --tokenizer DIR_OR_NAME.") from e
+    with _local_dir(ref.path) as local:
+      cfg, params = model_lib.load_hf(local, dtype=dtype)
+      try:
+        tok = load_tokenizer(tokenizer) if tokenizer else model_lib.Tokenizer.from_dir(local)
+      except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{e} Or pass --tokenizer=DIR_OR_NAME.") from e
     return Policy(cfg, params, tok, f"hf {ref.path}")
   from aepo_jax.train import _checkpoint
   ckpt = _checkpoint.Checkpointer(ref.directory, async_save=False)
@@ -138,15 +156,20 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
     params = jax.device_get(ckpt.restore_params(step, shapes))
     if dtype:  # a checkpoint saved in bfloat16 evaluates in the requested compute dtype
       params = jax.tree.map(lambda x: x.astype(dtype), params)
+  except _checkpoint.CheckpointCorruptError as e:
+    others = [s for s in ckpt.all_steps() if s != e.step]
+    hint = (f"evaluate another step (--checkpoint={ref.directory}/<step>, committed: {', '.join(map(str, others))}) "
+            "or restore the named files." if others else "restore the named files.")
+    raise CheckpointDamagedError(f"{e} It cannot be evaluated; {hint}") from None
   finally:
     ckpt.close()
   source = tokenizer or _orbax_tokenizer_source(meta)
   if not source:
     raise CheckpointNotFoundError(f"checkpoint {ref.directory}/{step} names no tokenizer (config.model.tokenizer "
-                                  "or model.name); pass --tokenizer DIR_OR_NAME.")
+                                  "or model.name); pass --tokenizer=DIR_OR_NAME.")
   try:
     tok = load_tokenizer(source)
   except (FileNotFoundError, ValueError) as e:
     raise CheckpointNotFoundError(f"tokenizer {source!r} of checkpoint {ref.directory}/{step} cannot be loaded "
-                                  f"({e}); pass --tokenizer DIR_OR_NAME.") from e
+                                  f"({e}); pass --tokenizer=DIR_OR_NAME.") from e
   return Policy(cfg, params, tok, f"orbax {ref.directory} step {step}")

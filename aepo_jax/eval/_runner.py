@@ -1,14 +1,17 @@
 """The evaluation loop: questions through the agent loop (evaluation protocol, spec §2.5 / §4), n samples per
 question, each answer scored and appended to a per-benchmark JSONL as soon as its batch finishes.
 
-Protocol: sampling T=0.6, top_p=0.95, top_k=20; at most 5 python and 10 search calls per trajectory, calls
-beyond get the official refusal text and the model continues (ToolSet mode 'eval'); tool results are written
-`<result>{text}</result>`. Not reproduced: vLLM's repetition_penalty 1.1 (the engine has none) and the official
-4096-token cap per generation call (we cap the whole response at `max_response_len`).
+Protocol: sampling T=0.6, top_p=0.95, top_k=20, min_p=0, repetition_penalty=1.1 (vLLM semantics: every token
+already in the row, prompt and tool results included); at most 4,096 tokens per generation call (a call that
+reaches it ends the trajectory, as a finished call without a tool tag does); at most 5 python and 10 search calls
+per trajectory, calls beyond get the official refusal text and the model continues (ToolSet mode 'eval'); tool
+results are written `<result>{text}</result>`. The whole response (tool results included) is also bounded by
+`max_response_len`, the engine's cache: the official runs are bounded only by the model's context.
 
-Resume: the JSONL is the state. A rerun reads it, drops a torn last line (a kill mid-write), re-scores
-examples whose judge call failed, and runs only the (question id, sample) pairs that are missing, so an
-interrupted run ends with every pair exactly once. Sampled runs draw from seeds derived from `seed` and the
+Resume: the JSONL is the state. A rerun reads it, drops a torn last line (a kill mid-write), moves any other
+unparsable line to `<jsonl>.bad` (reported by line number), re-scores examples whose judge call failed, and runs
+only the (question id, sample) pairs that are missing, so an interrupted or damaged run ends with every pair
+exactly once. Sampled runs draw from seeds derived from `seed` and the
 batch index, so a resumed sampled run is a valid sample but not bit-identical to an uninterrupted one; greedy
 runs (temperature 0) are.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import time
@@ -23,6 +27,8 @@ from typing import Sequence
 
 from aepo_jax.data import Example, build_messages
 from aepo_jax.eval._scoring import Scorer, needs_rescore
+
+_log = logging.getLogger("aepo_jax.eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +38,11 @@ class EvalSettings:
   temperature: float = 0.6
   top_p: float = 0.95
   top_k: int = 20
+  min_p: float = 0.0
+  repetition_penalty: float = 1.1
   max_prompt_len: int = 2048
-  max_response_len: int = 4096    # response tokens including tool results
+  max_tokens_per_call: int = 4096  # tokens one generation call may sample (0: only max_response_len bounds it)
+  max_response_len: int = 8192    # response tokens including tool results (the KV cache holds prompt + this)
   python_limit: int = 5
   search_limit: int = 10
   batch_size: int = 8             # trajectories decoded together (engine slots)
@@ -45,6 +54,11 @@ class EvalSettings:
     for key in ("n", "max_prompt_len", "max_response_len", "batch_size", "chunk_steps"):
       if getattr(self, key) < 1:
         raise ValueError(f"EvalSettings.{key}={getattr(self, key)} must be >= 1.")
+    if self.max_tokens_per_call < 0:
+      raise ValueError(f"EvalSettings.max_tokens_per_call={self.max_tokens_per_call} must be >= 0 (0: no cap).")
+    if not 0.0 <= self.min_p <= 1.0 or not self.repetition_penalty > 0:
+      raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 = off) and repetition_penalty="
+                       f"{self.repetition_penalty} > 0 (1 = off).")
     if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
       raise ValueError(f"sampling temperature={self.temperature} (>= 0, 0 = greedy), top_p={self.top_p} (in (0, 1]) "
                        f"and top_k={self.top_k} (>= 0, 0 = off) are out of range.")
@@ -90,24 +104,41 @@ def tool_calls_from_text(text: str) -> list[dict]:
   return [{"tool": m.group(1), "input": m.group(2).strip(), "result": m.group(3)} for m in _CALL.finditer(text)]
 
 
-def read_records(path: str) -> list[dict]:
-  """Complete JSONL records; a torn last line (no newline, or unparsable) is cut off the file."""
+def read_records(path: str, *, repair: bool = True) -> list[dict]:
+  """The JSONL records of `path`. Two kinds of bad line:
+
+  - a torn last line (no final newline: a kill mid-write) is dropped and, with `repair`, cut off the file;
+  - any other line that is not a JSON object (damage: a flipped byte, an editor) is skipped and reported by line
+    number; with `repair` it is moved to `<path>.bad` (kept for inspection) and the file rewritten without it.
+  Records lost either way are missing pairs, which `Evaluator.run` evaluates again.
+  """
   if not os.path.exists(path):
     return []
   with open(path, "rb") as f:
-    data = f.read()
-  good_end, out = 0, []
-  for line in data.splitlines(keepends=True):
-    if not line.endswith(b"\n"):
-      break
+    *complete, torn = f.read().split(b"\n")  # json.dumps escapes newlines inside records
+  out, kept, bad = [], [], []
+  for number, line in enumerate((body + b"\n" for body in complete), 1):
     try:
-      out.append(json.loads(line))
-    except json.JSONDecodeError:
-      break
-    good_end += len(line)
-  if good_end != len(data):
-    with open(path, "r+b") as f:
-      f.truncate(good_end)
+      record = json.loads(line)
+    except ValueError:  # JSONDecodeError, or bytes that are not UTF-8
+      record = None
+    if isinstance(record, dict):
+      out.append(record)
+      kept.append(line)
+    else:
+      bad.append((number, line))
+  if bad:
+    where = ", ".join(str(n) for n, _ in bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
+    _log.warning("%s: skipped %d unparsable line(s) (line %s)%s; their examples are evaluated again.", path,
+                 len(bad), where, f", moved to {path}.bad" if repair else "")
+  if repair and (bad or torn):
+    if bad:
+      with open(path + ".bad", "ab") as f:
+        f.writelines(line for _, line in bad)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+      f.writelines(kept)
+    os.replace(tmp, path)
   return out
 
 
@@ -136,7 +167,9 @@ class Evaluator:
     s, tok, cfg = settings, policy.tokenizer, policy.config
     tags = tuple(tools.tags)
     eos = tuple(dict.fromkeys([*getattr(tok, "eos_ids", ()), *cfg.eos_token_ids]))
-    sampling = SamplingParams(0.0, 1.0, 0) if s.temperature == 0 else SamplingParams(s.temperature, s.top_p, s.top_k)
+    # Greedy keeps the repetition penalty (it changes the argmax); min_p and the truncations only matter sampled.
+    sampling = (SamplingParams(0.0, 1.0, 0, repetition_penalty=s.repetition_penalty) if s.temperature == 0 else
+                SamplingParams(s.temperature, s.top_p, s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty))
     key = (cfg, s.batch_size, s.max_prompt_len + s.max_response_len, eos,
            tuple(map(tuple, tool_stop_sequences(tok, tags))), sampling, mesh)
     if key not in _ENGINES:  # an Engine holds only jitted functions (state is passed in): reuse its compilations
@@ -147,7 +180,7 @@ class Evaluator:
     # Evaluation: the per-tool limits live in the ToolSet (refusal text, the model continues); the loop's own
     # total-call cap, which ends a trajectory, is set out of reach (a refused call still costs tokens).
     agent_cfg = AgentConfig(max_response_len=s.max_response_len, max_tool_calls=10 ** 6, chunk_steps=s.chunk_steps,
-                            tool_tags=tags, result_mode="eval")
+                            tool_tags=tags, result_mode="eval", max_tokens_per_call=s.max_tokens_per_call)
     pad = getattr(tok, "pad_id", None)
     self.loop = AgentLoop(self.engine, _ContinuationTokenizer(tok), tools, agent_cfg, pad_id=pad)
     self.rollout_policy = rollout_policy("none", n=1, initial_rollouts=1)

@@ -2,26 +2,31 @@
 
   math (aime24/25, math500, gsm8k, math):   math_equal on the extracted answer (math-verify, integers compared
                                              as integers, so AIME's "025" == "25")          scorer 'math_verify'
-  qa (hotpotqa, 2wiki, musique, bamboogle):  exact match over the aliases OR math_equal; token F1 recorded too
-                                                                                            scorer 'em' | 'math_equal'
+  qa (hotpotqa, 2wiki, musique, bamboogle):  with a judge, as deep search (the official evaluation); without one,
+                                             exact match over the aliases OR math_equal      scorer 'em' | 'math_equal'
+                                             EM and token F1 are recorded either way
   deep_search (gaia, hle, webwalker, xbench, simpleqa): math_equal OR the LLM judge (official evaluation)
                                                                                  scorer 'math_equal' | 'judge'
                                        (without a judge, library use only: exact match, scorer 'em_no_judge')
-A judge call that fails (timeout, HTTP 5xx after retries, an unparsable verdict) is recorded on the example
-(`judge_error`, scorer 'judge_failed', score 0) and does not stop the run; a resumed run judges it again.
-Deliberate difference: the official evaluation also judges the QA sets; we use EM/F1 there (offline, and the
-numbers the QA literature reports), unless `judge_qa=True`.
+A judge call that fails (timeout, HTTP 5xx after retries, an unparsable verdict) or gives no verdict within
+`judge_timeout_s` is recorded on the example (`judge_error`, scorer 'judge_failed', score 0) and does not stop the
+run; a resumed run judges it again.
+Extraction, math equivalence, EM and F1 run as one item in a `RewardPool` worker (`rewards.shared_pool()` unless a
+pool is given), so a hostile answer costs at most `timeout_s`: it is then scored 0 with scorer 'timeout' and the
+reason in `score_error`.
+`judge_qa=False` scores the QA sets by EM even when a judge is given (offline, the numbers the QA literature
+reports), a deliberate difference from the official evaluation.
 """
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
-import urllib.request
 from typing import Optional
 
 from aepo_jax.data import Example
-from aepo_jax.rewards import JudgeClient, JudgeError, OpenAICompatibleJudge, exact_match, extract_answer, f1_score
-from aepo_jax.rewards import math_equal
+from aepo_jax.rewards import (JudgeClient, JudgeError, OpenAICompatibleJudge, RewardPool, answer_checks,
+                              extract_answer, shared_pool)
 
 
 class JudgeUnavailableError(RuntimeError):
@@ -43,36 +48,70 @@ def probe_judge(base_url: str, model: str, *, timeout_s: float = 10.0) -> None:
 
 
 class Scorer:
-  """score(example, response_text) -> dict with score, correct, scorer, extracted, em, f1, judge, judge_error."""
+  """score(example, response_text) -> dict with score, correct, scorer, extracted, em, f1, judge, judge_error,
+  score_error.
 
-  def __init__(self, judge: Optional[JudgeClient] = None, *, judge_qa: bool = False):
+  timeout_s bounds the offline checks of one answer (a pool item); judge_timeout_s bounds the judge's time on one
+  example, all its retries together.
+  """
+
+  def __init__(self, judge: Optional[JudgeClient] = None, *, judge_qa: bool = True,
+               pool: Optional[RewardPool] = None, timeout_s: float = 10.0, judge_timeout_s: float = 300.0):
     self.judge, self.judge_qa = judge, judge_qa
+    self._pool, self.timeout_s, self.judge_timeout_s = pool, timeout_s, judge_timeout_s
+
+  def _checks(self, response_text: str, answers: list) -> tuple[Optional[dict], Optional[str]]:
+    pool = self._pool if self._pool is not None else shared_pool()
+    res = pool.map_results(answer_checks, [(response_text, answers)], timeout_s=self.timeout_s)[0]
+    return (res.value, None) if res.status == "ok" else (None, f"{res.status}: {res.error}")
+
+  def _judge(self, question: str, answers: list, pred: str) -> bool:
+    """The judge's verdict within judge_timeout_s, else TimeoutError (the call is left to finish on its own)."""
+    box: list = []
+
+    def call():
+      try:
+        box.append(("ok", bool(self.judge.judge(question, answers, pred))))
+      except Exception as e:  # noqa: BLE001 -- handed to the caller
+        box.append(("error", e))
+
+    worker = threading.Thread(target=call, name="judge", daemon=True)
+    worker.start()
+    worker.join(self.judge_timeout_s)
+    if not box:
+      raise TimeoutError(f"the judge gave no verdict within {self.judge_timeout_s:g} s")
+    status, value = box[0]
+    if status == "error":
+      raise value
+    return value
 
   def score(self, example: Example, response_text: str) -> dict:
-    pred = extract_answer(response_text)
-    out = {"extracted": pred, "score": 0.0, "correct": False, "scorer": "", "em": None, "f1": None,
-           "judge": None, "judge_error": None}
     answers = list(example.answers)
-    math_ok = bool(pred) and any(math_equal(pred, a) for a in answers)
+    checks, error = self._checks(response_text, answers)
+    out = {"extracted": checks["extracted"] if checks else extract_answer(response_text), "score": 0.0,
+           "correct": False, "scorer": "", "em": None, "f1": None, "judge": None, "judge_error": None,
+           "score_error": error}
+    if checks is None:  # the answer took over timeout_s to check (or crashed its worker): wrong, and said why
+      out.update(scorer="timeout" if error.startswith("timeout") else "score_failed")
+      return out
+    pred, math_ok = checks["extracted"], checks["math_ok"]
     fam = example.family
     if fam == "math":
       out.update(correct=math_ok, scorer="math_verify")
     elif fam == "qa" and not (self.judge_qa and self.judge is not None):
-      em = bool(pred) and exact_match(pred, answers)
-      out.update(em=float(em), f1=float(f1_score(pred, answers)) if pred else 0.0, correct=em or math_ok,
+      em = checks["em"]
+      out.update(em=float(em), f1=checks["f1"], correct=em or math_ok,
                  scorer="em" if em or not math_ok else "math_equal")
     else:  # deep search (and QA with judge_qa): judge OR math equivalence
       if fam == "qa":
-        out.update(em=float(bool(pred) and exact_match(pred, answers)),
-                   f1=float(f1_score(pred, answers)) if pred else 0.0)
+        out.update(em=float(checks["em"]), f1=checks["f1"])
       if math_ok or not pred:
         out.update(correct=math_ok, scorer="math_equal")
       elif self.judge is None:  # library use without a judge (the CLI refuses this before compute)
-        em = exact_match(pred, answers)
-        out.update(correct=em, scorer="em_no_judge")
+        out.update(correct=checks["em"], scorer="em_no_judge")
       else:
         try:
-          verdict = bool(self.judge.judge(example.question, answers, pred))
+          verdict = self._judge(example.question, answers, pred)
           out.update(correct=verdict, judge=verdict, scorer="judge")
         except Exception as e:  # noqa: BLE001 -- a transient judge failure is recorded per example
           out.update(correct=False, scorer="judge_failed", judge_error=f"{type(e).__name__}: {e}")

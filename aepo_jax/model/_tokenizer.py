@@ -118,3 +118,27 @@ class Tokenizer:
 
 def _content(token):
   return token.get("content") if isinstance(token, dict) else token
+
+
+# Everything transformers' AutoTokenizer reads from a checkpoint directory (chat template included).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+
+
+def copy_tokenizer_files(src: str, dst: str) -> list[str]:
+  """Copy the tokenizer files of directory `src` to `dst` (each local or gs://); returns the names copied.
+
+  Raises FileNotFoundError when `src` has no tokenizer.json (the one file every loader needs).
+  """
+  from etils import epath
+
+  src_dir, dst_dir = epath.Path(src), epath.Path(dst)
+  if not (src_dir / "tokenizer.json").exists():
+    raise FileNotFoundError(f"{src_dir / 'tokenizer.json'} does not exist; the tokenizer directory needs it.")
+  dst_dir.mkdir(parents=True, exist_ok=True)
+  copied = []
+  for name in TOKENIZER_FILES:
+    if (src_dir / name).exists():
+      (dst_dir / name).write_bytes((src_dir / name).read_bytes())  # a few MB at most
+      copied.append(name)
+  return copied

@@ -6,6 +6,8 @@ Policy losses  `policy_loss(name)(log_prob, old_log_prob, advantages, mask, entr
                aepo adds entropy_advantage_coef and preserve_high_clip_grad.
 Advantages     `advantage(name)(rewards_b, group_ids_b, mask_bt, **hp) -> advantages_bt`;
                grpo, rloo, reinforce_pp, reinforce_pp_baseline.
+               `hard_attribution(adv_bt, mask_bt, parent_b, fork_pos_b)`: ARPO's hard credit for shared
+               prefixes (ATTRIBUTIONS: soft = the advantages as they are, hard).
 KL             `kl(name)(log_prob, ref_log_prob) -> kl_bt`; k1/kl, abs, k2/mse, k3/low_var_kl;
                `kl_loss`, `kl_reward_penalty`.
 Aggregation    `aggregate`, `loss_normalizer` (global token-mean under gradient accumulation),
@@ -25,9 +27,10 @@ from aepo_jax.objectives._clipped_losses import (aepo_loss, clipped_token_loss, 
                                                  entropy_advantage_factor, entropy_stats, gppo_loss,
                                                  ppo_loss)
 from aepo_jax.objectives._pg_losses import cispo_loss, gspo_loss, reinforce_loss
-from aepo_jax.objectives._advantages import (discounted_returns, grpo_advantage, group_stats,
-                                             outcome_token_rewards, reinforce_pp_advantage,
-                                             reinforce_pp_baseline_advantage, rloo_advantage)
+from aepo_jax.objectives._advantages import (ATTRIBUTIONS, discounted_returns, grpo_advantage, group_stats,
+                                             hard_attribution, outcome_token_rewards, reinforce_pp_advantage,
+                                             reinforce_pp_baseline_advantage, rloo_advantage,
+                                             shared_prefix_owner)
 from aepo_jax.objectives._kl import k1, k2, k3, kl_abs, kl_loss, kl_reward_penalty
 from aepo_jax.objectives._dapo import dynamic_sampling_keep, overlong_reward_penalty
 from aepo_jax.objectives._logits import entropy_from_logits, token_logprobs_and_entropy
@@ -40,7 +43,7 @@ __all__ = [
     "register_kl", "register_policy_loss",
     "aepo_loss", "clipped_token_loss", "dapo_loss", "entropy_advantage_factor", "entropy_stats",
     "gppo_loss", "ppo_loss", "cispo_loss", "gspo_loss", "reinforce_loss",
-    "discounted_returns", "grpo_advantage", "group_stats", "outcome_token_rewards",
+    "ATTRIBUTIONS", "hard_attribution", "shared_prefix_owner", "discounted_returns", "grpo_advantage", "group_stats", "outcome_token_rewards",
     "reinforce_pp_advantage", "reinforce_pp_baseline_advantage", "rloo_advantage",
     "k1", "k2", "k3", "kl_abs", "kl_loss", "kl_reward_penalty",
     "dynamic_sampling_keep", "overlong_reward_penalty",

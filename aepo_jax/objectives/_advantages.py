@@ -127,3 +127,60 @@ def reinforce_pp_baseline_advantage(rewards, group_ids, mask):
   count, mean, _, all_equal = group_stats(r, g)
   centered_b = jnp.where(count == 1, r, jnp.where(all_equal, 0.0, r - mean))
   return masked_whiten(centered_b[:, None] * m, m) * m
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Credit for prefixes shared by branches (spec §1.4).
+
+ATTRIBUTIONS = ("soft", "hard")
+
+
+def shared_prefix_owner(parent_b, fork_pos_b, seq_len: int):
+  """owner_bt: the row whose token t row b holds, following the branching tree.
+
+  A child row b forked from parent_b[b] copies the parent's tokens before fork_pos_b[b] (positions in the row,
+  prompt included; -1 for a root). Token t of row b belongs to its parent's token t when t < fork_pos_b[b], and
+  so on up the tree; rows with equal owner at t hold the same token (same context, same sample).
+  """
+  parent_b = jnp.asarray(parent_b, jnp.int32)
+  fork_b = jnp.asarray(fork_pos_b, jnp.int32)
+  b = parent_b.shape[0]
+  t_bt = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32)[None, :], (b, seq_len))
+  owner0 = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, seq_len))
+
+  def up(owner_bt):
+    return jnp.where((parent_b[owner_bt] >= 0) & (t_bt < fork_b[owner_bt]), parent_b[owner_bt], owner_bt)
+
+  def cond(state):
+    prev, cur = state
+    return jnp.any(prev != cur)
+
+  # One step per tree level (a parent row always precedes its children, so this ends within depth steps).
+  _, owner = jax.lax.while_loop(cond, lambda s: (s[1], up(s[1])), (owner0, up(owner0)))
+  return owner
+
+
+def hard_attribution(advantages_bt, mask_bt, parent_b, fork_pos_b):
+  """ARPO's hard advantage attribution (spec §1.4): every token shared by d trajectories gets the mean of their
+  d advantages; a trajectory's own tokens keep its own.
+
+  `advantages_bt` is the soft assignment (any estimator's per-token advantages, e.g. GRPO's Â_i on every token
+  of row i). The sum over the copies of a shared token is unchanged (d·Â_shared in both), so the unclipped
+  surrogate's gradient is the same; with clipping each copy is clipped at the mean instead of its own value.
+  Zero where the mask is zero.
+  """
+  adv = jnp.asarray(advantages_bt, jnp.float32)
+  m = as_mask(jnp.asarray(mask_bt))
+  if adv.ndim != 2 or adv.shape != m.shape:
+    raise ValueError(f"hard_attribution: advantages {adv.shape} and mask {m.shape} must both be [B, T]")
+  b, t = adv.shape
+  if jnp.shape(parent_b) != (b,) or jnp.shape(fork_pos_b) != (b,):
+    raise ValueError(f"hard_attribution: parent_b {jnp.shape(parent_b)} and fork_pos_b {jnp.shape(fork_pos_b)} "
+                     f"must be [B] with B = {b} (Trajectories.parent_b / fork_pos_b)")
+  owner_bt = shared_prefix_owner(parent_b, fork_pos_b, t)
+  key = (owner_bt * t + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
+  valid = (m > 0).reshape(-1).astype(jnp.float32)
+  total = jax.ops.segment_sum(adv.reshape(-1) * valid, key, num_segments=b * t)
+  count = jax.ops.segment_sum(valid, key, num_segments=b * t)
+  mean = (total / jnp.maximum(count, 1.0))[key].reshape(b, t)
+  return mean * m

@@ -1,18 +1,48 @@
-"""Multi-host start-up and placing a parameter tree onto a mesh."""
+"""Multi-host start-up, the platform a launcher is about to use, and moving parameters between meshes."""
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from typing import Optional
 
 import jax
+import numpy as np
 
-from aepo_jax.parallel._mesh import DEFAULT_RULES, logical_sharding
+from aepo_jax.parallel._mesh import DEFAULT_RULES, MESH_AXES, local_mesh, logical_sharding
+
+# Environment markers of a Cloud TPU VM (single or multi-host) or a TPU pod on GKE.
+_TPU_ENV = ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "CLOUD_TPU_TASK_ID",
+            "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def _forced_platform() -> str:
+  return (os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME") or "").split(",")[0].strip().lower()
+
+
+def on_tpu_vm() -> bool:
+  """This process runs on a Cloud TPU VM or a GKE TPU node (env markers or TPU device files), and JAX is not told
+  to use another platform. Needs no JAX backend (safe before jax.distributed.initialize)."""
+  forced = _forced_platform()
+  if forced and forced != "tpu":
+    return False
+  if any(os.environ.get(k) for k in _TPU_ENV):
+    return True
+  return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def platform_is_cpu() -> bool:
+  """JAX will run on the CPU here: JAX_PLATFORMS says cpu, or no TPU or GPU is visible. Needs no JAX backend, so a
+  launcher can decide on XLA:CPU flags before JAX starts (they would be unknown flags to XLA:TPU)."""
+  forced = _forced_platform()
+  if forced:
+    return forced == "cpu"
+  return not (on_tpu_vm() or glob.glob("/dev/nvidia[0-9]*"))
 
 
 def _cluster_detected() -> bool:
   """Environment markers of a multi-process launch that `jax.distributed.initialize()` can auto-configure."""
-  if "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # multi-host Cloud TPU VM / GKE
+  if on_tpu_vm():  # Cloud TPU VMs (one host or many) and GKE: coordinator and ids from the TPU metadata
     return True
   for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
     if int(os.environ.get(key, "1") or 1) > 1:
@@ -21,12 +51,14 @@ def _cluster_detected() -> bool:
 
 
 def initialize_distributed(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None, **kwargs) -> tuple[int, int]:
-  """Starts `jax.distributed` when this is a multi-process run; a no-op on a single host.
+                           process_id: Optional[int] = None, *, cpu_collectives: str = "gloo",
+                           **kwargs) -> tuple[int, int]:
+  """Starts `jax.distributed` when this is (or may be) a multi-process run; a no-op on a plain single host.
 
-  Explicit arguments (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) start it as given; a
-  detected cluster (multi-host TPU, SLURM, MPI) starts it with auto-detection. Call it before any other jax
-  call touches the devices. Returns (process_index, process_count).
+  Explicit arguments (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) start it as given (CPU
+  processes exchange collectives through `cpu_collectives`, gloo by default); on every Cloud TPU VM and GKE TPU
+  node, and under SLURM / MPI, it starts with auto-detection, so every host of a pod joins without flags. Call it
+  before any other jax call touches the devices. Returns (process_index, process_count).
   """
   coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
   if num_processes is None and os.environ.get("JAX_NUM_PROCESSES"):
@@ -37,8 +69,8 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
   if jax.distributed.is_initialized():
     return jax.process_index(), jax.process_count()
   if explicit:
-    if (jax.config.jax_platforms or "").startswith("cpu"):  # CPU collectives across processes go through gloo
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if platform_is_cpu():  # CPU collectives across processes go through gloo
+      jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, **kwargs)
   elif _cluster_detected():
@@ -55,3 +87,52 @@ def shard_params(params, logical_axes, mesh, rules=DEFAULT_RULES):
   """
   shardings = logical_sharding(logical_axes, params, mesh, rules)
   return jax.tree.map(jax.device_put, params, shardings)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host-local copies of global arrays (rollouts: every host decodes on its own devices).
+# ---------------------------------------------------------------------------------------------------------
+def hosts_mesh(shape=(1, 1, -1)):
+  """A mesh ('hosts', data, fsdp, tensor) over all devices in which row p is process p's `local_mesh(shape)`: an
+  array sharded on it with a spec that does not name 'hosts' is a full copy on every host's own devices."""
+  by_process: dict = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  rows = [local_mesh(shape, sorted(devs, key=lambda d: d.id)).devices for _, devs in sorted(by_process.items())]
+  if len({r.shape for r in rows}) != 1:
+    raise ValueError(f"hosts_mesh: processes have different local meshes {[r.shape for r in rows]}; every host "
+                     "needs the same number of devices.")
+  return jax.sharding.Mesh(np.stack(rows), ("hosts",) + MESH_AXES)
+
+
+def to_host_local(tree, local_shardings, dtype=None):
+  """Every process's own copy of the global arrays `tree` on its local mesh (the meshes of `local_shardings`, a
+  matching pytree of NamedShardings over `local_mesh(...)`), cast to `dtype` if given.
+
+  One jitted reshard over all devices (every process must call it at the same point, like any collective);
+  afterwards each copy is an ordinary single-process array, so hosts can compute on it independently, with no
+  cross-host collective. On one process this is a plain reshard and cast, and a no-op (the same arrays) when the
+  tree already has those shardings and dtype."""
+  leaves, treedef = jax.tree.flatten(tree)
+  shardings = treedef.flatten_up_to(local_shardings)
+  dtypes = [np.dtype(dtype) if dtype is not None and np.issubdtype(x.dtype, np.floating) else x.dtype
+            for x in leaves]
+
+  def cast(*xs):
+    return [x.astype(dt) for x, dt in zip(xs, dtypes)]
+
+  if jax.process_count() == 1:
+    if all(isinstance(x, jax.Array) and x.dtype == dt and x.sharding.is_equivalent_to(s, x.ndim)
+           for x, s, dt in zip(leaves, shardings, dtypes)):
+      return tree
+    # Cast where the arrays are, then move them (the rollout devices may be a subset of the training mesh's).
+    return treedef.unflatten([jax.device_put(x.astype(dt) if x.dtype != dt else x, s)
+                              for x, s, dt in zip(leaves, shardings, dtypes)])
+  mesh = shardings[0].mesh
+  shape = tuple(mesh.shape[a] for a in MESH_AXES)
+  everywhere = hosts_mesh(shape)
+  global_sh = [jax.sharding.NamedSharding(everywhere, s.spec) for s in shardings]
+  copies = jax.jit(cast, out_shardings=global_sh)(*leaves)
+  out = [jax.make_array_from_single_device_arrays(x.shape, s, [shard.data for shard in x.addressable_shards])
+         for x, s in zip(copies, shardings)]
+  return treedef.unflatten(out)

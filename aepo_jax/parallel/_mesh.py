@@ -1,6 +1,8 @@
 """Mesh construction and the logical-axis rules table (sharding is data, not model code)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 from typing import Mapping, Optional, Sequence
 
@@ -16,6 +18,10 @@ DEFAULT_RULES = (
     ("activation_batch", ("data", "fsdp")),
     ("activation_length", None),
     ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
     ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
     ("vocab", "tensor"),
@@ -31,7 +37,12 @@ DEFAULT_RULES = (
 
 
 def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Optional[Sequence] = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh. `shape` is a dict or a 3-tuple; one entry may be -1 (use the rest)."""
+  """A (data, fsdp, tensor) mesh. `shape` is a dict or a 3-tuple; one entry may be -1 (use the rest).
+
+  On TPU the device order follows the physical topology (`jax.experimental.mesh_utils`), so the tensor axis,
+  which talks most, maps onto neighbouring chips; with several slices (multi-slice, devices with distinct
+  `slice_index`) the data axis spans the slices over DCN and the others stay inside each slice's ICI. CPU
+  devices (and any platform mesh_utils has no layout for) are used in the order given."""
   if isinstance(shape, Mapping):
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
@@ -51,21 +62,42 @@ def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Optional[Sequen
     raise ValueError(
         f"mesh shape {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices but {len(devices)} are "
         "available; make the product of the mesh axes equal the device count (or use -1 for one axis).")
-  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+  return Mesh(_device_array(sizes, devices), MESH_AXES)
+
+
+def _device_array(sizes: list, devices: list) -> np.ndarray:
+  if devices[0].platform != "tpu" or len(devices) == 1:
+    return np.asarray(devices).reshape(sizes)
+  from jax.experimental import mesh_utils
+  slices = sorted({getattr(d, "slice_index", 0) for d in devices})
+  if len(slices) > 1:
+    if sizes[0] % len(slices):
+      raise ValueError(f"mesh data={sizes[0]} must be a multiple of the {len(slices)} slices (the data axis spans "
+                       "the slices over DCN); set mesh.data to a multiple of the slice count.")
+    ici = [sizes[0] // len(slices)] + sizes[1:]
+    return mesh_utils.create_hybrid_device_mesh(ici, [len(slices), 1, 1], devices,
+                                                allow_split_physical_axes=True)
+  return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+
+
+def local_mesh(shape: Mapping[str, int] | Sequence[int] = (1, 1, -1), devices: Optional[Sequence] = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over this process's own devices (default: all of them on the tensor axis): where
+  a host runs its rollouts independently of the other hosts."""
+  return make_mesh(shape, devices if devices is not None else jax.local_devices())
 
 
 def logical_to_mesh(spec: PartitionSpec, rules=DEFAULT_RULES) -> PartitionSpec:
   return nn.logical_to_mesh_axes(tuple(spec), rules)
 
 
-def _fit(spec: PartitionSpec, shape, mesh: Mesh) -> PartitionSpec:
+def _fit(spec: PartitionSpec, shape, mesh: Mesh, quiet: bool = False) -> PartitionSpec:
   """Drop mesh axes that do not divide a dimension (e.g. 3 KV heads over tensor=4): replicate instead."""
   out = []
   for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
     names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
     if names and dim % size:
-      logging.info("sharding: dim %d not divisible by mesh axes %s (size %d); replicating it.", dim, names, size)
+      (logging.debug if quiet else logging.info)("sharding: dim %d not divisible by mesh axes %s (size %d); replicating it.", dim, names, size)
       out.append(None)
     else:
       out.append(axes)
@@ -77,3 +109,32 @@ def logical_sharding(logical_specs, shapes, mesh: Mesh, rules=DEFAULT_RULES):
   return jax.tree.map(
       lambda spec, x: NamedSharding(mesh, _fit(logical_to_mesh(spec, rules), x.shape, mesh)),
       logical_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Activation sharding constraints. Model code names logical axes (`constrain(x, ("activation_batch", ...))`); they
+# take effect only while a step is traced inside `sharding_context(mesh, rules)` (the jitted steps do this), and
+# are no-ops elsewhere (e.g. an eager forward on one device).
+_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("aepo_jax_sharding_context", default=None)
+
+
+@contextlib.contextmanager
+def sharding_context(mesh: Optional[Mesh], rules=DEFAULT_RULES):
+  """Within this context `constrain` pins activations to `mesh` through `rules`. A one-device mesh (or None)
+  makes every constraint a no-op."""
+  token = _CONTEXT.set(None if mesh is None or mesh.devices.size == 1 else (mesh, tuple(rules)))
+  try:
+    yield
+  finally:
+    _CONTEXT.reset(token)
+
+
+def constrain(x, logical_axes: Sequence[Optional[str]]):
+  """`x` with a sharding constraint from its logical axes (one name or None per dimension) under the current
+  `sharding_context`; dimensions the mapped mesh axes do not divide stay replicated. No context: `x` unchanged."""
+  ctx = _CONTEXT.get()
+  if ctx is None:
+    return x
+  mesh, rules = ctx
+  spec = _fit(logical_to_mesh(PartitionSpec(*logical_axes), rules), x.shape, mesh, quiet=True)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -19,8 +19,17 @@ CPU_XLA_FLAGS = (("xla_cpu_experimental_ynn_fusion_type", "individual_dot"),)
 def use_cpu_xla_flags(env: Optional[MutableMapping[str, str]] = None) -> str:
   """Appends CPU_XLA_FLAGS to env['XLA_FLAGS'] (default os.environ) where the user has not set them; returns
   the new value. Takes effect only if called before JAX's CPU backend starts (before the first array or jit
-  call); later it logs a warning and changes nothing that is already compiled."""
+  call); later it logs a warning and changes nothing that is already compiled.
+
+  Only when JAX will run on the CPU (`platform_is_cpu`: JAX_PLATFORMS says cpu, or no TPU or GPU is visible): the
+  flags are unknown to XLA:TPU and XLA:GPU. On the CPU it also sets JAX_PLATFORMS=cpu unless set, so an installed
+  libtpu (the [tpu] extra, for launch/compile.py) does not make JAX probe for a TPU first."""
   env = os.environ if env is None else env
+  from aepo_jax.parallel._distributed import platform_is_cpu
+  if env is os.environ and not platform_is_cpu():
+    return env.get("XLA_FLAGS", "")
+  if env is os.environ:
+    env.setdefault("JAX_PLATFORMS", "cpu")
   flags = env.get("XLA_FLAGS", "")
   for name, value in CPU_XLA_FLAGS:
     if f"--{name}=" not in flags and f"--{name} " not in f"{flags} ":

@@ -7,8 +7,21 @@ from typing import Sequence
 from aepo_jax.rewards._extract import extract_answer
 from aepo_jax.rewards._judge import JudgeClient
 from aepo_jax.rewards._math import math_equal
+from aepo_jax.rewards._qa import exact_match, f1_score
 
 FAMILIES = ("math", "qa", "deep_search")
+
+
+def answer_checks(response_text: str, answers: Sequence[str]) -> dict:
+    """Everything evaluation decides without a judge, in one call (one `RewardPool` item, so a
+    hostile answer costs one timeout however many aliases it has): the extracted answer, math
+    equivalence to any alias, exact match and token F1 over the aliases."""
+    pred = extract_answer(response_text)
+    answers = [answers] if isinstance(answers, str) else [str(a) for a in answers]
+    if not pred or not answers:
+        return {"extracted": pred, "math_ok": False, "em": False, "f1": 0.0}
+    return {"extracted": pred, "math_ok": any(math_equal(pred, a) for a in answers),
+            "em": bool(exact_match(pred, answers)), "f1": float(f1_score(pred, answers))}
 
 
 def eval_correct(response_text: str, answers: Sequence[str], family: str, *, question: str = "",
@@ -28,7 +41,5 @@ def eval_correct(response_text: str, answers: Sequence[str], family: str, *, que
     if family == "math":
         return False
     if judge is None:
-        from aepo_jax.rewards._qa import exact_match
-
         return exact_match(pred, list(answers))
     return judge.judge(question, list(answers), pred)

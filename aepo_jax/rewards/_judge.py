@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from typing import Protocol, runtime_checkable
 
 JUDGE_PROMPT = (
@@ -44,22 +42,34 @@ def format_judge_prompt(question: str, labeled_answer, predicted_answer: str) ->
                                pred_answer=predicted_answer)
 
 
+_WRAPPING = " \t\r\n\"'`*_.!()[]{}"
+
+
 def parse_verdict(text: str) -> bool:
-    """'Correct' -> True, 'Incorrect' -> False (checked first: it contains 'correct')."""
-    t = text.strip().lower()
-    if "incorrect" in t:
-        return False
-    if "correct" in t:
+    """The judge's reply -> True only for the verdict "Correct".
+
+    The official evaluation counts an answer correct when the reply is exactly "Correct"
+    (`content.strip() == "Correct"`); here the reply may also carry case, quotes, markdown or a final
+    period ("**correct.**"). Any other reply that names a verdict is False: "Incorrect", "Not
+    correct", "Correct? No.", "Correct, but the year is wrong". A reply naming no verdict ("Maybe")
+    raises JudgeError: the example is recorded as a judge failure and judged again on resume.
+    """
+    t = str(text or "").strip().strip(_WRAPPING).lower()
+    if t == "correct":
         return True
-    raise JudgeError(f"judge answered neither 'Correct' nor 'Incorrect': {text[:200]!r}")
+    if "correct" in t or "equivalent" in t or t.split()[:1] in (["no"], ["wrong"], ["false"]):
+        return False
+    raise JudgeError(f"judge answered neither 'Correct' nor 'Incorrect': {str(text)[:200]!r}")
 
 
 class OpenAICompatibleJudge:
     """`POST {base_url}/chat/completions` (OpenAI schema: vLLM, SGLang, our own server, a hosted API).
 
     The API key is read from the environment variable `api_key_env` (never passed in code); an
-    unset variable sends no Authorization header, which local servers accept. Timeouts, connection
-    errors, HTTP 429 and 5xx are retried `retries` times with exponential backoff; other 4xx fail fast.
+    unset variable sends no Authorization header, which local servers accept. Each attempt (connect,
+    send, the whole answer) ends within `timeout` seconds; timeouts, connection errors, HTTP 429 and
+    5xx are retried `retries` times with exponential backoff; other 4xx fail fast. One `complete`
+    call therefore ends within (retries + 1) * timeout plus the backoff.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
@@ -70,35 +80,42 @@ class OpenAICompatibleJudge:
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
         self.temperature, self.max_tokens = temperature, max_tokens
 
-    def _post(self, payload: dict) -> dict:
+    def _post(self, payload: dict) -> tuple[int, bytes]:
+        from aepo_jax.tools import http_request  # lazy: only a judge that is used needs the HTTP client
+
         headers = {"Content-Type": "application/json"}
         key = os.environ.get(self.api_key_env)
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(self.url, data=json.dumps(payload).encode(), headers=headers,
-                                     method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read().decode())
+        return http_request("POST", self.url, data=json.dumps(payload).encode(), headers=headers,
+                            timeout_s=self.timeout)
 
     def complete(self, prompt: str) -> str:
         payload = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                    "temperature": self.temperature, "max_tokens": self.max_tokens}
-        last_err: Exception | None = None
+        last_err: Exception | str | None = None
         for attempt in range(self.retries + 1):
             try:
-                return self._post(payload)["choices"][0]["message"]["content"]
-            except urllib.error.HTTPError as e:
+                status, body = self._post(payload)
+            except OSError as e:  # refused, reset, or no complete answer within `timeout`
                 last_err = e
-                if e.code != 429 and e.code < 500:
-                    raise JudgeError(f"{self.url} answered HTTP {e.code}; check model name and key "
-                                     f"(${self.api_key_env})") from e
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last_err = e
-            except (KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
-                raise JudgeError(f"{self.url} returned a non-OpenAI response: {e!r}") from e
+            except ValueError as e:  # a bad URL or an oversized answer: the same on every attempt
+                raise JudgeError(f"{self.url}: {e}") from e
+            else:
+                if status == 429 or status >= 500:
+                    last_err = f"HTTP {status}"
+                elif status >= 400:
+                    raise JudgeError(f"{self.url} answered HTTP {status}; check model name and key "
+                                     f"(${self.api_key_env}): {body[:200].decode(errors='replace')}")
+                else:
+                    try:
+                        return json.loads(body)["choices"][0]["message"]["content"]
+                    except (KeyError, IndexError, TypeError, ValueError) as e:
+                        raise JudgeError(f"{self.url} returned a non-OpenAI response: {e!r}") from e
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
-        raise JudgeError(f"{self.url} failed after {self.retries + 1} attempts: {last_err!r}")
+        raise JudgeError(f"{self.url} failed after {self.retries + 1} attempts (timeout "
+                         f"{self.timeout:g} s each): {last_err!r}")
 
     def judge(self, question: str, labeled_answer, predicted_answer: str) -> bool:
         return parse_verdict(self.complete(format_judge_prompt(question, labeled_answer,

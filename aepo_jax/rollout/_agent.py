@@ -33,7 +33,10 @@ class AgentConfig:
   max_tool_calls: per trajectory; the next call appends EOS and ends it (training, spec §1.2 2.3).
   chunk_steps: decode steps per jitted call. lookahead: let a slot start its next round's segment early.
   check_stop_strings: also find tool closing tags in the decoded text (any tokenization) and rewind the slot.
-  result_mode: 'train' (" <result>\\n..\\n</result>") or 'eval' ("<result>..</result>")."""
+  result_mode: 'train' (" <result>\\n..\\n</result>") or 'eval' ("<result>..</result>").
+  max_tokens_per_call: tokens one generation call (segment) may sample, apart from the trajectory's budget; a call
+  that reaches it ends the trajectory (stop reason 'call_tokens'), as vLLM's max_tokens does in the evaluation
+  protocol (spec §2.5: 4,096). 0: only max_response_len bounds a call (training, spec §1.2 2.1)."""
   max_response_len: int = 1024
   max_tool_calls: int = 3
   chunk_steps: int = 16
@@ -42,11 +45,13 @@ class AgentConfig:
   lookahead: bool = True
   check_stop_strings: bool = True
   tool_poll_s: float = 0.05
+  max_tokens_per_call: int = 0
 
   def __post_init__(self):
-    if self.max_response_len < 1 or self.chunk_steps < 1 or self.max_tool_calls < 0:
+    if self.max_response_len < 1 or self.chunk_steps < 1 or self.max_tool_calls < 0 or self.max_tokens_per_call < 0:
       raise ValueError(f"AgentConfig: max_response_len={self.max_response_len} and chunk_steps={self.chunk_steps} "
-                       f"must be >= 1, max_tool_calls={self.max_tool_calls} >= 0.")
+                       f"must be >= 1, max_tool_calls={self.max_tool_calls} and max_tokens_per_call="
+                       f"{self.max_tokens_per_call} >= 0.")
 
 
 def _encode(tokenizer, text: str) -> list:
@@ -124,6 +129,7 @@ class AgentLoop:
       raise RuntimeError(f"rollout budget violated: trajectories per prompt {run.counts_p.tolist()}, expected {n}.")
     records = sorted(run.records, key=lambda r: (r.prompt, r.index))
     stats = self._stats(run, records, policy)
+    run.state = run.params = None  # the KV cache and weights are not kept past the call (last_run is for stats)
     self.last_run = run
     return assemble(records, pad_id=self.pad_id, decode=self.tokenizer.decode, stats=stats)
 
@@ -186,6 +192,11 @@ class AgentLoop:
     rec.done, rec.stop_reason = True, reason
     rec.end_round = rec.segments[-1].round if rec.segments else rec.first_round
 
+  def _call_budget(self, rec) -> int:
+    """Tokens the next generation call may sample: the trajectory's room, capped per call when configured."""
+    cap = self.config.max_tokens_per_call
+    return min(rec.room, cap) if cap else rec.room
+
   def _start_segment(self, rec) -> None:
     rec.segments.append(Segment(round=rec.first_round + len(rec.segments), start=rec.response_len))
 
@@ -227,7 +238,7 @@ class AgentLoop:
     for i in take:
       run.queue.remove(i)
     run.state = self.engine.add(run.params, run.state, slots, [r.prompt_tokens + r.tokens for r in recs],
-                                [self._seed(run, r.index) for r in recs], [r.room for r in recs])
+                                [self._seed(run, r.index) for r in recs], [self._call_budget(r) for r in recs])
     for s, r in zip(slots, recs):
       r.slot, r.device_len = s, r.response_len
       run.slot_rec[s] = r.index
@@ -242,7 +253,7 @@ class AgentLoop:
     if not recs:
       return
     run.state = self.engine.extend(run.params, run.state, [r.slot for r in recs],
-                                   [r.tokens[r.device_len:] for r in recs], [r.room for r in recs])
+                                   [r.tokens[r.device_len:] for r in recs], [self._call_budget(r) for r in recs])
     for r in recs:
       r.device_len = r.response_len
       self._start_segment(r)
@@ -311,6 +322,8 @@ class AgentLoop:
       return None
     if reason == st.STOP_EOS:
       return self._end(rec, "eos")
+    if reason == st.STOP_BUDGET and self.config.max_tokens_per_call and rec.room > 0:  # the call's cap, not L
+      return self._end(rec, "call_tokens")
     return self._end(rec, "length" if reason == st.STOP_BUDGET else st.STOP_REASON_NAMES.get(reason, str(reason)))
 
   def _limit(self, rec) -> None:
@@ -400,7 +413,7 @@ class AgentLoop:
         self._end(c, "length")
     if ok:
       run.state = self.engine.extend(run.params, run.state, [c.slot for c in ok], [[] for _ in ok],
-                                     [c.room for c in ok])
+                                     [self._call_budget(c) for c in ok])
       for c in ok:
         self._start_segment(c)
         run.decoding.add(c.slot)

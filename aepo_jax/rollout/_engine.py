@@ -20,19 +20,20 @@ from aepo_jax.model import ModelConfig
 from aepo_jax.rollout import _cpu_matmul
 from aepo_jax.rollout import _ops
 from aepo_jax.rollout import _state as st
-from aepo_jax.rollout._sampling import SamplingParams
+from aepo_jax.rollout._sampling import SamplingParams, SlotSampling
 
 
 @dataclasses.dataclass(frozen=True)
 class _StepSpec:
   """Static settings of the decode step (hashable)."""
-  sampling: SamplingParams
+  sampling: Optional[SamplingParams]  # None: each slot's own settings (DecodeState.sampling)
   with_entropy: bool
   topk_entropy: int
   entropy_window: int
   eos_ids: tuple
   stop_ids_key: tuple  # the stop sequences as a tuple of tuples (hash/eq); arrays below are derived
   attend_len: int  # cache entries read by attention (a bucket >= every row's length during the call)
+  top_logprobs: int = 0  # StepOutputs.top_ids / top_logprobs width
 
   @property
   def stop_ids(self) -> np.ndarray:
@@ -57,7 +58,7 @@ def _stop_matrix(seqs: tuple):
 # The state argument is donated: the KV cache is updated in place.
 _decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _decode_weights = jax.jit(_ops.decode_weights, static_argnums=(0,))
-_fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1), donate_argnums=(3,))
+_fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _start = jax.jit(_ops.start_rows, static_argnums=(7, 8, 9), donate_argnums=(0,))
 _copy = jax.jit(_ops.copy_rows, donate_argnums=(0,))
 _truncate = jax.jit(_ops.truncate_rows, static_argnums=(3, 4), donate_argnums=(0,))
@@ -111,11 +112,14 @@ class Engine:
   def __init__(self, model_config: ModelConfig, *, max_slots: int, max_len: int, eos_ids: Sequence[int] = None,
                stop_sequences: Sequence[Sequence[int]] = (), sampling: SamplingParams = SamplingParams(),
                entropy_window: int = 20, topk_entropy: int = 10, mesh=None, prefill_chunk: int = 128,
-               cache_dtype: Optional[str] = None, cpu_kernels: Optional[bool] = None, compact: bool = True):
-    """cpu_kernels: decode through the CPU small-M kernel (`_cpu_matmul`): None (default) when it applies
+               prefill_rows: int = 16, cache_dtype: Optional[str] = None, cpu_kernels: Optional[bool] = None, compact: bool = True,
+               per_slot_sampling: bool = False):
+    """sampling: the settings of every slot; with per_slot_sampling=True, the default of a slot whose `add` gives
+    none: each slot then samples with the settings `add` gave it (a server's requests in one decode call).
+    cpu_kernels: decode through the CPU small-M kernel (`_cpu_matmul`): None (default) when it applies
     (float32 model on one CPU device, max_slots <= 64, kernel built), True to require it (an error says why it
     cannot), False for XLA's dots.
-    compact: on a single device, a decode call with at most max(4, ceil(S/4)) active slots (< S) runs only
+    compact: unless slots are split over devices (mesh data x fsdp > 1), a decode call with at most max(4, ceil(S/4)) active slots (< S) runs only
     those rows (padded with inactive ones to that size; one more compiled variant) instead of all S slots. Fewer
     rows than 4 would save little: a small-batch step is bound by reading the weights."""
     if max_slots < 1 or max_len < 2:
@@ -131,11 +135,15 @@ class Engine:
       seqs.append(seq)
     self.stop_sequences = tuple(dict.fromkeys(seqs))
     self.sampling = sampling
+    self.per_slot_sampling = bool(per_slot_sampling)
     self.entropy_window, self.topk_entropy = int(entropy_window), int(topk_entropy)
     if self.topk_entropy > model_config.vocab_size:
       raise ValueError(f"Engine: topk_entropy={topk_entropy} exceeds the vocabulary ({model_config.vocab_size}).")
     self.tail_width = max([len(s) for s in self.stop_sequences], default=1)
     self.prefill_chunk = int(prefill_chunk)
+    if prefill_rows < 1:
+      raise ValueError(f"Engine: prefill_rows={prefill_rows} must be >= 1.")
+    self.prefill_rows = int(prefill_rows)
     self.mesh = mesh
     self.cache_dtype = cache_dtype
     self.cpu_kernels = cpu_kernels
@@ -149,9 +157,10 @@ class Engine:
     return self.max_slots
 
   def step_spec(self, sampling: Optional[SamplingParams] = None, with_entropy: bool = True,
-                attend_len: Optional[int] = None) -> _StepSpec:
-    return _StepSpec(sampling or self.sampling, bool(with_entropy), self.topk_entropy, self.entropy_window,
-                     self.eos_ids, self.stop_sequences, int(attend_len or self.max_len))
+                attend_len: Optional[int] = None, top_logprobs: int = 0) -> _StepSpec:
+    sampling = sampling or (None if self.per_slot_sampling else self.sampling)
+    return _StepSpec(sampling, bool(with_entropy), self.topk_entropy, self.entropy_window,
+                     self.eos_ids, self.stop_sequences, int(attend_len or self.max_len), top_logprobs=int(top_logprobs))
 
   def attend_bucket(self, max_length: int) -> int:
     """Attention window for a decode call whose rows end at most at `max_length` tokens: a power of two
@@ -164,14 +173,48 @@ class Engine:
   def init_decode_state(self) -> st.DecodeState:
     state = st.empty_state(self.config, self.max_slots, self.max_len, self.tail_width, self.cache_dtype)
     if self.mesh is not None:
-      from aepo_jax.parallel import logical_sharding
-      from aepo_jax.model import CACHE_LOGICAL_AXES
-      from jax.sharding import NamedSharding, PartitionSpec
-      specs = {k: PartitionSpec(*CACHE_LOGICAL_AXES) for k in state.cache}
-      cache = jax.device_put(state.cache, logical_sharding(specs, state.cache, self.mesh))
-      state = jax.device_put(state.replace(cache={}), NamedSharding(self.mesh, PartitionSpec()))
-      state = state.replace(cache=cache)
+      state = jax.device_put(state, self._state_shardings(state))
     return state
+
+  def _state_shardings(self, state):
+    """The KV cache over the mesh by CACHE_LOGICAL_AXES (slots over data x fsdp, KV heads over tensor); every
+    other field replicated."""
+    from aepo_jax.model import CACHE_LOGICAL_AXES
+    from aepo_jax.parallel import logical_sharding
+    from jax.sharding import NamedSharding, PartitionSpec
+    specs = {k: PartitionSpec(*CACHE_LOGICAL_AXES) for k in state.cache}
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    return jax.tree.map(lambda _: replicated, state.replace(cache={})).replace(
+        cache=logical_sharding(specs, state.cache, self.mesh))
+
+  # ------------------------------------------------------------------------------------------------
+  # Ahead-of-time lowering (launch/compile.py: the engine's programs for a TPU slice, on any host)
+  # ------------------------------------------------------------------------------------------------
+  def abstract_decode_state(self) -> st.DecodeState:
+    """ShapeDtypeStructs (with the engine's shardings when it has a mesh) of `init_decode_state()`."""
+    shapes = jax.eval_shape(lambda: st.empty_state(self.config, self.max_slots, self.max_len, self.tail_width,
+                                                   self.cache_dtype))
+    if self.mesh is None:
+      return shapes
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                        self._state_shardings(shapes))
+
+  def lower_decode(self, params, num_steps: int, *, compact: bool = False):
+    """The lowered decode call of `num_steps` steps over the whole cache window (`params`: arrays or
+    ShapeDtypeStructs); compact=True: the variant that runs only max(4, ceil(S/4)) gathered rows."""
+    state = self.abstract_decode_state()
+    rows = None
+    if compact:
+      rows = jax.ShapeDtypeStruct((max(4, -(-self.max_slots // 4)),), jnp.int32)
+    return _decode.lower(self.config, self.step_spec(attend_len=self.max_len), int(num_steps), params, state, None,
+                         rows)
+
+  def lower_fill(self, params):
+    """The lowered prefill/extend call: prefill_rows rows, one prefill_chunk each, reading the whole window."""
+    state = self.abstract_decode_state()
+    chunk = min(self.prefill_chunk, self.max_len)
+    rows = jax.ShapeDtypeStruct((_bucket(min(self.prefill_rows, self.max_slots)),), jnp.int32)
+    return _fill.lower(self.config, chunk, self.max_len, params, state, rows, rows)
 
   def host_info(self, state: st.DecodeState) -> dict:
     """Per-slot summaries as numpy arrays (one small device-to-host transfer)."""
@@ -231,19 +274,30 @@ class Engine:
       # Clamp the window inside the cache: recomputing a few already-valid entries gives the same values,
       # while dynamic_update_slice would silently clamp a window that runs past max_len.
       win = np.minimum(start[rows], self.max_len - chunk)
-      n = _bucket(rows.size)
-      pad = n - rows.size
-      slots_n = np.concatenate([slots[rows], np.repeat(slots[rows[:1]], pad)]).astype(np.int32)
-      starts_n = np.concatenate([win, np.repeat(win[:1], pad)]).astype(np.int32)
-      state = _fill(self.config, chunk, params, state, jnp.asarray(slots_n), jnp.asarray(starts_n))
+      for lo in range(0, rows.size, self.prefill_rows):  # at most prefill_rows rows per call
+        part = slice(lo, lo + self.prefill_rows)
+        n = _bucket(len(rows[part]))
+        pad = n - len(rows[part])
+        slots_n = np.concatenate([slots[rows[part]], np.repeat(slots[rows[part][:1]], pad)]).astype(np.int32)
+        starts_n = np.concatenate([win[part], np.repeat(win[part][:1], pad)]).astype(np.int32)
+        attend = min(self.max_len, _bucket(int(starts_n.max()) + chunk, lo=128))  # the window any row reads
+        state = _fill(self.config, chunk, attend, params, state, jnp.asarray(slots_n), jnp.asarray(starts_n))
       k += 1
 
-  def add(self, params, state, slots, token_lists, seeds, max_new_tokens):
+  def add(self, params, state, slots, token_lists, seeds, max_new_tokens, sampling=None):
     """Prefills prompts into slots (overwriting them) and makes them active.
 
     seeds: one int per slot (its PRNG key). max_new_tokens: an int or one per slot.
+    sampling: None (the engine's), one SamplingParams, or one per slot; settings other than the engine's need
+    `per_slot_sampling=True`. `copy_slots` copies a slot's settings to its forks.
     """
     slots = self._check_slots(slots)
+    per_slot = [sampling] * slots.size if sampling is None or isinstance(sampling, SamplingParams) else list(sampling)
+    per_slot = [self.sampling if p is None else p for p in per_slot]
+    if len(per_slot) != slots.size:
+      raise ValueError(f"Engine.add: {len(per_slot)} sampling settings for {slots.size} slots.")
+    if not self.per_slot_sampling and any(p != self.sampling for p in per_slot):
+      raise ValueError("Engine.add: sampling settings other than the engine's need Engine(per_slot_sampling=True).")
     toks = self._check_tokens(token_lists, "token_lists")
     if len(toks) != slots.size or len(list(seeds)) != slots.size:
       raise ValueError(f"Engine.add: got {slots.size} slots, {len(toks)} token lists and {len(list(seeds))} "
@@ -259,7 +313,8 @@ class Engine:
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))), np.uint32) for s in seeds])
     state = _start(state, jnp.asarray(slots), jnp.asarray(self._rows(slots, toks, [0] * len(toks))),
                    jnp.asarray(lengths), jnp.zeros(slots.shape, jnp.int32), jnp.asarray(keys),
-                   jnp.asarray(budget), True, self.entropy_window, self.tail_width)
+                   jnp.asarray(budget), True, self.entropy_window, self.tail_width,
+                   jax.tree.map(jnp.asarray, SlotSampling.of(per_slot)))
     return self._fill_ranges(params, state, slots, np.zeros_like(lengths), lengths - 1)
 
   def extend(self, params, state, slots, token_lists, max_new_tokens=None):
@@ -292,16 +347,20 @@ class Engine:
   # Decode and slot edits
   # ------------------------------------------------------------------------------------------------
   def decode(self, params, state, num_steps: int, *, sampling: Optional[SamplingParams] = None,
-             with_entropy: bool = True):
-    """num_steps decode steps for all active slots in one jitted call -> (state, StepOutputs [S, num_steps])."""
+             with_entropy: bool = True, top_logprobs: int = 0):
+    """num_steps decode steps for all active slots in one jitted call -> (state, StepOutputs [S, num_steps]).
+    sampling: static settings for every slot (overrides per-slot ones). top_logprobs: also output the N most
+    likely tokens of each step and their log-probs (one compiled variant per N)."""
     if num_steps < 1:
       raise ValueError(f"Engine.decode: num_steps={num_steps} must be >= 1.")
+    if not 0 <= top_logprobs <= self.config.vocab_size:
+      raise ValueError(f"Engine.decode: top_logprobs={top_logprobs} must be in [0, {self.config.vocab_size}].")
     weights_t = prepared_weights.get(self.config, params) if self.uses_cpu_kernels(params) else None
     if weights_t is not None and _cpu_matmul.attention_applies(self.config, state.cache["k"].dtype):
       attend = self.max_len  # the kernel's attention reads each row's own entries: one compiled variant
     else:  # XLA's attention reads only the cache prefix any row can reach in this call (one small host read)
       attend = self.attend_bucket(int(jax.device_get(jnp.max(state.length))) + int(num_steps))
-    spec = self.step_spec(sampling, with_entropy, attend)
+    spec = self.step_spec(sampling, with_entropy, attend, top_logprobs)
     return _decode(self.config, spec, int(num_steps), params, state, weights_t, self._decode_rows(state))
 
   def _decode_rows(self, state) -> Optional[jax.Array]:
@@ -309,13 +368,18 @@ class Engine:
     rows), or None for all slots. One small device read of `active`."""
     s = self.max_slots
     r = max(4, -(-s // 4))
-    if not self.compact or r >= s or (self.mesh is not None and self.mesh.devices.size > 1):
+    if not self.compact or r >= s or self._rows_sharded():
       return None
     active = np.asarray(jax.device_get(state.active), bool)
     if int(active.sum()) > r:
       return None
     order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])[:r]
     return jnp.asarray(np.sort(order), jnp.int32)
+
+  def _rows_sharded(self) -> bool:
+    """Slots are split over devices (mesh data x fsdp > 1): gathering active rows would move cache rows between
+    devices. A tensor-parallel mesh keeps whole rows on every device, so compact decoding stays on there."""
+    return self.mesh is not None and self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1) > 1
 
   def uses_cpu_kernels(self, params) -> bool:
     """Whether decode runs through the CPU small-M kernel (decided once per engine, see `cpu_kernels`)."""

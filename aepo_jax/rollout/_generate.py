@@ -17,15 +17,18 @@ from aepo_jax.rollout._stop import StopStringChecker, stop_sequences_from_string
 
 
 def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, stop_strings: Sequence[str] = (),
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             seed: int = 0, stop_strings: Sequence[str] = (),
              tokenizer=None, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Optional[Sequence[int]] = None,
              max_slots: Optional[int] = None, max_len: Optional[int] = None, steps_per_call: int = 16,
              prefill_chunk: int = 128) -> list:
-  """Generates a continuation of each prompt. `temperature=0.0` is greedy.
+  """Generates a continuation of each prompt. `temperature=0.0` is greedy. Sampling settings: `SamplingParams`
+  (repetition_penalty applies over each prompt and its generated tokens, as in transformers and vLLM).
 
   Returns one dict per prompt: `tokens` (int32), `logprobs`, `entropies`, `topk_entropies` (float32 numpy
   arrays over the generated tokens; a stop string's tokens included) and `stop_reason`
-  ('eos' | 'stop_sequence' | 'length' | 'cache_full'). Prompt i uses the PRNG seed `seed + i`.
+  ('eos' | 'stop_sequence' | 'length' | 'cache_full'). Prompt i uses the PRNG seed `seed + i`. Log-probs and
+  entropies are of softmax(penalised logits / T), before min-p / top-k / top-p truncation (see _sampling.py).
   Stop strings need `tokenizer`: they stop on device for their common tokenizations and are re-checked on the
   host on the decoded text after each call of `steps_per_call` steps (see _stop.py).
   """
@@ -45,7 +48,8 @@ def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
   slots = max(1, min(n, max_slots or n))
   max_len = max_len or max(len(p) for p in prompts) + max_new_tokens
   engine = Engine(config, max_slots=slots, max_len=max_len, eos_ids=eos_ids, stop_sequences=seqs,
-                  sampling=SamplingParams(temperature, top_p, top_k), prefill_chunk=prefill_chunk)
+                  sampling=SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty),
+                  prefill_chunk=prefill_chunk)
   state = engine.init_decode_state()
   pending = collections.deque(range(n))
   running = {}  # slot -> prompt index

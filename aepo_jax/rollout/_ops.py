@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aepo_jax.model import forward_cached
+from aepo_jax.model import fill_cache_rows
 from aepo_jax.rollout import _state as st
 from aepo_jax.rollout._decode_forward import decode_forward, decode_weights  # noqa: F401 (engine)
 from aepo_jax.rollout._sampling import sample_step
@@ -24,8 +24,11 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
   write_s = jnp.clip(state.length - 1, 0, max_len - 1)
   logits_sv, cache = decode_forward(config, params, state.last_token, write_s, state.cache, spec.attend_len,
                                     weights_t=weights_t)
-  token_s, logprob_s, entropy_s, topk_s, rng = sample_step(
-      logits_sv, state.rng, spec.sampling, with_entropy=spec.with_entropy, topk=spec.topk_entropy)
+  # spec.sampling None: each slot samples with its own settings (the engine's per-slot mode).
+  smp = sample_step(logits_sv, state.rng, state.sampling if spec.sampling is None else spec.sampling,
+                    with_entropy=spec.with_entropy, topk=spec.topk_entropy, tokens_sl=state.tokens,
+                    length_s=state.length, top_logprobs=spec.top_logprobs)
+  token_s, logprob_s, entropy_s, topk_s, rng = smp.token, smp.logprob, smp.entropy, smp.topk_entropy, smp.rng
   act = state.active
   token_s = jnp.where(act, token_s, 0)
   put_s = jnp.where(act, state.length, max_len)  # out of range -> dropped
@@ -44,8 +47,11 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
     eq_smw = (tail[:, None, -w:] == ids_mw[None]) | (ids_mw[None] < 0)
     hit_s = jnp.any(jnp.all(eq_smw, axis=-1) & (seg_count[:, None] >= len_m[None]), axis=-1)
     reason = jnp.where(hit_s, st.STOP_SEQUENCE, reason)
-  if spec.eos_ids:
-    reason = jnp.where(jnp.isin(token_s, jnp.asarray(spec.eos_ids)), st.STOP_EOS, reason)
+  if spec.eos_ids and not (spec.sampling is not None and spec.sampling.ignore_eos):
+    eos_s = jnp.isin(token_s, jnp.asarray(spec.eos_ids))
+    if spec.sampling is None:
+      eos_s &= ~state.sampling.ignore_eos
+    reason = jnp.where(eos_s, st.STOP_EOS, reason)
   reason = jnp.where(act, reason, state.stop_reason)
 
   state = state.replace(
@@ -60,7 +66,8 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
       seg_entropy_sum=state.seg_entropy_sum + jnp.where(in_window, entropy_s, 0.0),
       seg_topk_entropy_sum=state.seg_topk_entropy_sum + jnp.where(in_window, topk_s, 0.0))
   out = st.StepOutputs(token=token_s, logprob=jnp.where(act, logprob_s, 0.0),
-                       entropy=jnp.where(act, entropy_s, 0.0), topk_entropy=jnp.where(act, topk_s, 0.0), valid=act)
+                       entropy=jnp.where(act, entropy_s, 0.0), topk_entropy=jnp.where(act, topk_s, 0.0), valid=act,
+                       top_ids=smp.top_ids, top_logprobs=smp.top_logprobs)
   return state, out
 
 
@@ -89,10 +96,11 @@ def decode(config, spec, num_steps: int, params, state, weights_t=None, rows=Non
     full = jax.tree.map(lambda o: jnp.zeros((s,) + o.shape[1:], o.dtype).at[rows].set(o), out)
     return put_rows(state, rows, sub), full
   def idle(carry):
-    s = carry.active.shape[0]
+    s, n = carry.active.shape[0], spec.top_logprobs
     zeros = jnp.zeros((s,), jnp.float32)
     return carry, st.StepOutputs(token=jnp.zeros((s,), carry.last_token.dtype), logprob=zeros, entropy=zeros,
-                                 topk_entropy=zeros, valid=jnp.zeros((s,), bool))
+                                 topk_entropy=zeros, valid=jnp.zeros((s,), bool),
+                                 top_ids=jnp.zeros((s, n), jnp.int32), top_logprobs=jnp.zeros((s, n), jnp.float32))
 
   def body(carry, _):
     return jax.lax.cond(jnp.any(carry.active), lambda c: decode_step(config, params, c, spec, weights_t), idle,
@@ -105,18 +113,15 @@ def decode(config, spec, num_steps: int, params, state, weights_t=None, rows=Non
 # ----------------------------------------------------------------------------------------------------
 # KV filling (prefill and extend): write KV of tokens[start : start + T] for a few rows
 # ----------------------------------------------------------------------------------------------------
-def fill_chunk(config, chunk: int, params, state, slots_n, start_n):
-  """Computes and writes the KV entries of tokens[slot, start : start + chunk] (start + chunk <= max_len).
-
-  Rows are gathered, run through `forward_cached` (hidden states only; no logits are needed, see the
-  invariant in _state.py) and scattered back. Duplicate rows (padding) write identical values.
-  """
+def fill_chunk(config, chunk: int, attend_len: int, params, state, slots_n, start_n):
+  """Computes and writes the KV entries of tokens[slot, start : start + chunk] (start + chunk <= attend_len <=
+  max_len) through `model.fill_cache_rows`: each layer reads only the rows' first attend_len entries and writes
+  only the chunk's window (no logits are needed, see the invariant in _state.py). Duplicate rows (padding) write
+  identical values."""
   rows_tok = state.tokens[slots_n]
   tok_nt = jax.vmap(lambda r, s: jax.lax.dynamic_slice(r, (s,), (chunk,)))(rows_tok, start_n)
   pos_nt = start_n[:, None] + jnp.arange(chunk)[None, :]
-  sub = jax.tree.map(lambda c: c[:, slots_n], state.cache)
-  _, sub = forward_cached(config, params, tok_nt, pos_nt, sub, start_n, return_hidden=True)
-  cache = jax.tree.map(lambda c, u: c.at[:, slots_n].set(u), state.cache, sub)
+  cache = fill_cache_rows(config, params, tok_nt, pos_nt, state.cache, slots_n, start_n, attend_len)
   return state.replace(cache=cache)
 
 
@@ -124,10 +129,10 @@ def fill_chunk(config, chunk: int, params, state, slots_n, start_n):
 # Row edits
 # ----------------------------------------------------------------------------------------------------
 def start_rows(state, slots_n, tokens_nl, length_n, keep_from_n, rng_n2, budget_n, reset_generated: bool,
-               window: int, width: int):
+               window: int, width: int, sampling_n=None):
   """Writes tokens[slot, keep_from:length] from tokens_nl (the rest of the row is kept), sets length,
   last_token, budget, a new segment starting at `length`, and the run/stop flags. Used by add and extend.
-  rng_n2 / budget_n None keep the slot's own."""
+  rng_n2 / budget_n / sampling_n (a SlotSampling of [n] arrays) None keep the slot's own."""
   max_len = state.tokens.shape[1]
   pos_l = jnp.arange(max_len)[None, :]
   new_nl = pos_l >= keep_from_n[:, None]
@@ -151,7 +156,9 @@ def start_rows(state, slots_n, tokens_nl, length_n, keep_from_n, rng_n2, budget_
       tail=state.tail.at[slots_n].set(st.tail_from_tokens(row_tok, length_n, width)),
       seg_start=state.seg_start.at[slots_n].set(length_n), seg_count=state.seg_count.at[slots_n].set(zero_n),
       seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(0.0),
-      seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(0.0))
+      seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(0.0),
+      sampling=state.sampling if sampling_n is None else jax.tree.map(
+          lambda x, y: x.at[slots_n].set(y), state.sampling, sampling_n))
 
 
 def copy_rows(state, src_n, dst_n, rng_n2):
@@ -162,7 +169,8 @@ def copy_rows(state, src_n, dst_n, rng_n2):
   fields = {f: cp(getattr(state, f)) for f in (
       "tokens", "generated", "entropy_buf", "topk_entropy_buf", "length", "last_token", "active", "budget",
       "n_generated", "stop_reason", "tail", "seg_start", "seg_count", "seg_entropy_sum", "seg_topk_entropy_sum")}
-  return state.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2), **fields)
+  return state.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2), sampling=jax.tree.map(cp, state.sampling),
+                       **fields)
 
 
 def truncate_rows(state, slots_n, length_n, window: int, width: int):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from aepo_jax.model import init_cache
+from aepo_jax.rollout._sampling import SlotSampling
 
 # stop_reason codes (contract: docs/rollout_contract.md)
 RUNNING, STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_CACHE_FULL = 0, 1, 2, 3, 4
@@ -39,6 +40,7 @@ class DecodeState:
   seg_count: jax.Array        # [S] int32 tokens generated in the current segment
   seg_entropy_sum: jax.Array  # [S] float32 exact entropy summed over the first `entropy_window` segment tokens
   seg_topk_entropy_sum: jax.Array  # [S] float32 official top-k entropy summed over the same window
+  sampling: SlotSampling      # [S] each: the slot's own sampling settings (set by add; read in per-slot mode)
 
 
 @flax.struct.dataclass
@@ -49,6 +51,8 @@ class StepOutputs:
   entropy: jax.Array
   topk_entropy: jax.Array
   valid: jax.Array
+  top_ids: jax.Array          # [S, num_steps, N] int32 the N most likely tokens (N = 0 unless requested)
+  top_logprobs: jax.Array     # [S, num_steps, N] their log-probs (same distribution as `logprob`)
 
 
 def empty_state(config, max_slots: int, max_len: int, tail_width: int, cache_dtype=None) -> DecodeState:
@@ -66,7 +70,7 @@ def empty_state(config, max_slots: int, max_len: int, tail_width: int, cache_dty
       topk_entropy_buf=jnp.zeros((s, max_len), jnp.float32), length=zi(), last_token=zi(),
       active=jnp.zeros((s,), bool), rng=jnp.zeros((s, 2), jnp.uint32), budget=zi(), n_generated=zi(),
       stop_reason=zi(), tail=jnp.full((s, tail_width), -1, jnp.int32), seg_start=zi(), seg_count=zi(),
-      seg_entropy_sum=zf(), seg_topk_entropy_sum=zf())
+      seg_entropy_sum=zf(), seg_topk_entropy_sum=zf(), sampling=SlotSampling.filled(s))
 
 
 def tail_from_tokens(tokens_sl, length_s, width: int):

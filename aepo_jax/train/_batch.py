@@ -201,10 +201,57 @@ def shard_batch(batch_np: Mapping[str, np.ndarray], mesh, rules=DEFAULT_RULES) -
   return out
 
 
-def host_local(x: jax.Array, mesh, rules=DEFAULT_RULES) -> np.ndarray:
-  """This process's rows of a [K, mb, T] batch array built by `shard_batch` (the inverse of it)."""
+def gather_trajectories(traj, rewards_b, *, pad_id: int):
+  """(trajectories, rewards) of every host, concatenated in process order, on every host (a few small collectives
+  per RL step, none inside a rollout). Each host rolled out its own prompts on its own devices; from here on every
+  host sees the same global batch and builds the same micro-batches a single host would, then keeps its share of
+  each (`process_rows`). Group ids and parent rows are renumbered to stay unique; columns are right-padded to the
+  widest host. The per-trajectory text fields are left empty and `stats` stay this host's. One process: unchanged.
+  """
   if jax.process_count() == 1:
+    return traj, np.asarray(rewards_b)
+  import dataclasses
+  from jax.experimental import multihost_utils
+  n, t = np.shape(traj.tokens_bt)
+  groups = int(np.max(traj.group_id_b)) + 1 if n else 0
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([n, t, groups], np.int64))).reshape(-1, 3)
+  rows, width = int(sizes[:, 0].max()), int(sizes[:, 1].max())
+  row_off = np.concatenate([[0], np.cumsum(sizes[:, 0])])[:-1]
+  group_off = np.concatenate([[0], np.cumsum(sizes[:, 2])])[:-1]
+
+  def gather(x, fill=0):
+    x = np.asarray(x)
+    padded = np.full((rows,) + ((width,) if x.ndim == 2 else ()), fill, x.dtype)
+    padded[tuple(slice(0, k) for k in x.shape)] = x
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape((len(sizes),) + padded.shape)
+    return [every[p, :sizes[p, 0]] for p in range(len(sizes))]
+
+  parents = gather(traj.parent_b, -1)
+  out = dataclasses.replace(
+      traj, tokens_bt=np.concatenate(gather(traj.tokens_bt, pad_id)),
+      loss_mask_bt=np.concatenate(gather(traj.loss_mask_bt)), attention_mask_bt=np.concatenate(gather(traj.attention_mask_bt)),
+      sampler_logprob_bt=np.concatenate(gather(traj.sampler_logprob_bt)),
+      sampler_entropy_bt=np.concatenate(gather(traj.sampler_entropy_bt)),
+      prompt_len_b=np.concatenate(gather(traj.prompt_len_b)), response_len_b=np.concatenate(gather(traj.response_len_b)),
+      group_id_b=np.concatenate([g + o for g, o in zip(gather(traj.group_id_b), group_off)]).astype(np.int32),
+      parent_b=np.concatenate([np.where(b >= 0, b + o, -1) for b, o in zip(parents, row_off)]).astype(np.int32),
+      fork_pos_b=np.concatenate(gather(traj.fork_pos_b, -1)), num_tool_calls_b=np.concatenate(gather(traj.num_tool_calls_b)),
+      stop_reason_b=[], response_text=[], kind_b=[])
+  return out, np.concatenate(gather(np.asarray(rewards_b, np.float32)))
+
+
+def process_rows(batch_np: Mapping[str, np.ndarray]) -> dict:
+  """This process's contiguous share of every micro-batch of a global [K, mb, T] batch (`shard_batch` then
+  assembles the global arrays from every process's share)."""
+  p, n = jax.process_index(), jax.process_count()
+  if n == 1:
+    return dict(batch_np)
+  return {k: np.split(np.asarray(v), n, axis=1)[p] for k, v in batch_np.items()}
+
+
+def global_value(x: jax.Array) -> np.ndarray:
+  """The whole of a (possibly multi-host) global array as numpy, on every host."""
+  if jax.process_count() == 1 or x.is_fully_addressable:
     return np.asarray(jax.device_get(x))
   from jax.experimental import multihost_utils
-  spec = logical_to_mesh(BATCH_LOGICAL_SPEC, rules)
-  return np.asarray(multihost_utils.global_array_to_host_local_array(x, mesh, spec))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

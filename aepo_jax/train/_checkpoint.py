@@ -5,9 +5,14 @@ tensorstore) and `meta` (JSON: data-iterator state, metrics of record, the confi
 into a temporary directory and commits by rename (local) or a commit marker (gs://), so a checkpoint killed
 mid-save is never returned by `latest_step()`.
 
+Integrity (`_checkpoint_integrity.py`): a save records a checksum of every array (in `meta`) and the size and hash
+of every file (`integrity.json`); a restore checks both, and that every value is finite, and raises
+`CheckpointCorruptError` naming the damaged files or arrays. `restore_newest_intact` then moves a damaged step aside
+(`<step>.damaged`) and resumes from the newest intact one, which `keep` never deletes while this run lasts.
+
   ckpt = Checkpointer(workdir + "/checkpoints/rl", keep=3, best_metric="eval/accuracy")
-  step = ckpt.latest_step()
-  state, meta = ckpt.restore(step, abstract_state, config)   # checks the model section of the config
+  step, state, meta = ckpt.restore_newest_intact(abstract_state, config)  # (None, None, {}) without checkpoints
+  state, meta = ckpt.restore(step, abstract_state, config)   # one step; checks the model section of the config
   ckpt.save(step, state, meta, metrics={...}, force=True)
 """
 from __future__ import annotations
@@ -15,10 +20,16 @@ from __future__ import annotations
 import base64
 import dataclasses
 import errno
+import gc
 import json
 import logging
 import os
+import re
 import shutil
+import sys
+import threading
+import urllib.error
+import urllib.request
 import uuid
 from typing import Any, Optional
 
@@ -27,21 +38,71 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from aepo_jax.train import _checkpoint_integrity as integrity
 from aepo_jax.train import _config
 
+log = logging.getLogger("aepo_jax.train")
+
 _MIN_FREE_BYTES = 64 << 20  # refuse to start with less free space than this in the work directory
+_PROBE_TIMEOUT_S = 5.0  # gcsfs retries an unreachable service for 60-90 s before it fails
 
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be written or read as asked; the message says which and why."""
 
 
+class CheckpointCorruptError(CheckpointError):
+  """A checkpoint whose files or values differ from what was saved, hold NaN/inf, or cannot be read.
+  `step` is the damaged step, `problems` names its files or arrays."""
+
+  def __init__(self, message: str, step: Optional[int] = None, problems: tuple = ()):
+    super().__init__(message)
+    self.step, self.problems = step, list(problems)
+
+
 def is_remote(path: str) -> bool:
   return str(path).startswith("gs://")
 
 
+def _no_answer(url: str, timeout_s: float) -> Optional[str]:
+  """Why `url` gives no HTTP answer within `timeout_s` (whole call, DNS included), or None if it answers."""
+  result = {}
+
+  def probe():
+    try:
+      urllib.request.urlopen(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError:  # any status: the service is there
+      pass
+    except Exception as e:  # noqa: BLE001 - reported as the reason
+      result["error"] = str(getattr(e, "reason", e))
+
+  thread = threading.Thread(target=probe, daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  return f"no answer within {timeout_s:g} s" if thread.is_alive() else result.get("error")
+
+
+def check_remote(path: str, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
+  """Fail in seconds, naming the settings, when the storage service behind a gs:// path cannot be reached."""
+  emulator, ts_url = os.environ.get("STORAGE_EMULATOR_HOST"), os.environ.get("TENSORSTORE_GCS_HTTP_URL")
+  if emulator and not ts_url:  # tensorstore would try the real service and hang
+    raise CheckpointError(f"{path}: STORAGE_EMULATOR_HOST={emulator} is set but TENSORSTORE_GCS_HTTP_URL is not, so "
+                          "array data would go to the real service; set TENSORSTORE_GCS_HTTP_URL to the emulator too.")
+  urls = [u if "://" in u else f"http://{u}" for u in (emulator or "https://storage.googleapis.com", ts_url) if u]
+  for url in dict.fromkeys(urls):
+    reason = _no_answer(url, timeout_s)
+    if reason:
+      raise CheckpointError(
+          f"{path}: the storage service at {url} does not answer ({reason}). Check the network and any proxy "
+          "(HTTPS_PROXY); an emulator needs STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL; credentials come "
+          "from GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login` or the VM's service "
+          "account. Or use a local path.")
+
+
 def check_writable(workdir: str, need_bytes: int = _MIN_FREE_BYTES) -> None:
-  """Fail at start-up, not at the first save, on a read-only, missing or full work directory."""
+  """Fail at start-up, not at the first save, on a read-only, missing, full or unreachable work directory."""
+  if is_remote(workdir):
+    check_remote(workdir)
   path = epath.Path(workdir)
   probe = path / f".write_probe_{uuid.uuid4().hex[:8]}"
   try:
@@ -114,17 +175,32 @@ def _pytree_restore(target, partial: bool = False):
                                 partial_restore=partial)
 
 
+class _Pinned:
+  """Preservation policy: keep `steps` (the newest verified checkpoint) whatever keep-last-N says."""
+
+  def __init__(self):
+    self.steps: set = set()
+
+  def should_preserve(self, checkpoints, *, context=None):
+    return [c.step in self.steps for c in checkpoints]
+
+
 class Checkpointer:
-  """Keep-last-N plus best-by-metric, async saves, automatic resume; one directory per training phase."""
+  """Keep-last-N plus best-by-metric, async saves, verified restores; one directory per training phase."""
 
   def __init__(self, directory: str, *, keep: int = 3, best_metric: str = "", best_mode: str = "max",
                async_save: bool = True, ocdbt: bool = True, compression: bool = True):
     """compression: zstd-compress the arrays (Orbax's default; ~20% smaller for float32 weights, but several
     CPU-seconds per GB that an async save takes from training on a small machine)."""
-    self.directory = str(directory)
+    self.directory = str(directory).rstrip("/")
     self.best_metric = best_metric
     self._best_mode = best_mode
-    policies = [ocp.checkpoint_managers.LatestN(n=keep)]
+    self._async = async_save
+    self._saving: Optional[int] = None  # the step whose async save is in flight
+    self._pinned = _Pinned()
+    if is_remote(self.directory):
+      check_remote(self.directory)
+    policies = [ocp.checkpoint_managers.LatestN(n=keep), self._pinned]
     if best_metric:
       policies.append(ocp.checkpoint_managers.BestN(
           get_metric_fn=lambda m: float(m[best_metric]), reverse=best_mode == "min", n=1,
@@ -134,7 +210,9 @@ class Checkpointer:
         enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True,
         # best_fn also makes Orbax write each step's metrics to disk, so the best survives a restart.
         best_fn=(lambda m: float(m[best_metric])) if best_metric else None, best_mode=best_mode,
-        keep_checkpoints_without_metrics=True)
+        keep_checkpoints_without_metrics=True,
+        # The file manifest is written in the save's background thread, after the data and before the commit.
+        async_options=ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit) if async_save else None)
     try:
       self._mgr = ocp.CheckpointManager(
           epath.Path(self.directory), options=options,
@@ -171,63 +249,184 @@ class Checkpointer:
       return None
     return (max(scored) if self._best_mode == "max" else min(scored))[1]
 
-  # -- save / restore -----------------------------------------------------------------------------------
+  # -- save ---------------------------------------------------------------------------------------------
   def save(self, step: int, state, meta: dict, *, metrics: Optional[dict] = None, force: bool = False) -> bool:
     """Save (asynchronously when enabled) `state` (a pytree of arrays) and `meta` (JSON-serialisable).
 
     `metrics` feed the best-checkpoint policy; a checkpoint saved without the best metric is kept only as
-    one of the last N.
+    one of the last N. Records the arrays' checksums in meta and the files' sizes and hashes beside them.
     """
     state = jax.tree.map(_no_numpy_scalar, state)  # orbax rejects numpy scalar leaves (np.int32(3))
+    sums = integrity.array_checksums(state)
+    nonfinite = [k for k, v in sums.items() if v["nonfinite"]]
+    if nonfinite:
+      log.warning("step %d: saving non-finite values in %s; restoring it will treat this checkpoint as damaged.",
+                  step, ", ".join(nonfinite[:5]))
     meta = json.loads(json.dumps(meta, default=_json_default))
+    meta["integrity"] = {"version": 1, "arrays": sums}
     if metrics is not None and self.best_metric and self.best_metric not in metrics:
       metrics = None
     try:
-      return self._mgr.save(int(step), args=ocp.args.Composite(
+      self._mgr.wait_until_finished()  # the previous save's commit thread still reads `_saving`
+      self._saving = int(step)
+      saved = self._mgr.save(int(step), args=ocp.args.Composite(
           state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
           metrics={k: float(v) for k, v in metrics.items()} if metrics else None, force=force)
     except OSError as e:
       raise CheckpointError(f"saving step {step} to {self.directory!r} failed: {e}") from e
+    if saved and not self._async and jax.process_index() == 0:  # committed: a kill before this costs the manifest
+      self._write_manifest(self._step_dir(step))
+    return saved
 
-  def restore(self, step: Optional[int], abstract_state, config=None):
-    """(state, meta) at `step` (default: latest). `abstract_state` gives shapes, dtypes and shardings.
+  def _step_dir(self, step: int) -> str:
+    return f"{self.directory}/{step}"
 
-    With `config`, first compares the checkpoint's model section with it and names every differing field.
-    """
+  def _manifest_before_commit(self):
+    """Runs in Orbax's save thread once every process has written its data, before the commit."""
+    if self._saving is None or jax.process_index() != 0:
+      return
+    base = epath.Path(self.directory)
+    tmp = sorted(base.glob(f"{self._saving}.orbax-checkpoint-tmp*"))  # local; gs:// commits in place
+    self._write_manifest(str(tmp[-1]) if tmp else self._step_dir(self._saving))
+
+  def _write_manifest(self, step_dir: str):
+    try:
+      integrity.write_manifest(step_dir)
+    except Exception as e:  # noqa: BLE001 - the array checksums still guard this checkpoint
+      log.warning("%s: no %s written (%s); its restore checks the array checksums only.",
+                  step_dir, integrity.MANIFEST, e)
+
+  # -- restore ------------------------------------------------------------------------------------------
+  def _corrupt(self, step: int, problems: list[str]) -> CheckpointCorruptError:
+    more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+    return CheckpointCorruptError(f"checkpoint {self._step_dir(step)} is damaged: {'; '.join(problems[:6])}{more}.",
+                                  step, tuple(problems))
+
+  def _verified_meta(self, step: Optional[int], check_files: bool = True):
+    """(step, meta, recorded array checksums or None) after checking the step's files; raises on damage."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"no committed checkpoint in {self.directory!r}.")
     if is_remote(self.directory):
       self._refresh()
-    meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    problems = integrity.file_problems(self._step_dir(step)) if check_files else []
+    if problems:
+      raise self._corrupt(step, problems)
+    try:
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception as e:  # noqa: BLE001 - any failure to read the JSON is damage
+      raise self._corrupt(step, [f"meta/ cannot be read ({_first_line(e)})"]) from e
+    if not isinstance(meta, dict):
+      raise self._corrupt(step, ["meta/ holds no JSON object"])
+    recorded = (meta.pop("integrity", None) or {}).get("arrays")
+    return step, meta, recorded
+
+  def _read_state(self, step: int, target, recorded, partial: bool):
+    """The arrays of `step` as `target` (abstract), checked against their checksums and for NaN/inf."""
+    if recorded is not None:
+      diff = integrity.structure_problems(recorded, target, partial=partial)
+      if diff:
+        raise CheckpointError(
+            f"checkpoint {self._step_dir(step)} does not match the current model/optimizer state:\n  "
+            + "\n  ".join(diff[:10]) + "\nuse a fresh --config.workdir, or the config the checkpoint was written with.")
+    target = jax.tree.map(_abstract, target)
+    mismatch = unreadable = None
+    try:
+      state = self._mgr.restore(step, args=ocp.args.Composite(state=_pytree_restore(target, partial)))["state"]
+    except Exception as e:  # noqa: BLE001 - sorted into a mismatch or damage below
+      if recorded is None and isinstance(e, (ValueError, KeyError, TypeError)) and not _read_error(e):
+        mismatch = _first_line(e)
+      else:
+        unreadable = _read_error(e) or _first_line(e)
+    if mismatch or unreadable:
+      _finalize_quietly()  # outside the except: the failed read's frames are released first
+    if mismatch:
+      raise CheckpointError(f"checkpoint {self._step_dir(step)} does not match the current model/optimizer "
+                            f"state structure ({mismatch}); use a fresh --config.workdir.")
+    if unreadable:
+      raise self._corrupt(step, [f"state/ cannot be read ({unreadable})"])
+    problems = integrity.value_problems(recorded, state)
+    if problems:
+      raise self._corrupt(step, problems)
+    return state
+
+  def restore(self, step: Optional[int], abstract_state, config=None):
+    """(state, meta) at `step` (default: latest). `abstract_state` gives shapes, dtypes and shardings.
+
+    With `config`, first compares the checkpoint's model section with it and names every differing field.
+    Raises CheckpointCorruptError when the step's files or arrays differ from what was saved or are not finite.
+    """
+    step, meta, recorded = self._verified_meta(step)
     if config is not None and "config" in meta:
       diff = model_mismatch(_config.from_json(meta["config"]), config)
       if diff:
         raise CheckpointError(
-            f"checkpoint {self.directory}/{step} was written for another model; differing fields:\n  "
+            f"checkpoint {self._step_dir(step)} was written for another model; differing fields:\n  "
             + "\n  ".join(diff) + "\nuse a fresh --config.workdir, or set these fields to the checkpoint's values.")
-    target = jax.tree.map(_abstract, abstract_state)
-    try:
-      state = self._mgr.restore(step, args=ocp.args.Composite(state=_pytree_restore(target)))["state"]
-    except (ValueError, KeyError, TypeError) as e:
-      raise CheckpointError(f"checkpoint {self.directory}/{step} does not match the current model/optimizer "
-                            f"state structure ({e}); use a fresh --config.workdir.") from e
-    return state, meta
+    return self._read_state(step, abstract_state, recorded, partial=False), meta
+
+  def restore_newest_intact(self, abstract_state, config=None, *, on_corrupt: str = "fallback"):
+    """(step, state, meta) of the newest checkpoint that passes verification; (None, None, {}) if there is none.
+
+    Damaged newer steps are logged with their files or arrays. on_corrupt='fallback' moves them aside to
+    `<step>.damaged` (so the run can save those steps again) and resumes; 'stop' raises, naming the intact step.
+    The step returned is never deleted by keep-last-N while this Checkpointer lives.
+    """
+    damaged = []
+    for step in sorted(self.all_steps(), reverse=True):
+      try:
+        state, meta = self.restore(step, abstract_state, config)
+        break
+      except CheckpointCorruptError as e:
+        log.error("%s", e)
+        damaged.append(e)
+    else:
+      if damaged:
+        raise CheckpointCorruptError(
+            " ".join(str(e) for e in damaged) + f" No checkpoint in {self.directory} is intact: restore the named "
+            "files, or move the step directories aside to start afresh.", damaged[0].step)
+      return None, None, {}
+    names = ", ".join(str(e.step) for e in damaged)
+    if damaged and on_corrupt == "stop":
+      raise CheckpointCorruptError(
+          " ".join(str(e) for e in damaged) + f" Step {step} is intact: set --config.checkpoint.on_corrupt=fallback "
+          "to resume from it (the damaged steps are then moved aside), or restore the named files.", damaged[0].step)
+    if damaged:
+      moved = self._move_aside([e.step for e in damaged])
+      log.warning("resuming from step %d, the newest intact checkpoint in %s; damaged step(s) %s moved to %s.",
+                  step, self.directory, names, ", ".join(moved))
+    self._pinned.steps = {step}
+    return step, state, meta
+
+  def _move_aside(self, steps: list[int]) -> list[str]:
+    """Renames damaged steps to `<step>.damaged[-i]` (chief only, after every process has checked them)."""
+    multi = jax.process_count() > 1
+    if multi:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("aepo_jax_checkpoint_verified")
+    moved = []
+    for step in steps:
+      src = epath.Path(self._step_dir(step))
+      dst, i = src.with_name(f"{step}.damaged"), 1
+      while dst.exists():
+        dst, i = src.with_name(f"{step}.damaged-{i}"), i + 1
+      if jax.process_index() == 0:
+        src.rename(dst)
+      moved.append(str(dst))
+    if multi:
+      multihost_utils.sync_global_devices("aepo_jax_checkpoint_moved_aside")
+    self._refresh()
+    return moved
 
   def restore_params(self, step: Optional[int], abstract_params):
-    """Only the parameters of a checkpoint (export, evaluation): the optimizer state is never read."""
-    step = self.latest_step() if step is None else step
-    if is_remote(self.directory):
-      self._refresh()
-    target = {"params": jax.tree.map(_abstract, abstract_params)}
-    args = ocp.args.Composite(state=_pytree_restore(target, partial=True))
-    return self._mgr.restore(step, args=args)["state"]["params"]
+    """Only the parameters of a checkpoint (export, evaluation): the optimizer state is never read. Verified like
+    `restore` (the parameters' checksums and finiteness, every file of the step)."""
+    step, _, recorded = self._verified_meta(step)
+    return self._read_state(step, {"params": abstract_params}, recorded, partial=True)["params"]
 
   def restore_meta(self, step: Optional[int] = None) -> dict:
-    step = self.latest_step() if step is None else step
-    if is_remote(self.directory):
-      self._refresh()
-    return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    """The `meta` item alone (its files are checked by the restore of the arrays that follows)."""
+    return self._verified_meta(step, check_files=False)[1]
 
   def wait(self):
     self._mgr.wait_until_finished()
@@ -235,6 +434,37 @@ class Checkpointer:
   def close(self):
     self._mgr.wait_until_finished()
     self._mgr.close()
+
+
+def _finalize_quietly():
+  """A failed tensorstore read leaves the other reads' coroutines pending; collect them now, without the pages of
+  'Event loop is closed' / GeneratorExit reports their finalizers print."""
+  hook = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    gc.collect()
+  finally:
+    sys.unraisablehook = hook
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return (text[0] if text else type(e).__name__)[:400]
+
+
+def _read_error(e: BaseException) -> Optional[str]:
+  """The storage layer's own message in `e`'s chain (tensorstore's "OUT_OF_RANGE: Error reading ...", an OSError),
+  which names the array and what is wrong with it; None for errors of another kind (a tree that does not fit)."""
+  chain, seen = [e], set()
+  while chain:
+    x = chain.pop(0)
+    if x is None or id(x) in seen:
+      continue
+    seen.add(id(x))
+    if isinstance(x, OSError) or re.match(r"(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND): |.*Error reading", str(x)):
+      return _first_line(x)
+    chain += [x.__cause__, x.__context__]
+  return None
 
 
 def _no_numpy_scalar(x):

@@ -17,12 +17,18 @@ from typing import Optional
 
 import ml_collections
 
-ROLLOUT_POLICIES = ("none", "arpo", "aepo")
 MODES = ("sft", "rl", "both")
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """Every key with its default. Non-zero algorithm defaults are those of the ARPO/AEPO code (spec §1.7, §2.4)."""
+  """Every key with its default.
+
+  Algorithm constants are those of the released ARPO/AEPO code and scripts (spec §1.7, §2.4; n, N0, batch and
+  lengths from the 14B deep-search scripts), with the paper's full AEPO method switched on. Where a default is
+  deliberately not the code's, its comment says so: rollout.entropy_estimator ('exact', the paper's entropy),
+  rollout.mode ('corrected') and algo.aggregation ('global'). The `:released` presets of configs/ set the code's
+  values (configs/common.py `released`); the rollout.* defaults equal `aepo_jax.rollout.PolicyConfig()`'s.
+  """
   c = ml_collections.ConfigDict()
   c.workdir = "/tmp/aepo_jax_run"  # local path or gs://bucket/path: checkpoints, metrics, plots, config
   c.mode = "both"  # sft | rl | both (SFT first, then RL from its final parameters)
@@ -35,6 +41,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"
   c.model.remat = False
   c.model.tokenizer = ""  # '' = the tokenizer that comes with the model
+  # The preset whose shape the checkpoint at `name` has (e.g. qwen3-14b for a gs:// Qwen3-14B SFT checkpoint): lets
+  # launch/compile.py build the model's programs without reading the checkpoint. '' = read `name` (preset/HF dir).
+  c.model.shape = ""
   # ModelConfig field overrides (e.g. num_layers=2 for a tiny test model). Validated against ModelConfig.
   c.model.overrides = ml_collections.ConfigDict()
 
@@ -42,11 +51,16 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict()
   # Sources: 'suite' (the generated task suite: its train split; its held-out split in `val`), an ARPO RL
-  # file name (hard_search_1k, train_10k, valid, gaia_test, hle_test), a benchmark name (gaia, hle, math500,
-  # ...; aepo_jax.data.BENCHMARKS) or a .parquet path. GAIA/HLE never go in `train`.
+  # file name (hard_search_1k, train_10k, valid, gaia_test, hle_test; $AEPO_ARPO_DATA), a benchmark name (gaia,
+  # hle, math500, ...; aepo_jax.data.BENCHMARKS) or a .jsonl / .parquet file, local or gs://, of question/answer
+  # records or verl records (docs/data.md). GAIA/HLE never go in `train`.
   c.data.train = "suite"
   c.data.val = ()
   c.data.template = "code_search"
+  # Fields of question/answer records in .jsonl / .parquet sources: `answer` holds a string, a number or a list
+  # of accepted answers; `system` (optional) a record's own system prompt, used instead of the template's.
+  c.data.fields = ml_collections.ConfigDict(dict(question="question", answer="answer", system="system"))
+  c.data.family = "qa"  # answers of those records: qa (math equivalence or exact match) | math (equivalence only)
   c.data.prompts_per_step = 64  # train_batch_size, in prompts
   c.data.seed = 0
   c.data.shuffle = True
@@ -63,10 +77,22 @@ def base_config() -> ml_collections.ConfigDict:
   c.tools.python_memory_mb = 1024
   c.tools.python_max_output = 4096
   c.tools.allow_unsandboxed = False
-  c.tools.search_backend = "local"  # local (BM25 over a corpus) | cache (ARPO search_cache.json) | http
+  # local (BM25 over search_corpus) | retrieval (a retrieval server at search_url) | replay (the query -> result
+  # cache in search_corpus, default ARPO's search_cache.json) | serper | brave | bing (web APIs, key in
+  # $SERPER_API_KEY / $BRAVE_API_KEY / $BING_API_KEY)
+  c.tools.search_backend = "local"
   c.tools.search_url = ""
   c.tools.search_corpus = ""  # '' = the task suite's generated corpus
   c.tools.search_topk = 10
+  # snippets: the result is the hits' `Page i: <snippet>` lines (the training tool, spec §4) | browse: the evaluation's
+  # SDS browser (spec §2.5): the hits' pages are fetched from tools.browse.pages and an LLM at
+  # tools.browse.summarizer_url (any OpenAI-compatible server) condenses them into the result.
+  c.tools.search_mode = "snippets"
+  # pages: a directory of page files or a corpus JSONL ('' = tools.search_corpus); max_pages: hits fetched per
+  # query; page_chars: characters of each page shown to the summariser; live: fetch a hit's http(s) URL that the
+  # store lacks (off: the snippet stands in for it).
+  c.tools.browse = ml_collections.ConfigDict(dict(pages="", summarizer_url="", summarizer_model="", max_pages=10,
+                                                  page_chars=5000, live=False))
   c.tools.call_limit = 6
   c.tools.retry_count = 4
   c.tools.max_workers = 64
@@ -78,8 +104,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.beam_size = 2
   c.rollout.branch_probability = 0.5
   c.rollout.entropy_weight = 0.2
-  c.rollout.entropy_estimator = "official"  # official (top-k truncated, spec §1.2.2.2) | exact (full vocab)
-  c.rollout.mode = "corrected"  # corrected | faithful (reproduce the official quirks, spec §5)
+  # exact (the paper: full-vocabulary entropy, mean over the window) | official (the code: top-k truncated entropy
+  # summed over the window / ln|V|, spec §1.2 2.2)
+  c.rollout.entropy_estimator = "exact"
+  # corrected (ours: per-trajectory initial entropy, decision after the tool result) | faithful (the code's quirks
+  # Q1 and the one-call lag, spec §1.2, §5)
+  c.rollout.mode = "corrected"
   c.rollout.entropy_window = 20
   c.rollout.topk_entropy = 10
   c.rollout.consecutive_penalty = 0.05  # slope of P̂(l) = slope·l (spec §2.1)
@@ -92,10 +122,24 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0  # 0 = off (verl's -1)
+  # Sampler extras (vLLM semantics; training scripts: off). repetition_penalty: logits of every token already in the
+  # row (prompt, generated, tool results) divided by it when positive, multiplied when negative; 1 = off.
+  # min_p: keep tokens with probability >= min_p x the top one; 0 = off. The evaluation protocol uses 1.1 and 0.
+  c.rollout.repetition_penalty = 1.0
+  c.rollout.min_p = 0.0
   c.rollout.max_slots = 0  # 0 = prompts_per_step * n
   c.rollout.decode_chunk = 32
+  # Each host rolls out its own prompts on its own devices, independently of the other hosts: the policy weights
+  # are copied once per RL step from the training mesh onto this per-host mesh (-1 once: the rest of the host's
+  # devices), in rollout.dtype ('' = model.dtype: bfloat16 on accelerators, float32 on CPU).
+  c.rollout.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, tensor=-1))
+  c.rollout.dtype = ""
+  c.rollout.prefill_chunk = 256  # tokens per prefill/extend call and row
+  c.rollout.prefill_rows = 16  # rows per prefill/extend call (bounds its activations and KV window)
 
-  c.reward = ml_collections.ConfigDict(dict(name="deep_research", format="strict"))
+  # timeout_s: wall time per response in a scoring worker (math-verify on a hostile answer can run for minutes);
+  # past it the response scores 0 and the step goes on.
+  c.reward = ml_collections.ConfigDict(dict(name="deep_research", format="strict", timeout_s=10.0))
 
   c.algo = ml_collections.ConfigDict()
   c.algo.advantage = "grpo"
@@ -105,6 +149,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.algo.clip_high = 0.2
   c.algo.clip_c = 3.0  # dual clip; 0 = off
   c.algo.agg = "token-mean"
+  # How micro-batch losses combine under gradient accumulation: global (ours: one token-mean over the whole
+  # mini-batch, as one big batch) | verl (the code: each micro-batch's own mean, weighted by its share of the
+  # sequences; use_dynamic_bsz, spec §1.5, §5 item 10).
+  c.algo.aggregation = "global"
+  # Credit for a prefix shared by branches (spec §1.4): soft (the code: GRPO on every trajectory, the prefix
+  # repeated per copy) | hard (the paper's option: each shared prefix token gets the mean advantage of the
+  # trajectories that share it).
+  c.algo.attribution = "soft"
   c.algo.entropy_advantage_coef = 0.2  # paper's full method; 0 reproduces the released runs (spec §2.3)
   c.algo.preserve_high_clip_grad = True
   # KL to the reference (the RL start): a loss term (coef > 0), or with use_in_reward a token-level reward
@@ -150,7 +202,11 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = False
-  c.sft.source = "suite"  # 'suite' (bundled traces), a JSONL of chat traces, or 'synthetic' (tests)
+  # 'suite' (the generated suite's demonstrations), 'synthetic' (tests), or a .jsonl / .parquet file (local or gs://,
+  # read as a stream) of chat traces in LLaMA-Factory's alpaca (instruction/input/output) or sharegpt
+  # (conversations / messages) form; tool results inside an assistant turn (<result>...</result>) get no loss
+  # (docs/data.md). Traces longer than max_len are cut there (LLaMA-Factory's cutoff_len; the papers use 15,000).
+  c.sft.source = "suite"
   c.sft.steps = 100
   c.sft.lr = 7e-6  # AEPO cold start: 7e-6, cosine, warm-up 0.1 (spec §2.4)
   c.sft.schedule = "cosine"
@@ -170,6 +226,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.temperature = 0.0  # greedy, n = 1 (ARPO validation)
   c.eval.max_response_len = 0  # 0 = rollout.max_response_len
   c.eval.batch_size = 0  # prompts per evaluation rollout; 0 = data.prompts_per_step
+  # An LLM judge (any OpenAI-compatible server: base URL and model) for the QA and deep-search validation sets,
+  # OR'ed with math equivalence as in the evaluation protocol (spec §2.5); '' = math equivalence / exact match only.
+  c.eval.judge_url = ""
+  c.eval.judge_model = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 10
@@ -179,6 +239,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.async_save = True
   c.checkpoint.ocdbt = True  # Orbax's OCDBT format (few files); False = one zarr per array (storage emulators)
   c.checkpoint.compression = True  # zstd (Orbax's default); False: ~20% larger, ~4x less CPU per save (small hosts)
+  # A checkpoint whose files or arrays differ from their checksums at save, or hold NaN/inf: 'fallback' moves it
+  # aside (<step>.damaged) and resumes from the newest intact step; 'stop' names it and the intact step, and stops.
+  c.checkpoint.on_corrupt = "fallback"
+  # A multi-host run needs a workdir every host sees (gs://...). A local path is refused unless it is shared
+  # storage mounted at the same path on every host (NFS, Filestore, or several processes on one machine).
+  c.checkpoint.shared_workdir = False
 
   c.metrics = ml_collections.ConfigDict(dict(jsonl=True, tensorboard=True, histograms=True, progress=True))
   c.lock()
@@ -246,21 +312,34 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict:
   return sizes
 
 
+def _choices(config) -> list:
+  """(key, value, known names) for every key whose choices a registry or a part's own table holds."""
+  from aepo_jax import objectives, tools
+  from aepo_jax.rollout import policies
+  from aepo_jax.train._step import AGGREGATIONS
+  r, a = config.rollout, config.algo
+  return [("algo.loss", a.loss, objectives.list_policy_losses()),
+          ("algo.advantage", a.advantage, objectives.list_advantages()),
+          ("algo.kl.name", a.kl.name, objectives.list_kl_estimators()),
+          ("algo.agg", a.agg, objectives.AGG_MODES),
+          ("algo.aggregation", a.aggregation, AGGREGATIONS),
+          ("algo.attribution", a.attribution, objectives.ATTRIBUTIONS),
+          ("rollout.policy", r.policy, policies.rollout_policy_names()),
+          ("rollout.entropy_estimator", r.entropy_estimator, policies.ESTIMATORS),
+          ("rollout.mode", r.mode, policies.MODES),
+          ("tools.search_mode", config.tools.search_mode, tools.SEARCH_MODES)]
+
+
 def _registry_errors(config) -> list[str]:
-  """Loss / advantage / KL / rollout-policy names, checked against the registries (imported lazily)."""
+  """Every name-valued key checked against the registry or table that defines it (imported lazily)."""
   errs = []
   try:
-    from aepo_jax import objectives
-    tables = (("algo.loss", objectives.list_policy_losses()),
-              ("algo.advantage", objectives.list_advantages()),
-              ("algo.kl.name", objectives.list_kl_estimators()))
+    table = _choices(config)
   except (ImportError, AttributeError) as e:  # a partial install: say so, the trainer will fail on lookup
-    logging.warning("config: cannot check algo.loss/advantage/kl names (aepo_jax.objectives: %s)", e)
+    logging.warning("config: cannot check the registered names (%s)", e)
     return []
-  for key, names in tables:
-    value = config[key.split(".")[0]]
-    for part in key.split(".")[1:]:
-      value = value[part]
+  for key, value, names in table:
+    names = list(names)
     if value not in names:
       close = difflib.get_close_matches(str(value), names, n=1)
       errs.append(f"{key}={value!r} is not registered" + (f"; did you mean {close[0]!r}?" if close else "")
@@ -275,6 +354,11 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
   errs += _model_override_errors(config)
   r, a, t, s, d = config.rollout, config.algo, config.train, config.sft, config.data
+  sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+           "max_position_embeddings")
+  for k, v in config.model.overrides.items():  # a non-positive size fails only deep inside model init, or not at all
+    if k in sizes and not (isinstance(v, int) and v >= 1):
+      errs.append(f"model.overrides.{k}={v!r}: must be a positive integer.")
 
   def need(ok, msg):
     if not ok:
@@ -285,30 +369,40 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   for k in ("dtype", "param_dtype"):
     need(config.model[k] in ("float32", "bfloat16", "float16"),
          f"model.{k}={config.model[k]!r}: use float32, bfloat16 or float16.")
-  need(r.policy in ROLLOUT_POLICIES, f"rollout.policy={r.policy!r}: choose one of {ROLLOUT_POLICIES}.")
   need(r.n >= 1, f"rollout.n={r.n}: the group size must be >= 1.")
   need(1 <= r.initial_rollouts <= r.n,
        f"rollout.initial_rollouts={r.initial_rollouts} must lie in [1, rollout.n={r.n}]; lower it or raise rollout.n.")
   need(r.beam_size >= 1, f"rollout.beam_size={r.beam_size}: must be >= 1.")
   need(0.0 <= r.branch_probability <= 1.0, f"rollout.branch_probability={r.branch_probability}: must be in [0, 1].")
-  need(r.entropy_estimator in ("exact", "official"),
-       f"rollout.entropy_estimator={r.entropy_estimator!r}: use 'exact' or 'official'.")
-  need(r.mode in ("corrected", "faithful"), f"rollout.mode={r.mode!r}: use 'corrected' or 'faithful'.")
   need(r.entropy_window >= 1 and r.topk_entropy >= 1, "rollout.entropy_window and rollout.topk_entropy must be >= 1.")
   need(r.consecutive_penalty >= 0, f"rollout.consecutive_penalty={r.consecutive_penalty}: must be >= 0.")
   need(r.max_prompt_len >= 1 and r.max_response_len >= 1, "rollout.max_prompt_len / max_response_len must be >= 1.")
   need(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0.")
   need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1].")
   need(r.top_k >= 0, f"rollout.top_k={r.top_k}: use 0 for off (not -1).")
+  need(r.repetition_penalty > 0 and math.isfinite(r.repetition_penalty),
+       f"rollout.repetition_penalty={r.repetition_penalty}: must be a finite number > 0 (1 = off; the evaluation "
+       "protocol uses 1.1).")
+  need(0.0 <= r.min_p <= 1.0, f"rollout.min_p={r.min_p}: must be in [0, 1] (0 = off).")
   need(r.max_slots == 0 or r.max_slots >= r.n, f"rollout.max_slots={r.max_slots}: 0 (auto) or at least rollout.n={r.n}.")
+  need(config.reward.timeout_s > 0, f"reward.timeout_s={config.reward.timeout_s}: must be > 0 (seconds per response).")
   need(r.decode_chunk >= 1, f"rollout.decode_chunk={r.decode_chunk}: must be >= 1.")
+  need(r.prefill_chunk >= 16 and r.prefill_rows >= 1,
+       f"rollout.prefill_chunk={r.prefill_chunk} must be >= 16 and rollout.prefill_rows={r.prefill_rows} >= 1.")
+  need(r.dtype in ("", "float32", "bfloat16", "float16"),
+       f"rollout.dtype={r.dtype!r}: use '' (= model.dtype), float32, bfloat16 or float16.")
+  rm = [int(r.mesh[k]) for k in ("data", "fsdp", "tensor")]
+  need(all(v >= 1 or v == -1 for v in rm) and rm.count(-1) <= 1,
+       f"rollout.mesh={dict(r.mesh)}: positive sizes, at most one -1 (the rest of a host's devices).")
 
   need(0 <= a.clip_low < 1 or (a.loss == "cispo" and a.clip_low <= 1),
        f"algo.clip_low={a.clip_low}: must be in [0, 1) (the lower bound is 1 - clip_low).")
   need(a.clip_high > 0, f"algo.clip_high={a.clip_high}: must be > 0 (the upper bound is 1 + clip_high).")
   need(a.clip_c == 0 or a.clip_c > 1, f"algo.clip_c={a.clip_c}: the dual clip must be > 1, or 0 for off.")
-  need(a.agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-       f"algo.agg={a.agg!r}: use token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm.")
+  # The RL step does not pass the branching tree to the advantage yet (_wiring.advantage_fn(tree=...)).
+  need(a.attribution != "hard" or config.mode == "sft",
+       "algo.attribution='hard' is not wired into the RL step yet (objectives.hard_attribution and "
+       "_wiring.advantage_fn(tree=...) exist); use 'soft'.")
   need(a.entropy_advantage_coef >= 0, f"algo.entropy_advantage_coef={a.entropy_advantage_coef}: must be >= 0.")
   need(a.entropy_advantage_coef == 0 or a.loss == "aepo",
        f"algo.entropy_advantage_coef={a.entropy_advantage_coef} only acts with algo.loss='aepo' "
@@ -322,6 +416,18 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(a.overlong_buffer < r.max_response_len,
        f"algo.overlong_buffer={a.overlong_buffer} must be smaller than rollout.max_response_len={r.max_response_len}.")
 
+  tc, b = config.tools, config.tools.browse
+  if tc.search_mode == "browse":
+    need(bool(b.summarizer_url) and bool(b.summarizer_model),
+         "tools.search_mode='browse' needs tools.browse.summarizer_url (an OpenAI-compatible base URL, e.g. "
+         "http://127.0.0.1:8000/v1) and tools.browse.summarizer_model.")
+    need(bool(b.pages or tc.search_corpus or b.live),
+         "tools.search_mode='browse' needs a page store: tools.browse.pages (a directory or a corpus JSONL) or "
+         "tools.search_corpus, or tools.browse.live=True.")
+    need(b.max_pages >= 1 and b.page_chars >= 1,
+         f"tools.browse.max_pages={b.max_pages} and tools.browse.page_chars={b.page_chars} must be >= 1.")
+  need(bool(config.eval.judge_url) == bool(config.eval.judge_model),
+       "eval.judge_url and eval.judge_model go together (the OpenAI-compatible base URL and the model name).")
   o = config.optim
   need(o.lr > 0, f"optim.lr={o.lr}: must be > 0.")
   need(o.schedule in ("constant", "cosine", "linear"), f"optim.schedule={o.schedule!r}: constant, cosine or linear.")
@@ -346,6 +452,8 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
        f"train.logit_fraction={t.logit_fraction}: must be in [0, 1] (0: the LM head at every position).")
   if s.enabled or config.mode == "sft":
     need(s.steps >= 1, f"sft.steps={s.steps}: must be >= 1 when SFT runs.")
+    need(s.batch_size >= 1, f"sft.batch_size={s.batch_size}: demonstrations per step must be >= 1.")
+    need(s.max_len >= 2, f"sft.max_len={s.max_len}: tokens per row must be >= 2 (a token and its target).")
     if s.packed_rows:
       need(0 < s.packed_rows <= s.batch_size and s.micro_batch_size >= 1 and s.packed_rows % s.micro_batch_size == 0,
            f"sft.packed_rows={s.packed_rows}: must be in [1, sft.batch_size={s.batch_size}] and a multiple of "
@@ -355,6 +463,9 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
            f"sft.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={s.batch_size}.")
     need(s.lr > 0 and 0 <= s.warmup_frac < 1, "sft.lr must be > 0 and sft.warmup_frac in [0, 1).")
     need(s.schedule in ("constant", "cosine", "linear"), f"sft.schedule={s.schedule!r}: constant, cosine or linear.")
+    need(s.source in ("suite", "synthetic") or str(s.source).lower().endswith((".jsonl", ".parquet")),
+         f"sft.source={s.source!r}: use 'suite', 'synthetic' or a .jsonl / .parquet file of chat traces (local or "
+         "gs://; docs/data.md).")
   su, ev = d.suite, config.eval
   need(0.0 <= su.tool_demo_fraction <= 1.0,
        f"data.suite.tool_demo_fraction={su.tool_demo_fraction}: the share of tool-using demos must be in [0, 1].")
@@ -366,6 +477,7 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   ck = config.checkpoint
   need(ck.every_steps >= 1 and ck.keep >= 1, "checkpoint.every_steps and checkpoint.keep must be >= 1.")
   need(ck.best_mode in ("max", "min"), f"checkpoint.best_mode={ck.best_mode!r}: 'max' or 'min'.")
+  need(ck.on_corrupt in ("fallback", "stop"), f"checkpoint.on_corrupt={ck.on_corrupt!r}: 'fallback' or 'stop'.")
   need(bool(config.workdir), "workdir is empty: set --config.workdir=/path or gs://bucket/path.")
   if num_devices is not None:
     try:
@@ -378,7 +490,7 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
         errs.append(f"sft.micro_batch_size={s.micro_batch_size} must be a multiple of mesh.data*mesh.fsdp={dp}.")
     except ConfigError as e:
       errs.append(str(e))
-  if check_registries and config.mode != "sft":
+  if check_registries:
     errs += _registry_errors(config)
   if errs:
     raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
@@ -392,13 +504,27 @@ def load_config(path: str, arg: Optional[str] = None, overrides: Optional[dict] 
   """Load `configs/x.py` (its `get_config(arg)`), apply {'rollout.n': 8, ...} overrides, validate."""
   if not os.path.exists(path):
     raise ConfigError(f"config file {path!r} does not exist; see configs/ for the available experiments.")
-  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = _import_file(path)
   config = module.get_config(arg) if arg is not None else module.get_config()
   for key, value in (overrides or {}).items():
     set_key(config, key, value)
   return validate(config, **validate_kw)
+
+
+def _import_file(path: str):
+  spec = importlib.util.spec_from_file_location(f"configs_{os.path.splitext(os.path.basename(path))[0]}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def load_sibling(config_file: str, name: str):
+  """The module configs/<name>.py beside `config_file` (an experiment's `__file__`), imported by path: configs/ is a
+  folder of files, not a package. `common = load_sibling(__file__, "common")` is how experiments share settings."""
+  path = os.path.join(os.path.dirname(os.path.abspath(config_file)), f"{name}.py")
+  if not os.path.exists(path):
+    raise ConfigError(f"{config_file}: load_sibling({name!r}) found no {path}.")
+  return _import_file(path)
 
 
 def set_key(config, dotted: str, value):

@@ -10,9 +10,13 @@ Only process 0 writes; the other hosts of a pod get a no-op writer.
 """
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import math
 import os
+import shutil
+import tempfile
 import time
 from typing import Iterable, Mapping, Optional
 
@@ -101,11 +105,32 @@ class JsonlWriter(MetricWriter):
 
 
 class TensorboardWriter(MetricWriter):
-  """tensorboardX event files under `<logdir>/tb` (imported lazily: choosing JSONL never needs it)."""
+  """tensorboardX event files under `<logdir>/tb` (imported lazily: choosing JSONL never needs it).
 
-  def __init__(self, logdir: str):
+  On a gs:// logdir the events go to a local staging directory and are copied to `<logdir>/tb` on flush (at most
+  every `upload_every_s`) and on close. An event file that reaches `rotate_bytes` is closed, copied a last time
+  and replaced by a new one, so a copy never re-sends more than that. The staging directory is removed on close,
+  or at exit when the run dies before closing (then up to `upload_every_s` of events are lost).
+  """
+
+  def __init__(self, logdir: str, *, upload_every_s: float = 60.0, rotate_bytes: int = 16 << 20):
+    self._remote = str(logdir).startswith("gs://")
+    self._dest = epath.Path(logdir) / "tb"
+    if self._remote:
+      self._dir = tempfile.mkdtemp(prefix="aepo_jax_tb_")
+      atexit.register(self.close)
+    else:
+      self._dir = os.path.join(logdir, "tb")
+    self._upload_every_s, self._rotate_bytes = upload_every_s, rotate_bytes
+    self._uploaded: dict[str, int] = {}  # file name -> size last copied
+    self._last_upload, self._files, self._tb = time.monotonic(), 0, None
+    self._open()
+
+  def _open(self):
     from tensorboardX import SummaryWriter
-    self._tb = SummaryWriter(logdir=os.path.join(logdir, "tb"), flush_secs=30)
+    # The suffix keeps rotated files of the same second apart (tensorboardX names files by time and host).
+    self._tb = SummaryWriter(logdir=self._dir, flush_secs=30, filename_suffix=f".{self._files}")
+    self._files += 1
 
   def scalars(self, step, values):
     for k, v in values.items():
@@ -120,11 +145,47 @@ class TensorboardWriter(MetricWriter):
       if x.size:
         self._tb.add_histogram(k, x, int(step), bins=bins)
 
+  def _upload(self) -> None:
+    """Copy every new or grown local event file to the bucket; drop closed files once copied."""
+    for name in sorted(os.listdir(self._dir)):
+      local = os.path.join(self._dir, name)
+      size = os.path.getsize(local)
+      if self._uploaded.get(name) != size:
+        with open(local, "rb") as src, (self._dest / name).open("wb") as dst:
+          shutil.copyfileobj(src, dst, 1 << 20)
+        self._uploaded[name] = size
+    self._last_upload = time.monotonic()
+
   def flush(self):
     self._tb.flush()
+    if not self._remote or time.monotonic() - self._last_upload < self._upload_every_s:
+      return
+    try:
+      # The staging directory holds only the open file: rotated ones are removed once copied.
+      if any(os.path.getsize(os.path.join(self._dir, n)) >= self._rotate_bytes for n in os.listdir(self._dir)):
+        self._tb.close()
+        try:
+          self._upload()
+          for name in os.listdir(self._dir):
+            os.remove(os.path.join(self._dir, name))
+        finally:
+          self._open()
+      else:
+        self._upload()
+    except OSError as e:  # the bucket may be unreachable for a moment; the next flush copies again
+      logging.getLogger("aepo_jax.train").warning("TensorBoard copy to %s failed: %s", self._dest, e)
 
   def close(self):
+    if self._tb is None:
+      return
     self._tb.close()
+    self._tb = None
+    if self._remote:
+      atexit.unregister(self.close)
+      try:
+        self._upload()
+      finally:
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class MultiWriter(MetricWriter):
@@ -149,20 +210,14 @@ class MultiWriter(MetricWriter):
 
 
 def create_writer(workdir: str, metrics_cfg=None, *, process_index: int = 0) -> MetricWriter:
-  """JSONL (+ TensorBoard) writers for process 0; a no-op MetricWriter elsewhere.
-
-  TensorBoard event files on a gs:// workdir would need TensorFlow's file system; they go to a local
-  `/tmp/aepo_jax_tb/<bucket path>` instead (the JSONL stays in the workdir).
-  """
+  """JSONL (+ TensorBoard, `<workdir>/tb`, also on gs://) writers for process 0; a no-op MetricWriter elsewhere."""
   if process_index != 0:
     return MetricWriter()
   jsonl = True if metrics_cfg is None else metrics_cfg.get("jsonl", True)
   tb = False if metrics_cfg is None else metrics_cfg.get("tensorboard", False)
   writers: list[MetricWriter] = [JsonlWriter(workdir)] if jsonl else []
   if tb:
-    logdir = workdir if not str(workdir).startswith("gs://") else os.path.join(
-        "/tmp/aepo_jax_tb", str(workdir)[len("gs://"):])
-    writers.append(TensorboardWriter(logdir))
+    writers.append(TensorboardWriter(workdir))
   return MultiWriter(writers)
 
 

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from aepo_jax import objectives
 from aepo_jax.model import (ModelConfig, forward_hidden, param_logical_axes, param_shapes, resolve_attention_impl,
                             unembed_matrix)
-from aepo_jax.parallel import DEFAULT_RULES, logical_sharding, make_mesh
+from aepo_jax.parallel import DEFAULT_RULES, logical_sharding, make_mesh, sharding_context
 from aepo_jax.train._batch import batch_sharding
 from aepo_jax.train._optim import current_lr
 
@@ -141,7 +141,8 @@ def make_logprob_fn(model_config: ModelConfig, mesh: Optional[Mesh] = None, rule
     return _unshift(logp), _unshift(ent)
 
   def fn(params, tokens, attention_mask):
-    return jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask))
+    with sharding_context(mesh, rules):  # the model's activation constraints take effect while tracing
+      return jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask))
 
   return jax.jit(fn, in_shardings=(p_sh, b_sh, b_sh), out_shardings=(b_sh, b_sh))
 
@@ -191,6 +192,10 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
   grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
   def step(params, opt_state, batch):
+    with sharding_context(mesh, rules):  # the model's activation constraints take effect while tracing
+      return _step(params, opt_state, batch)
+
+  def _step(params, opt_state, batch):
     m_count = batch["tokens"].shape[0]
     if m_count != micro_batches:
       raise ValueError(f"batch has {m_count} micro-batches but the step was built with micro_batches="

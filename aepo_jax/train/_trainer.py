@@ -31,11 +31,27 @@ class TrainingError(RuntimeError):
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop saves at the end of the step and returns (spec: TPU preemption)."""
+  """SIGTERM sets a flag; the loop saves at the end of the step and returns (spec: TPU preemption).
+
+  On several hosts the hosts agree (`agreed(step)`, once per step on every host): JAX's preemption sync point
+  (the coordination service's notice, when JAX's own handler sees the signal) or-ed with this host's flag
+  gathered from every host, so every host saves the same step even when only one of them was signalled."""
 
   def __init__(self):
     self.requested = False
     self._old = None
+
+  def agreed(self, step: int) -> bool:
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    try:
+      synced = multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # the preemption service is off (jax_enable_preemption_service)
+      synced = False
+    flags = multihost_utils.process_allgather(np.asarray([self.requested or synced], np.int32))
+    self.requested = bool(np.any(flags))
+    return self.requested
 
   def __enter__(self):
     try:
@@ -60,7 +76,11 @@ def run(config, *, mode: Optional[str] = None) -> dict:
   # Config, work directory, writers.
   # ---------------------------------------------------------------------------------------------------
   _config.validate(config, num_devices=jax.device_count())
+  from aepo_jax.train import _preflight
+  _preflight.check(config, probe=True)  # files, model, tokenizer, backends, URLs; a retrieval server's /health
+  _check_sandbox(config, mode)  # before SFT: a sandbox that cannot start would otherwise fail only at RL
   workdir = config.workdir
+  _check_shared_workdir(config)
   _checkpoint.check_writable(workdir)
   is_chief = jax.process_index() == 0
   if is_chief:
@@ -72,12 +92,12 @@ def run(config, *, mode: Optional[str] = None) -> dict:
   # Mesh, model, tokenizer.
   # ---------------------------------------------------------------------------------------------------
   mesh = make_mesh(_config.mesh_shape(config.mesh, jax.device_count()))
-  model_cfg, host_params, tokenizer = _wiring.load_model(config)
+  _check_batch_split(config, mesh)
+  model_cfg, params, tokenizer = _wiring.load_model(config, mesh)  # straight onto the mesh, in shards
   log.info("model %s: %.1fM parameters, mesh %s", config.model.name, model_cfg.num_params / 1e6, dict(mesh.shape))
   summary: dict = {}
 
   with _Preemption() as preempt:
-    params = host_params
     rl_ckpt = _make_checkpointer(config, "rl")
     rl_started = rl_ckpt.latest_step() is not None
     # -------------------------------------------------------------------------------------------------
@@ -103,6 +123,42 @@ def run(config, *, mode: Optional[str] = None) -> dict:
   return summary
 
 
+def _check_sandbox(config, mode: str) -> None:
+  if mode == "sft" or "python" not in tuple(config.tools.names):
+    return
+  from aepo_jax import tools
+  isolation = tools.check_sandbox(allow_unsandboxed=config.tools.allow_unsandboxed)
+  log.info("python tool sandbox: %s", isolation)
+
+
+def _check_shared_workdir(config) -> None:
+  """Every host writes checkpoints (and reads them back) in the workdir: a host-local path would split them."""
+  if jax.process_count() > 1 and not str(config.workdir).startswith("gs://") and not config.checkpoint.shared_workdir:
+    raise _config.ConfigError(
+        f"workdir={config.workdir!r} is a local path but this run has {jax.process_count()} hosts, which must all "
+        "see the same checkpoints: use gs://BUCKET/path, or set --config.checkpoint.shared_workdir=True if the path "
+        "is storage mounted on every host (NFS, Filestore; or processes on one machine).")
+
+
+def _check_batch_split(config, mesh) -> None:
+  """Each host contributes the same number of rows to every micro-batch (its trajectories, padded)."""
+  n = jax.process_count()
+  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  if n > 1 and config.mode != "sft" and config.data.prompts_per_step < n:
+    raise _config.ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} is smaller than the {n} hosts; "
+                              f"every host rolls out at least one prompt per step: use at least {n}.")
+  checks = []
+  if config.mode != "sft":
+    checks.append(("train.micro_batch_size", config.train.micro_batch_size))
+  if config.sft.enabled or config.mode == "sft":
+    checks.append(("sft.micro_batch_size", config.sft.packed_rows or config.sft.micro_batch_size))
+  for key, mb in checks:
+    if n > 1 and (mb % n or (mb // n) % max(rows // n, 1)):
+      raise _config.ConfigError(
+          f"{key}={mb} must split into equal shares for the {n} hosts, each a multiple of the host's "
+          f"{max(rows // n, 1)} data-parallel devices; use a multiple of {n * max(rows // n, 1)}.")
+
+
 def _make_checkpointer(config, phase: str) -> _checkpoint.Checkpointer:
   ck = config.checkpoint
   return _checkpoint.Checkpointer(
@@ -111,16 +167,9 @@ def _make_checkpointer(config, phase: str) -> _checkpoint.Checkpointer:
       ocdbt=ck.ocdbt, compression=ck.compression)
 
 
-def _process_rows(batch_np: dict) -> dict:
-  """This process's contiguous share of every micro-batch (`shard_batch` assembles the global array)."""
-  p, n = jax.process_index(), jax.process_count()
-  if n == 1:
-    return batch_np
-  return {k: np.split(v, n, axis=1)[p] for k, v in batch_np.items()}
-
-
-def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=False):
-  """(params, opt_state, rng key data, start step, meta, start params) from the latest checkpoint, or a fresh start.
+def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=False, on_corrupt=None):
+  """(params, opt_state, rng key data, start step, meta, start params) from the newest intact checkpoint, or a
+  fresh start. A damaged newer checkpoint is named and moved aside, or stops the run (checkpoint.on_corrupt).
 
   start params: with keep_start, a copy of the given (sharded) parameters, e.g. the RL start as the KL
   reference (a copy: the update step donates the parameters it is given); else None.
@@ -128,10 +177,10 @@ def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=F
   params, opt_state = _step.init_train_state(model_cfg, params, optimizer, mesh)
   start_params = jax.tree.map(lambda x: x.copy(), params) if keep_start else None
   rng = np.asarray(jax.random.key_data(jax.random.key(seed)))
-  step = ckpt.latest_step()
+  step, state, meta = ckpt.restore_newest_intact({"params": params, "opt_state": opt_state, "rng": rng}, config,
+                                                 on_corrupt=on_corrupt or config.checkpoint.on_corrupt)
   if step is None:
     return params, opt_state, rng, 0, {}, start_params
-  state, meta = ckpt.restore(step, {"params": params, "opt_state": opt_state, "rng": rng}, config)
   log.info("resumed %s from step %d", ckpt.directory, step)
   return state["params"], state["opt_state"], np.asarray(state["rng"]), step, meta, start_params
 
@@ -148,7 +197,9 @@ def _sft_final_params(config, model_cfg, params, mesh):
     log.warning("RL resumes with a KL reference but %s holds no SFT checkpoint; the reference is the "
                 "model as loaded (model.name), not the SFT result.", ckpt.directory)
     return params
-  params, *_ = _resume(ckpt, config, model_cfg, params, _sft_optimizer(config), mesh, config.sft.seed)
+  # 'stop': an earlier SFT step as the KL reference would silently change the experiment.
+  params, *_ = _resume(ckpt, config, model_cfg, params, _sft_optimizer(config), mesh, config.sft.seed,
+                       on_corrupt="stop")
   ckpt.close()
   return params
 
@@ -217,7 +268,7 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
         raise
       raise ValueError(f"SFT step {step + 1}: {e}. Raise sft.packed_rows (at most sft.batch_size="
                        f"{s.batch_size}) or sft.max_len={s.max_len}, or set sft.packed_rows=0.") from e
-    params, opt_state, m = sft_step(params, opt_state, _batch.shard_batch(_process_rows(batch), mesh))
+    params, opt_state, m = sft_step(params, opt_state, _batch.shard_batch(_batch.process_rows(batch), mesh))
     step += 1
     m = jax.device_get(m)
     nan_count = _check_finite(m, nan_count, config.train.nan_limit, step)
@@ -228,10 +279,11 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
       writer.flush()
     bar.update(1)
     bar.set_postfix(nll=f"{float(m.get('sft/nll', float('nan'))):.3f}")
-    if step % config.checkpoint.every_steps == 0 or step == s.steps or preempt.requested:
-      _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg, {"phase": "sft", "nan_count": nan_count},
-            force=preempt.requested)
-    if preempt.requested:
+    stop = preempt.agreed(step)  # every host sees the same answer at the same step
+    if step % config.checkpoint.every_steps == 0 or step == s.steps or stop:
+      _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg,
+            {"phase": "sft", "nan_count": nan_count}, force=stop)
+    if stop:
       break
   bar.close()
   ckpt.close()
@@ -258,7 +310,7 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   nan_count = int(meta.get("nan_count", 0))
 
   tools = _wiring.make_toolset(config)
-  rollout = _wiring.make_rollout(config, model_cfg, tokenizer, tools, mesh)
+  rollout = _wiring.make_rollout(config, model_cfg, tokenizer, tools)  # on this host's own devices
   reward_fn = _wiring.make_reward(config)
   adv_fn = _wiring.advantage_fn(config)
   pad_id = _wiring.pad_id(model_cfg, tokenizer)
@@ -269,11 +321,15 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
       kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
       logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
-      saved_logits_mb=t.saved_logits_mb)
+      saved_logits_mb=t.saved_logits_mb, aggregation=a.aggregation)
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
 
+  eval_rollout = []  # built on first use
+
   def evaluate(step):
-    ev = _wiring.evaluate(config, model_cfg, params, tokenizer, tools, mesh)
+    if not eval_rollout:
+      eval_rollout.append(_wiring.make_eval_rollout(config, model_cfg, tokenizer, tools))
+    ev = _wiring.evaluate(config, eval_rollout[0], params)
     writer.scalars(step, ev)
     writer.flush()
     return ev
@@ -291,17 +347,22 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     key, rollout_key = jax.random.split(key)
     rng = np.asarray(jax.random.key_data(key))
     # -- rollouts and rewards (DAPO dynamic sampling may generate several batches) --------------------------
-    traj, prompts, rewards_b, gen_metrics = _generate(config, loader, rollout, reward_fn, params, rollout_key,
+    with timer("rollout"):
+      weights = rollout.weights(params)  # the policy on this host's rollout devices (once per step)
+    traj, prompts, rewards_b, gen_metrics = _generate(config, loader, rollout, reward_fn, weights, rollout_key,
                                                       pad_id, timer)
+    del weights  # the rollout copy is not kept through the update
     with timer("reward"):
+      # Every host's trajectories on every host: from here on all hosts build the same global batch.
+      traj, rewards_b = _batch.gather_trajectories(traj, rewards_b, pad_id=pad_id)
       adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt)))
     # -- old / reference log-probs (recomputed by the trainer, spec §1.5) ------------------------------------
     with timer("logprob"):
-      # Each host rolled out its own prompts, so it holds micro_batch_size / processes rows of each micro-batch.
-      local_mb = t.micro_batch_size // jax.process_count()
-      batch_np = _batch.trajectories_batch(traj, adv_bt, micro_batch_size=local_mb, pad_id=pad_id,
-                                           seq_len=seq_len, rows_multiple=local_mb * mb_per_update)
-      batch = _batch.shard_batch(batch_np, mesh)
+      # The global batch in micro-batches as one host would build it; this host feeds its share of each.
+      rows_multiple = t.micro_batch_size * mb_per_update
+      batch_np = _batch.trajectories_batch(traj, adv_bt, micro_batch_size=t.micro_batch_size, pad_id=pad_id,
+                                           seq_len=seq_len, rows_multiple=rows_multiple)
+      batch = _batch.shard_batch(_batch.process_rows(batch_np), mesh)
       batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"])
       if ref_params is not None:
         batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"])
@@ -311,9 +372,9 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       with timer("reward"):
         adv_bt, kl_metrics = _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh)
         adv_np = _batch.micro_batches(  # the same row layout as the batch; only the advantages are new
-            {"tokens": traj.tokens_bt, "advantages": adv_bt}, micro_batch_size=local_mb, pad_id=pad_id,
-            seq_len=seq_len, rows_multiple=local_mb * mb_per_update)["advantages"]
-        batch["advantages"] = _batch.shard_batch({"advantages": adv_np}, mesh)["advantages"]
+            {"tokens": traj.tokens_bt, "advantages": adv_bt}, micro_batch_size=t.micro_batch_size, pad_id=pad_id,
+            seq_len=seq_len, rows_multiple=rows_multiple)["advantages"]
+        batch["advantages"] = _batch.shard_batch(_batch.process_rows({"advantages": adv_np}), mesh)["advantages"]
         gen_metrics.update(kl_metrics)
     # -- updates: ppo_epochs x mini-batches --------------------------------------------------------------------
     with timer("update"):
@@ -348,11 +409,12 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     ev = {}
     if t.eval_every and step % t.eval_every == 0 and config.data.val:
       ev = evaluate(step)
-    if step % config.checkpoint.every_steps == 0 or step == total or preempt.requested or ev:
+    stop = preempt.agreed(step)  # every host sees the same answer at the same step
+    if step % config.checkpoint.every_steps == 0 or step == total or stop or ev:
       _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg,
             {"phase": "rl", "nan_count": nan_count, "metrics": {**scalars, **ev}}, metrics=ev or None,
-            force=preempt.requested)
-    if preempt.requested:
+            force=stop)
+    if stop:
       break
   bar.close()
   if not preempt.requested and config.eval.after_rl and config.data.val:
@@ -362,32 +424,32 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   return params, summary
 
 
-def _generate(config, loader, rollout, reward_fn, params, key, pad_id, timer):
+def _generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):
   """(trajectories, prompts by group id, rewards [N], metrics) for one RL step.
 
   Without algo.filter_groups: one batch of prompts, rolled out. With it (DAPO dynamic sampling, spec §3.2):
   groups whose filter metric is equal across the group are dropped and further batches are generated until
-  this host has data.prompts_per_step / processes groups (hosts agree on the number of batches, as the
-  rollouts are collective); after algo.max_num_gen_batches batches the step goes on with dropped groups
+  this host has its share of data.prompts_per_step groups (hosts agree on the number of batches, so their data
+  iterators stay in step for the checkpoint); after algo.max_num_gen_batches batches the step goes on with dropped groups
   filling the rest (verl raises instead) and says so in `rollout/filter_underfilled`.
   """
   a = config.algo
   if not a.filter_groups:
     prompts = next(loader)
     with timer("rollout"):
-      traj = rollout(params, prompts, key)
+      traj = rollout(weights, prompts, key)
     with timer("reward"):
       rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
     return traj, prompts, rewards_b, {}
   from aepo_jax import objectives
   from aepo_jax.rollout import concat_groups
-  want = config.data.prompts_per_step // jax.process_count()
+  want = _wiring.host_share(config.data.prompts_per_step)
   kept, dropped = [], []  # (traj, group id, prompt, rewards of the group's rows)
   gen = 0
   while True:
     prompts = next(loader)
     with timer("rollout"):
-      traj = rollout(params, prompts, jax.random.fold_in(key, gen))
+      traj = rollout(weights, prompts, jax.random.fold_in(key, gen))
     gen += 1
     with timer("reward"):
       rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
@@ -423,8 +485,8 @@ def _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh):
   tok = objectives.kl_reward_penalty(batch["old_log_prob"], batch["ref_log_prob"], batch["loss_mask"],
                                      coef=kl.coef, estimator=kl.name)
   n, t = np.asarray(traj.loss_mask_bt).shape
-  local = _batch.host_local(tok, mesh)
-  token_rewards_bt = local.reshape(-1, local.shape[-1])[:n, :t]
+  full = _batch.global_value(tok)  # the global batch's rows, in the layout of `traj` (every host's)
+  token_rewards_bt = full.reshape(-1, full.shape[-1])[:n, :t]
   mask = np.asarray(traj.loss_mask_bt) > 0
   adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt),
                              token_rewards_bt=token_rewards_bt))

@@ -6,8 +6,10 @@ the rollout engine or the tools.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 import tempfile
 from typing import Optional
 
@@ -20,12 +22,14 @@ log = logging.getLogger("aepo_jax.train")
 # ---------------------------------------------------------------------------------------------------------
 # Model and tokenizer.
 # ---------------------------------------------------------------------------------------------------------
-def load_model(config):
-  """(ModelConfig, host params, tokenizer or None) as `config.model` says.
+def load_model(config, mesh=None):
+  """(ModelConfig, params, tokenizer or None) as `config.model` says, the parameters straight on `mesh`.
 
-  init='random': the preset `model.name` with `model.overrides` (tokenizer only if `model.tokenizer`).
-  init='pretrained': a named checkpoint (`aepo_jax.model.load_pretrained`), a local HF directory, or a
-  gs:// HF directory (copied to a local temporary directory first).
+  init='random': the preset `model.name` with `model.overrides` (tokenizer only if `model.tokenizer`), drawn by one
+  jitted program into its shardings. init='pretrained': a named checkpoint (`aepo_jax.model.load_pretrained`), a
+  local HF directory, or a gs:// HF directory (streamed file by file to a local temporary directory that is removed
+  after loading). HF and named checkpoints are read tensor by tensor into each host's own shards
+  (`model.load_hf(mesh=)`): no parameter is ever whole on one device, and no host copy outlives the load.
   """
   from aepo_jax import model as model_lib
   mc = config.model
@@ -33,21 +37,24 @@ def load_model(config):
   tokenizer = None
   if mc.init == "random":
     cfg = model_lib.preset(mc.name, **kw)
-    params = model_lib.init_params(cfg, jax.random.PRNGKey(config.train.seed))
+    key = jax.random.PRNGKey(config.train.seed)
+    if mesh is None:
+      params = model_lib.init_params(cfg, key)
+    else:
+      params = jax.jit(lambda k: model_lib.init_params(cfg, k),
+                       out_shardings=model_lib.param_shardings(cfg, mesh))(key)
   elif str(mc.name).startswith("gs://") or os.path.isdir(mc.name):
-    path = _local_copy(mc.name)
-    cfg, params = model_lib.load_hf(path, dtype=mc.param_dtype)
+    with _local_files(mc.name) as path:
+      cfg, params = model_lib.load_hf(path, dtype=mc.param_dtype, mesh=mesh)
+      tokenizer = None if mc.tokenizer else _tokenizer(path)
     cfg = cfg.replace(**kw)
-    tokenizer = _tokenizer(path)
   else:
-    if not hasattr(model_lib, "load_pretrained"):
-      raise ValueError(f"model.name={mc.name!r} is neither a directory nor gs://, and aepo_jax.model has no "
-                       "load_pretrained(); use model.init='random' with a preset or an HF directory.")
-    cfg, params = model_lib.load_pretrained(mc.name, dtype=mc.param_dtype)
+    cfg, params = model_lib.load_pretrained(mc.name, dtype=mc.param_dtype, mesh=mesh)
     cfg = cfg.replace(**kw)
-    tokenizer = _tokenizer(model_lib.pretrained_dir(mc.name))
+    tokenizer = None if mc.tokenizer else _tokenizer(model_lib.pretrained_dir(mc.name))
   if mc.tokenizer:
-    tokenizer = _tokenizer(_local_copy(mc.tokenizer))
+    with _local_files(mc.tokenizer) as path:
+      tokenizer = _tokenizer(path)
   return cfg, params, tokenizer
 
 
@@ -56,15 +63,23 @@ def _tokenizer(path: str):
   return model_lib.Tokenizer.from_dir(path)
 
 
-def _local_copy(path: str) -> str:
+@contextlib.contextmanager
+def _local_files(path: str):
+  """`path` itself, or for gs:// a local temporary copy of the directory's files (streamed in 64 MiB pieces, never
+  whole in memory), removed on exit."""
   if not str(path).startswith("gs://"):
-    return path
+    yield path
+    return
   from etils import epath
   local = tempfile.mkdtemp(prefix="aepo_jax_model_")
-  for f in epath.Path(path).iterdir():
-    if f.is_file():
-      (epath.Path(local) / f.name).write_bytes(f.read_bytes())
-  return local
+  try:
+    for f in epath.Path(path).iterdir():
+      if f.is_file():
+        with f.open("rb") as src, open(os.path.join(local, f.name), "wb") as dst:
+          shutil.copyfileobj(src, dst, 64 << 20)
+    yield local
+  finally:
+    shutil.rmtree(local, ignore_errors=True)
 
 
 def pad_id(model_cfg, tokenizer) -> int:
@@ -97,7 +112,8 @@ def synthetic_sft_examples(vocab_size: int, *, num: int = 64, length: int = 32, 
 
 
 def sft_examples(config, tokenizer, model_cfg):
-  """(tokens, loss_mask) demonstrations: tool results and the prompt have loss_mask 0."""
+  """(tokens, loss_mask) demonstrations: tool results and the prompt have loss_mask 0. sft.source: 'synthetic',
+  'suite', or a .jsonl / .parquet file of chat traces (`trace_examples`)."""
   s = config.sft
   if s.source == "synthetic":
     return synthetic_sft_examples(model_cfg.vocab_size, num=max(s.batch_size * 4, 16),
@@ -105,10 +121,13 @@ def sft_examples(config, tokenizer, model_cfg):
   from aepo_jax import data as data_lib
   if tokenizer is None:
     raise ValueError(f"sft.source={s.source!r} needs a tokenizer; set model.tokenizer or use a pretrained model.")
-  if s.source != "suite":
-    raise ValueError(f"sft.source={s.source!r}: use 'suite' (the task suite's demonstrations) or 'synthetic'.")
-  from aepo_jax.train import _batch
   eos = int(model_cfg.eos_token_ids[0])
+  if data_lib.is_data_file(s.source):
+    return trace_examples(s.source, tokenizer, eos, max_len=s.max_len)
+  if s.source != "suite":
+    raise ValueError(f"sft.source={s.source!r}: use 'suite' (the task suite's demonstrations), 'synthetic', or a "
+                     ".jsonl / .parquet file of chat traces (docs/data.md).")
+  from aepo_jax.train import _batch
   out = []
   for demo in _suite(config).demos:
     # The prompt is the conversation before the assistant's turn, exactly as a rollout sees it; the turn
@@ -118,6 +137,38 @@ def sft_examples(config, tokenizer, model_cfg):
     segments += [(tokenizer.encode_continuation(text), kind == "model") for kind, text in demo.segments]
     segments.append(([eos], True))  # the model must learn to stop
     out.append(_batch.sft_example(segments))
+  return out
+
+
+def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
+  """(tokens, loss_mask) per assistant turn of every trace in `path` (`data.read_traces`): the conversation before
+  the turn rendered by the chat template with the generation prompt (no loss; earlier assistant turns as the
+  template writes them), then the turn's own text (loss) with its tool results (no loss), then EOS (loss). Each
+  example is cut at max_len (LLaMA-Factory's cutoff_len); one with no loss token left is dropped and counted."""
+  from aepo_jax import data as data_lib
+  from aepo_jax.train import _batch
+  out, dropped = [], 0
+  for trace in data_lib.read_traces(path):
+    msgs = trace.messages
+    for k, turn in enumerate(msgs):
+      if turn["role"] != "assistant":
+        continue
+      segments = [(tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=True), False)]
+      segments += [(tokenizer.encode_continuation(text), trained)
+                   for text, trained in data_lib.trace_segments(turn["content"])]
+      segments.append(([eos], True))
+      tokens, mask = _batch.sft_example(segments)
+      tokens, mask = tokens[:max_len], mask[:max_len].astype(np.int8)
+      if mask.any():
+        out.append((tokens, mask))
+      else:
+        dropped += 1
+  if dropped:
+    log.warning("sft: %d assistant turns of %s have no token inside sft.max_len=%d (their context is longer) and "
+                "were dropped", dropped, path, max_len)
+  if not out:
+    raise ValueError(f"sft.source={path!r}: no trainable turn within sft.max_len={max_len}; raise sft.max_len.")
+  log.info("sft: %d examples from %s", len(out), path)
   return out
 
 
@@ -136,28 +187,40 @@ def _suite(config):
 
 
 def _examples(config, source: str, split: str):
-  """Examples of a data source (syntax in base_config: suite | ARPO RL file | benchmark | .parquet)."""
+  """Examples of a data source (syntax in base_config: suite | ARPO RL file | benchmark | .jsonl/.parquet)."""
   from aepo_jax import data as data_lib
   if source == "suite":
     suite = _suite(config)
     return list(suite.train if split == "train" else suite.heldout)
-  if source in data_lib.ARPO_RL_FILES or source.endswith(".parquet"):
+  if source in data_lib.ARPO_RL_FILES:
     return data_lib.load_arpo_parquet(source)
   if source in data_lib.BENCHMARKS:
     return data_lib.load_benchmark(source)
+  if data_lib.is_data_file(source):
+    f = config.data.fields
+    return data_lib.load_records(source, question_key=f.question, answer_key=f.answer, system_key=f.system,
+                                 family=config.data.family)
   raise ValueError(f"data source {source!r} is unknown: use 'suite', an ARPO RL file "
                    f"({', '.join(data_lib.ARPO_RL_FILES)}), a benchmark ({', '.join(sorted(data_lib.BENCHMARKS))}) "
-                   "or a .parquet path.")
+                   "or a .jsonl / .parquet path (docs/data.md).")
+
+
+def host_share(total: int, process_index: Optional[int] = None, process_count: Optional[int] = None) -> int:
+  """This host's share of `total` items split over the processes as evenly as possible (the first total % P
+  hosts take one more): prompts per RL step, evaluation examples."""
+  p = jax.process_index() if process_index is None else process_index
+  n = jax.process_count() if process_count is None else process_count
+  return total // n + (1 if p < total % n else 0)
 
 
 def prompt_loader(config, tokenizer):
-  """(iterator of prompt batches with get_state/set_state, number of training prompts); this host's shard."""
+  """(iterator of prompt batches with get_state/set_state, number of training prompts); this host's shard, with
+  `host_share(data.prompts_per_step)` prompts per batch."""
   from aepo_jax import data as data_lib
   examples = _examples(config, config.data.train, "train")
-  per_host = config.data.prompts_per_step // jax.process_count()
-  loader = data_lib.make_loader(examples, batch_size=per_host, seed=config.data.seed, shuffle=config.data.shuffle,
-                                shard_index=jax.process_index(), shard_count=jax.process_count(),
-                                drop_remainder=True)
+  loader = data_lib.make_loader(examples, batch_size=host_share(config.data.prompts_per_step), seed=config.data.seed,
+                                shuffle=config.data.shuffle, shard_index=jax.process_index(),
+                                shard_count=jax.process_count(), drop_remainder=True)
   return loader, len(examples)
 
 
@@ -176,8 +239,22 @@ def make_toolset(config, mode: str = "train"):
     corpus = tc.search_corpus or None
     if tc.search_backend == "local" and corpus is None:
       corpus = str(_suite(config).corpus_path)  # the suite's generated corpus
-    backend = tools_lib.make_search_backend(tc.search_backend, url=tc.search_url or None, corpus=corpus)
-    tools["search"] = tools_lib.SearchTool(backend, topk=tc.search_topk)
+    opts = {"url": tc.search_url or None}
+    if tc.search_backend == "replay":  # a query -> result cache: search_corpus, else ARPO's search_cache.json
+      from aepo_jax.data import arpo_data_root
+      opts["path"] = corpus or str(arpo_data_root() / "search_cache.json")
+    else:
+      opts["corpus"] = corpus
+    backend = tools_lib.make_search_backend(tc.search_backend, **opts)
+    if tc.search_mode == "browse":  # the evaluation's SDS browser: pages summarised by an LLM (spec §2.5)
+      b = tc.browse
+      pages = b.pages or (corpus if tc.search_backend != "replay" else None)
+      tools["search"] = tools_lib.BrowseTool(
+          backend, tools_lib.ChatClient(b.summarizer_url, b.summarizer_model),
+          pages=tools_lib.PageStore(pages) if pages else None, topk=tc.search_topk, max_pages=b.max_pages,
+          page_chars=b.page_chars, live=b.live)
+    else:
+      tools["search"] = tools_lib.SearchTool(backend, topk=tc.search_topk)
   if not tools:
     return None
   return tools_lib.ToolSet(tools, mode=mode, call_limit=tc.call_limit, retry_count=tc.retry_count,
@@ -205,51 +282,88 @@ def prompt_ids(config, tokenizer, example) -> list:
   return ids
 
 
-def make_rollout(config, model_cfg, tokenizer, tools, mesh, *, policy_name: Optional[str] = None,
-                 temperature: Optional[float] = None, n: Optional[int] = None, result_mode: str = "train",
-                 prompts_per_call: Optional[int] = None, max_response_len: Optional[int] = None):
-  """fn(params, prompts (list of Example), key) -> Trajectories (docs/rollout_contract.md).
+class Rollout:
+  """This host's rollouts: an engine and agent loop on the host's own devices (`rollout.mesh` over
+  `jax.local_devices()`), with its own tools, independent of every other host (docs/training.md, "On a pod").
 
-  prompts_per_call / max_response_len default to this host's data.prompts_per_step / rollout.max_response_len.
+    weights = rollout.weights(params)            # the policy copied onto this host's devices, in rollout.dtype;
+                                                 # a collective: every host calls it once per RL step / evaluation
+    traj = rollout(weights, prompts, key)        # host-local: no cross-host collective inside the tool loop
   """
-  from aepo_jax import rollout as rollout_lib
-  r = config.rollout
-  pc = policy_config(config)
-  if n is not None:
-    import dataclasses
-    pc = dataclasses.replace(pc, n=n, initial_rollouts=min(pc.initial_rollouts, n))
-  policy = rollout_lib.rollout_policy(policy_name or r.policy, pc)
-  per_host = prompts_per_call or config.data.prompts_per_step // jax.process_count()
-  slots = r.max_slots or per_host * pc.n
-  if prompts_per_call is not None:
-    slots = max(slots, per_host * pc.n)
-  response_len = max_response_len or r.max_response_len
-  tags = tuple(t for t in ("search", "python") if t in tuple(config.tools.names))
-  engine = rollout_lib.Engine(
-      model_cfg, max_slots=slots, max_len=r.max_prompt_len + response_len, eos_ids=model_cfg.eos_token_ids,
-      stop_sequences=rollout_lib.stop_sequences_from_strings(tokenizer, [f"</{t}>" for t in tags]),
-      sampling=rollout_lib.SamplingParams(temperature=r.temperature if temperature is None else temperature,
-                                          top_p=r.top_p, top_k=r.top_k),
-      entropy_window=r.entropy_window, topk_entropy=r.topk_entropy, mesh=mesh)
-  loop = rollout_lib.AgentLoop(engine, tokenizer, tools, rollout_lib.AgentConfig(
-      max_response_len=response_len, max_tool_calls=config.tools.call_limit, chunk_steps=r.decode_chunk,
-      tool_tags=tags, result_mode=result_mode), pad_id=pad_id(model_cfg, tokenizer))
 
-  def rollout(params, prompts, key):
+  def __init__(self, config, model_cfg, tokenizer, tools, *, policy_name: Optional[str] = None,
+               temperature: Optional[float] = None, n: Optional[int] = None, result_mode: str = "train",
+               prompts_per_call: Optional[int] = None, max_response_len: Optional[int] = None):
+    from aepo_jax import model as model_lib
+    from aepo_jax import rollout as rollout_lib
+    from aepo_jax.parallel import local_mesh
+    r = config.rollout
+    pc = policy_config(config)
+    if n is not None:
+      import dataclasses
+      pc = dataclasses.replace(pc, n=n, initial_rollouts=min(pc.initial_rollouts, n))
+    self.config, self.tokenizer = config, tokenizer
+    self.policy = rollout_lib.rollout_policy(policy_name or r.policy, pc)
+    per_host = self.prompts_per_call = prompts_per_call or host_share(config.data.prompts_per_step)
+    slots = r.max_slots or per_host * pc.n
+    if prompts_per_call is not None:
+      slots = max(slots, per_host * pc.n)
+    response_len = max_response_len or r.max_response_len
+    tags = tuple(t for t in ("search", "python") if t in tuple(config.tools.names))
+    self.dtype = r.dtype or config.model.dtype
+    self.mesh = local_mesh({k: int(v) for k, v in r.mesh.items()})
+    engine_cfg = model_cfg.replace(param_dtype=self.dtype)
+    self.shardings = model_lib.param_shardings(engine_cfg, self.mesh)
+    self.engine = rollout_lib.Engine(
+        engine_cfg, max_slots=slots, max_len=r.max_prompt_len + response_len, eos_ids=model_cfg.eos_token_ids,
+        stop_sequences=rollout_lib.stop_sequences_from_strings(tokenizer, [f"</{t}>" for t in tags]),
+        sampling=rollout_lib.SamplingParams(temperature=r.temperature if temperature is None else temperature,
+                                            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
+                                            repetition_penalty=r.repetition_penalty),
+        entropy_window=r.entropy_window, topk_entropy=r.topk_entropy,
+        mesh=self.mesh if self.mesh.devices.size > 1 else None, prefill_chunk=r.prefill_chunk,
+        prefill_rows=r.prefill_rows)
+    self.loop = rollout_lib.AgentLoop(self.engine, tokenizer, tools, rollout_lib.AgentConfig(
+        max_response_len=response_len, max_tool_calls=config.tools.call_limit, chunk_steps=r.decode_chunk,
+        tool_tags=tags, result_mode=result_mode), pad_id=pad_id(model_cfg, tokenizer))
+
+  def weights(self, params):
+    """The policy on this host's rollout devices (the same arrays when they already are; see to_host_local)."""
+    from aepo_jax.parallel import to_host_local
+    return to_host_local(params, self.shardings, self.dtype)
+
+  def __call__(self, weights, prompts, key):
+    if jax.process_count() > 1:  # hosts sample independently of each other
+      key = jax.random.fold_in(key, jax.process_index())
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
-    return loop.rollout(params, [prompt_ids(config, tokenizer, ex) for ex in prompts], policy, seed=seed)
+    return self.loop.rollout(weights, [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts], self.policy,
+                             seed=seed)
 
-  return rollout
+
+def make_rollout(config, model_cfg, tokenizer, tools, **kw) -> Rollout:
+  """This host's `Rollout` (prompts_per_call / max_response_len default to this host's share of
+  data.prompts_per_step and rollout.max_response_len)."""
+  return Rollout(config, model_cfg, tokenizer, tools, **kw)
 
 
 def make_reward(config):
-  """fn(traj, prompts) -> rewards [N]: the configured reward on each decoded response (spec §1.6)."""
+  """fn(traj, prompts) -> rewards [N]: the configured reward on each decoded response (spec §1.6).
+
+  Each response is scored in a `rewards.shared_pool()` worker within `reward.timeout_s`: a response that takes longer, or crashes its worker, scores 0 and the step goes on.
+  """
   from aepo_jax import rewards as rewards_lib
   score = getattr(rewards_lib, config.reward.name)
+  timeout_s = config.reward.timeout_s
 
   def reward(traj, prompts):
     answers = [prompts[g].answers for g in np.asarray(traj.group_id_b)]
-    r = np.asarray([score(text, gts) for text, gts in zip(traj.response_text, answers)], np.float32)
+    results = rewards_lib.shared_pool().map_results(score, list(zip(traj.response_text, answers)),
+                                                    timeout_s=timeout_s)
+    failed = [res for res in results if res.status != "ok"]
+    if failed:
+      log.warning("reward: %d of %d responses scored 0 (%s: %s)", len(failed), len(results), failed[0].status,
+                  failed[0].error)
+    r = np.asarray([res.value if res.status == "ok" else 0.0 for res in results], np.float32)
     if config.algo.overlong_buffer:  # DAPO overlong shaping (spec §3.2)
       from aepo_jax import objectives
       r = r + np.asarray(objectives.overlong_reward_penalty(
@@ -260,11 +374,13 @@ def make_reward(config):
 
 
 def advantage_fn(config):
-  """fn(rewards_b, group_ids_b, mask_bt, token_rewards_bt=None) -> advantages_bt.
+  """fn(rewards_b, group_ids_b, mask_bt, token_rewards_bt=None, *, tree=None) -> advantages_bt.
 
   token_rewards_bt (the KL-in-reward penalty, verl `apply_kl_penalty`): estimators with token-level returns
   (reinforce_pp) take it per token; outcome estimators (grpo, rloo, ...) see the sequence score
   R + sum_t token_rewards_t, as verl's GRPO sums `token_level_rewards`.
+  tree: (traj.parent_b, traj.fork_pos_b), needed by algo.attribution='hard' (spec §1.4), which gives every token
+  shared by branches the mean advantage of the trajectories sharing it.
   """
   from aepo_jax import objectives
   name = config.algo.advantage
@@ -272,24 +388,35 @@ def advantage_fn(config):
   defaults = objectives.advantage_defaults(name)
   hp = {"norm_by_std": config.algo.norm_by_std} if "norm_by_std" in defaults else {}
 
-  def adv(rewards_b, group_ids_b, mask_bt, token_rewards_bt=None):
+  def soft(rewards_b, group_ids_b, mask_bt, token_rewards_bt=None):
     if token_rewards_bt is None:
       return fn(rewards_b, group_ids_b, mask_bt, **hp)
     if "token_rewards" in defaults:
       return fn(rewards_b, group_ids_b, mask_bt, token_rewards=token_rewards_bt, **hp)
     seq_b = np.asarray(rewards_b, np.float32) + np.sum(np.asarray(token_rewards_bt) * (np.asarray(mask_bt) > 0), 1)
     return fn(seq_b, group_ids_b, mask_bt, **hp)
+
+  def adv(rewards_b, group_ids_b, mask_bt, token_rewards_bt=None, *, tree=None):
+    out = soft(rewards_b, group_ids_b, mask_bt, token_rewards_bt)
+    if config.algo.attribution == "soft":
+      return out
+    if tree is None:
+      raise ValueError("algo.attribution='hard' needs the branching tree: call the advantage function with "
+                       "tree=(traj.parent_b, traj.fork_pos_b), or set algo.attribution='soft'.")
+    return objectives.hard_attribution(out, mask_bt, *tree)
   return adv
 
 
 def correct_b(traj, prompts) -> np.ndarray:
-  """float[N]: 1 where the trajectory's answer is correct (`rewards.eval_correct`), for DAPO's 'acc' filter."""
+  """float[N]: 1 where the trajectory's answer is correct (`rewards.eval_correct`), for DAPO's 'acc' filter.
+
+  Each answer is checked in a `rewards.shared_pool()` worker within the pool's timeout; one over it counts as wrong.
+  """
   from aepo_jax import rewards as rewards_lib
-  out = []
-  for text, g in zip(traj.response_text, np.asarray(traj.group_id_b)):
-    ex = prompts[int(g)]
-    out.append(float(bool(rewards_lib.eval_correct(text, ex.answers, ex.family))))
-  return np.asarray(out, np.float32)
+  items = [(text, prompts[int(g)].answers, prompts[int(g)].family)
+           for text, g in zip(traj.response_text, np.asarray(traj.group_id_b))]
+  ok = rewards_lib.shared_pool().map(rewards_lib.eval_correct, items, default=False)
+  return np.asarray([float(bool(v)) for v in ok], np.float32)
 
 
 def loss_hparams(config) -> dict:
@@ -328,39 +455,60 @@ def rollout_histograms(traj, adv_bt) -> dict:
           "rollout/tool_calls": np.asarray(traj.num_tool_calls_b)}
 
 
-_EVAL_ROLLOUTS: dict = {}
-
-
-def evaluate(config, model_cfg, params, tokenizer, tools, mesh) -> dict:
-  """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature):
-  eval/<source>/accuracy (answer correct by `rewards.eval_correct`: math equivalence / EM, no LLM judge),
-  eval/<source>/reward and eval/<source>/tool_calls (mean calls per answer)."""
-  from aepo_jax import rewards as rewards_lib
+def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
+  """The validation rollout (policy 'none', n = 1, eval.temperature: greedy by default)."""
   e = config.eval
-  per_call = (e.batch_size or config.data.prompts_per_step) // jax.process_count()
-  key = id(config)
-  if key not in _EVAL_ROLLOUTS:
-    _EVAL_ROLLOUTS[key] = make_rollout(config, model_cfg, tokenizer, tools, mesh, policy_name="none",
-                                       temperature=e.temperature, n=1, prompts_per_call=per_call,
-                                       max_response_len=e.max_response_len or None)
-  rollout = _EVAL_ROLLOUTS[key]
+  return Rollout(config, model_cfg, tokenizer, tools, policy_name="none", temperature=e.temperature, n=1,
+                 prompts_per_call=max(host_share(e.batch_size or config.data.prompts_per_step), 1),
+                 max_response_len=e.max_response_len or None)
+
+
+def evaluate(config, rollout: Rollout, params) -> dict:
+  """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature):
+  eval/<source>/accuracy (answer correct by `rewards.eval_correct`: math equivalence / EM; with eval.judge_url, the
+  evaluation protocol's LLM judge OR'ed with math equivalence on QA and deep-search sets, `eval.Scorer`),
+  eval/<source>/reward and eval/<source>/tool_calls (mean calls per answer).
+
+  Every host evaluates its own share of the examples on its own devices; the sums are combined across hosts once
+  per source at the end (the only collectives: that and copying the weights)."""
+  from aepo_jax import rewards as rewards_lib
+  weights = rollout.weights(params)
+  per_call = rollout.prompts_per_call
+  p, n = jax.process_index(), jax.process_count()
+  scorer = None
+  if config.eval.judge_url:
+    from aepo_jax import eval as eval_lib
+    scorer = eval_lib.Scorer(rewards_lib.OpenAICompatibleJudge(config.eval.judge_url, config.eval.judge_model),
+                             timeout_s=config.reward.timeout_s)
   out = {}
   for source in config.data.val:
     examples = _examples(config, source, "val")
     limit = config.eval.num_prompts or config.data.val_size
     examples = examples[:limit] if limit else examples
+    mine = examples[p::n]  # round robin: shares differ by at most one example
     correct, reward, calls = [], [], []
-    for i in range(0, len(examples), per_call):
-      chunk = examples[i:i + per_call]
-      traj = rollout(params, chunk, jax.random.key(i))
-      correct.extend(correct_b(traj, chunk).tolist())
-      reward.extend(float(rewards_lib.deep_research(text, chunk[int(g)].answers))
-                    for text, g in zip(traj.response_text, np.asarray(traj.group_id_b)))
+    for i in range(0, len(mine), per_call):
+      chunk = mine[i:i + per_call]
+      traj = rollout(weights, chunk, jax.random.key(i))
+      if scorer is None:
+        correct.extend(correct_b(traj, chunk).tolist())
+      else:
+        correct.extend(float(scorer.score(chunk[int(g)], text)["correct"])
+                       for text, g in zip(traj.response_text, np.asarray(traj.group_id_b)))
+      reward.extend(rewards_lib.shared_pool().map(  # bounded time per answer, as in training; 0 past it
+          rewards_lib.deep_research, [(text, chunk[int(g)].answers)
+                                      for text, g in zip(traj.response_text, np.asarray(traj.group_id_b))],
+          timeout_s=config.reward.timeout_s, default=0.0))
       calls.extend(np.asarray(traj.num_tool_calls_b, np.float32).tolist())
+    sums = np.asarray([len(correct), sum(correct), sum(reward), sum(calls)], np.float64)
+    if n > 1:
+      from jax.experimental import multihost_utils
+      sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(n, -1).sum(0)
+    count = max(sums[0], 1.0)
     name = _short(source)
-    out[f"eval/{name}/accuracy"] = float(np.mean(correct)) if correct else 0.0
-    out[f"eval/{name}/reward"] = float(np.mean(reward)) if reward else 0.0
-    out[f"eval/{name}/tool_calls"] = float(np.mean(calls)) if calls else 0.0
+    out[f"eval/{name}/accuracy"] = float(sums[1] / count)
+    out[f"eval/{name}/reward"] = float(sums[2] / count)
+    out[f"eval/{name}/tool_calls"] = float(sums[3] / count)
   accs = [v for k, v in out.items() if k.endswith("/accuracy")]
   if accs:
     out["eval/accuracy"] = float(np.mean(accs))
@@ -369,8 +517,3 @@ def evaluate(config, model_cfg, params, tokenizer, tools, mesh) -> dict:
 
 def _short(source: str) -> str:
   return os.path.splitext(os.path.basename(str(source)))[0] or "val"
-
-
-def local_rows(n_rows: int) -> Optional[slice]:
-  p, n = jax.process_index(), jax.process_count()
-  return slice(p * n_rows // n, (p + 1) * n_rows // n)

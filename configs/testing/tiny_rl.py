@@ -6,20 +6,15 @@ Hardware: any CPU. Data/model: the generated suite, a 2-layer random model, the 
 Time: about a minute, most of it compilation. Used by tests/train/test_rl_loop.py.
 Expected: every phase runs and writes its metrics and checkpoints; nothing is learnt (the model is random).
 """
-from aepo_jax.train import base_config
+from aepo_jax.train import base_config, load_sibling
+
+tiny_sft = load_sibling(__file__, "tiny_sft")
 
 
 def get_config(arg=None):
   del arg
-  c = base_config()
+  c = tiny_sft.tiny_model(base_config(), vocab_size=320, eos_id=2)  # the tiny tokenizer's ids
   c.mode = "both"
-  c.model.name = "smollm2-135m"
-  c.model.init = "random"
-  with c.model.overrides.unlocked():
-    c.model.overrides.update(dict(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4,
-                                  num_kv_heads=2, head_dim=8, vocab_size=320, pad_token_id=0,
-                                  eos_token_ids=(2,), bos_token_id=None))
-  c.mesh.data = -1
   c.data.train = "suite"
   c.data.val = ("suite",)
   c.data.template = "compact"

@@ -9,16 +9,21 @@ Expected: sft/nll falls from ln(256) = 5.55 to about 5.2 in 12 steps; rerunning 
 from aepo_jax.train import base_config
 
 
-def get_config(arg=None):
-  c = base_config()
-  c.mode = "sft"
+def tiny_model(c, *, vocab_size: int, eos_id: int):
+  """A 2-layer random model of SmolLM2's architecture (also configs/testing/tiny_rl.py's)."""
   c.model.name = "smollm2-135m"
   c.model.init = "random"
   with c.model.overrides.unlocked():
     c.model.overrides.update(dict(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4,
-                                  num_kv_heads=2, head_dim=8, vocab_size=256, pad_token_id=0,
-                                  eos_token_ids=(1,), bos_token_id=None))
+                                  num_kv_heads=2, head_dim=8, vocab_size=vocab_size, pad_token_id=0,
+                                  eos_token_ids=(eos_id,), bos_token_id=None))
   c.mesh.data = -1
+  return c
+
+
+def get_config(arg=None):
+  c = tiny_model(base_config(), vocab_size=256, eos_id=1)
+  c.mode = "sft"
   c.sft.enabled = True
   c.sft.source = "synthetic"
   c.sft.steps = 12

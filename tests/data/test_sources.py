@@ -7,7 +7,7 @@ import pytest
 
 from aepo_jax.data import (ARPO_RL_FILES, BENCHMARKS, Example, RecordError, arpo_data_root,
                            load_arpo_parquet, load_benchmark, read_jsonl)
-from aepo_jax.data.prompts import CODE_SEARCH, build_messages, fix_backspace_bug, has_backspace_bug
+from aepo_jax.data.prompts import CODE_SEARCH, build_messages, fix_backspace_bug, has_backspace_bug, system_prompt
 
 ROOT = arpo_data_root()
 pytestmark = pytest.mark.skipif(not ROOT.exists(), reason=f"ARPO data not at {ROOT}")
@@ -72,7 +72,8 @@ def test_rebuilt_prompt_is_the_stored_one_fixed():
     assert "\\boxed{answer here}" in CODE_SEARCH and msgs[1] == {"role": "user", "content": ex.question}
 
 
-def test_parquet_with_a_foreign_prompt_is_rejected(tmp_path):
+def test_parquet_with_a_foreign_prompt_keeps_it_as_its_own(tmp_path):
+    """A verl row whose system prompt is not ARPO's is used with that prompt (not rejected, not replaced)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -80,7 +81,13 @@ def test_parquet_with_a_foreign_prompt_is_rejected(tmp_path):
     rows[2]["prompt"][0]["content"] = "You are a pirate."
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
-    with pytest.raises(RecordError, match=r"bad.parquet row 2: field 'prompt\[0\].content'"):
+    exs = load_arpo_parquet(path)
+    assert [e.metadata.get("system_prompt") for e in exs] == [None, None, "You are a pirate."]
+    assert build_messages(exs[2], "code_search")[0] == {"role": "system", "content": "You are a pirate."}
+    assert build_messages(exs[0], "compact")[0]["content"] == system_prompt("compact")
+    rows[1]["prompt"] = rows[1]["prompt"][:1] * 2  # [system, system]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(RecordError, match=r"bad.parquet row 1: field 'prompt'"):
         load_arpo_parquet(path)
 
 

@@ -27,10 +27,10 @@ def test_unknown_name_lists_the_known_ones():
 def test_requirements():
   assert requirements_error(["gsm8k"], search_backend=None, judge=False) is None
   msg = requirements_error(["gaia", "gsm8k"], search_backend=None, judge=False)
-  assert "['gaia']" in msg and "--search-backend" in msg and "--judge-url" in msg
+  assert "['gaia']" in msg and "--search_backend=" in msg and "--judge_url=" in msg
   assert "search backend" in requirements_error(["hle"], search_backend="none", judge=True)
   assert requirements_error(["hle"], search_backend="retrieval", judge=True) is None
-  assert "--search-backend none" in requirements_error(["bamboogle"], search_backend=None, judge=False)
+  assert "--search_backend=none" in requirements_error(["bamboogle"], search_backend=None, judge=False)
   assert requirements_error(["bamboogle"], search_backend="none", judge=False) is None
 
 

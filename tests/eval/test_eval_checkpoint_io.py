@@ -56,3 +56,46 @@ def test_orbax_without_a_tokenizer_names_the_flag(tmp_path, tiny_config, tiny_pa
   ckpt.close()
   with pytest.raises(CheckpointNotFoundError, match="--tokenizer"):
     load_policy(str(tmp_path))
+
+
+def _largest_state_file(step_dir):
+  files = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(step_dir, "state")) for n in names]
+  return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no_manifest"])
+def test_damaged_checkpoint_is_one_clear_error_naming_the_others(tmp_path, tiny_config, tiny_params, tok_dir, capfd,
+                                                                 manifest):
+  """A truncated data file used to print pages of 'Event loop is closed' before a TensorStore trace."""
+  from aepo_jax.eval._checkpoint_io import CheckpointDamagedError
+  d = str(tmp_path / "checkpoints" / "rl")
+  save_checkpoint(d, tiny_config, tiny_params, tok_dir, step=1)
+  save_checkpoint(d, tiny_config, tiny_params, tok_dir, step=2)
+  if not manifest:
+    os.remove(os.path.join(d, "2", "integrity.json"))
+  victim = _largest_state_file(os.path.join(d, "2"))
+  with open(victim, "r+b") as f:
+    f.truncate(os.path.getsize(victim) // 2)
+  with pytest.raises(CheckpointNotFoundError) as e:  # the CLI reports these as `error: ...`, exit 2
+    load_policy(str(tmp_path))
+  msg = str(e.value)
+  assert isinstance(e.value, CheckpointDamagedError) and "\n" not in msg
+  assert msg.startswith(f"checkpoint {d}/2 is damaged: ")
+  assert (os.path.relpath(victim, os.path.join(d, "2")) + " has " if manifest else "state/ cannot be read (") in msg
+  assert msg.endswith(f"evaluate another step (--checkpoint={d}/<step>, committed: 1) or restore the named files.")
+  _same(load_policy(os.path.join(d, "1")).params, tiny_params)
+  assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_unreachable_gcs_checkpoint_fails_in_seconds(monkeypatch):
+  import socket
+  import time
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", closed)
+  monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", closed)
+  t0 = time.monotonic()
+  with pytest.raises(CheckpointNotFoundError, match=f"--checkpoint gs://b/run: the storage service at {closed}"):
+    resolve_checkpoint("gs://b/run")
+  assert time.monotonic() - t0 < 10

@@ -30,9 +30,9 @@ def test_smollm2_math_and_qa_offline(tmp_path):
     tools.shutdown()
 
   out = str(tmp_path / "smol")
-  rc = cli.main(["--checkpoint", "smollm2-135m-instruct", "--benchmarks", "gsm8k,math500,bamboogle", "--limit", "2",
-                 "--n", "1", "--k", "1", "--search-backend", "replay", "--max-prompt-len", "512",
-                 "--max-response-len", "64", "--batch-size", "2", "--output", out, "--no-progress"])
+  rc = cli.main(["--checkpoint=smollm2-135m-instruct", "--benchmarks=gsm8k,math500,bamboogle", "--limit=2", "--n=1",
+                 "--k=1", "--search_backend=replay", "--max_prompt_len=512", "--max_response_len=64", "--batch_size=2",
+                 f"--output={out}", "--noprogress"])
   assert rc == 0
   summary = json.load(open(os.path.join(out, "summary.json")))
   assert set(summary["benchmarks"]) == {"gsm8k", "math500", "bamboogle"}

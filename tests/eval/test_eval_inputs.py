@@ -96,11 +96,11 @@ def test_checkpoint_kinds_resolved_without_reading_weights(no_compute, orbax_ckp
 def test_deep_search_needs_search_and_judge(no_compute, orbax_ckpt):
   with pytest.raises(EvalInputError, match="need a search backend"):
     check_inputs(orbax_ckpt, "gaia", judge_url="http://127.0.0.1:1/v1", judge_model="m")
-  with pytest.raises(EvalInputError, match="--judge-url"):
+  with pytest.raises(EvalInputError, match="--judge_url="):
     check_inputs(orbax_ckpt, "webwalker", search_backend="replay")
   with pytest.raises(EvalInputError, match="go together"):
     check_inputs(orbax_ckpt, "gsm8k", judge_url="http://127.0.0.1:1/v1")
-  with pytest.raises(EvalInputError, match="--search-url"):
+  with pytest.raises(EvalInputError, match="--search_url="):
     check_inputs(orbax_ckpt, "bamboogle", search_backend="retrieval")
 
 
@@ -123,17 +123,17 @@ def test_retrieval_server_that_does_not_answer(no_compute, orbax_ckpt):
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--benchmarks", "gsm8k,nope"], "unknown benchmark 'nope'"),
-    (["--benchmarks", "gaia"], "need a search backend"),
-    (["--benchmarks", "hotpotqa"], "--search-backend none"),
-    (["--benchmarks", "gsm8k", "--k", "1,5", "--n", "2"], "--n >= 5"),
+    (["--benchmarks=gsm8k,nope"], "unknown benchmark 'nope'"),
+    (["--benchmarks=gaia"], "need a search backend"),
+    (["--benchmarks=hotpotqa"], "--search_backend=none"),
+    (["--benchmarks=gsm8k", "--k=1,5", "--n=2"], "--n >= 5"),
 ])
 def test_cli_errors_before_compute(no_compute, orbax_ckpt, tmp_path, capsys, argv, expect):
-  rc = _launch().main(["--checkpoint", orbax_ckpt, "--output", str(tmp_path / "out"), "--no-progress"] + argv)
+  rc = _launch().main([f"--checkpoint={orbax_ckpt}", f"--output={tmp_path / 'out'}", "--noprogress"] + argv)
   assert rc == 2
   assert expect in capsys.readouterr().err
 
 
 def test_cli_missing_checkpoint(no_compute, tmp_path, capsys):
-  rc = _launch().main(["--checkpoint", str(tmp_path / "missing"), "--benchmarks", "gsm8k"])
+  rc = _launch().main([f"--checkpoint={tmp_path / 'missing'}", "--benchmarks=gsm8k"])
   assert rc == 2 and "does not exist" in capsys.readouterr().err

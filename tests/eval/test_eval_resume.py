@@ -82,8 +82,8 @@ def test_judge_failures_are_rescored_on_resume(tiny_config, scripted, tokenizer,
   assert [r["response"] for r in second] == [r["response"] for r in first]  # not regenerated, only re-judged
 
 
-CLI = ["--benchmarks", "gsm8k", "--limit", "6", "--n", "2", "--k", "2", "--temperature", "0", "--max-prompt-len", "256",
-       "--max-response-len", "200", "--batch-size", "4", "--template", "compact", "--no-progress"]
+CLI = ["--benchmarks=gsm8k", "--limit=6", "--n=2", "--k=2", "--temperature=0", "--max_prompt_len=256",
+       "--max_response_len=200", "--batch_size=4", "--template=compact", "--noprogress"]
 
 
 @pytest.mark.slow
@@ -94,8 +94,8 @@ def test_killed_subprocess_then_rerun_has_no_duplicates_or_gaps(orbax_ckpt, tmp_
   path = os.path.join(out, "gsm8k.jsonl")
   env = dict(os.environ, AEPO_ARPO_DATA=data, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "evaluate.py"), "--checkpoint", orbax_ckpt,
-                           "--output", out] + CLI, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "evaluate.py"), f"--checkpoint={orbax_ckpt}",
+                           f"--output={out}"] + CLI, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 400
   lines = 0
   while time.time() < deadline and proc.poll() is None:
@@ -111,7 +111,7 @@ def test_killed_subprocess_then_rerun_has_no_duplicates_or_gaps(orbax_ckpt, tmp_
   spec = __import__("importlib.util").util.spec_from_file_location("evaluate_cli", os.path.join(ROOT, "launch", "evaluate.py"))
   cli = __import__("importlib.util").util.module_from_spec(spec)
   spec.loader.exec_module(cli)
-  assert cli.main(["--checkpoint", orbax_ckpt, "--output", out] + CLI) == 0
+  assert cli.main([f"--checkpoint={orbax_ckpt}", f"--output={out}"] + CLI) == 0
   recs = read_records(path)
   expected = sorted((f"gsm8k:{i}", k) for i in range(1, 7) for k in range(2))
   assert sorted(_pairs(recs)) == expected and len(recs) == 12
@@ -119,6 +119,42 @@ def test_killed_subprocess_then_rerun_has_no_duplicates_or_gaps(orbax_ckpt, tmp_
   assert summary["benchmarks"]["gsm8k"]["num_answers"] == 12 and "pass@2" in summary["benchmarks"]["gsm8k"]
   # Same greedy answers as an uninterrupted run.
   clean = str(tmp_path / "clean")
-  assert cli.main(["--checkpoint", orbax_ckpt, "--output", clean] + CLI) == 0
+  assert cli.main([f"--checkpoint={orbax_ckpt}", f"--output={clean}"] + CLI) == 0
   by = lambda rs: {(r["id"], r["sample"]): r["response"] for r in rs}
   assert by(recs) == by(read_records(os.path.join(clean, "gsm8k.jsonl")))
+
+
+def _damage_line(path, number):
+  """Changes one byte of line `number` (1-based) so that it no longer parses."""
+  lines = open(path, "rb").read().split(b"\n")
+  lines[number - 1] = lines[number - 1].replace(b'"id":', b'"id"#', 1)
+  open(path, "wb").write(b"\n".join(lines))
+
+
+def test_a_bad_line_in_the_middle_is_skipped_and_reported_not_truncated(tmp_path, caplog):
+  path = str(tmp_path / "b.jsonl")
+  with open(path, "w") as f:
+    for i in range(100):
+      f.write(json.dumps({"id": f"q{i}", "sample": 0, "score": 1.0}) + "\n")
+  _damage_line(path, 3)
+  assert len(read_records(path, repair=False)) == 99 and len(open(path).readlines()) == 100  # read-only: untouched
+  with open(path, "a") as f:
+    f.write('{"id": "q100", "sam')  # and a torn last line
+  recs = read_records(path)
+  assert [r["id"] for r in recs] == [f"q{i}" for i in range(100) if i != 2]
+  assert "skipped 1 unparsable line(s) (line 3), moved to" in caplog.text
+  assert len(open(path).readlines()) == 99 and open(path).read().endswith("\n")  # on disk too; the tail is cut
+  assert open(path + ".bad").read().startswith('{"id"# "q2"')  # kept for inspection
+  assert len(read_records(path)) == 99
+
+
+def test_a_damaged_record_is_evaluated_again(tiny_config, tiny_params, tokenizer, tmp_path):
+  exs = short_examples(3)
+  path = str(tmp_path / "toy.jsonl")
+  first = _ev(tiny_config, tiny_params, tokenizer, Scorer()).run("toy", exs, path)
+  _damage_line(path, 3)  # (toy:1, 0)
+  again = _ev(tiny_config, tiny_params, tokenizer, Scorer()).run("toy", exs, path)
+  assert _pairs(again) == _pairs(first) and [r["response"] for r in again] == [r["response"] for r in first]
+  on_disk = read_records(path)
+  assert sorted(_pairs(on_disk)) == sorted(_pairs(first)) and len(on_disk) == 6
+  assert len(open(path + ".bad").readlines()) == 1

@@ -1,9 +1,13 @@
-"""Which scorer decides each family (spec §2.5), and transient judge failures recorded per example."""
+"""Which scorer decides each family (spec §2.5), transient judge failures recorded per example, and the bounds on
+one example's scoring (a pool timeout for the offline checks, a deadline for the judge)."""
+import time
+
 import pytest
 
 from aepo_jax.data import Example
 from aepo_jax.eval import Scorer
 from aepo_jax.eval._scoring import needs_rescore
+from aepo_jax.rewards import RewardPool
 
 
 def _ex(family, answers, q="Q?"):
@@ -67,3 +71,39 @@ def test_transient_judge_failure_is_recorded_not_fatal():
   assert out["score"] == 0.0 and out["scorer"] == "judge_failed"
   assert "TimeoutError" in out["judge_error"] and needs_rescore(out)
   assert not needs_rescore(Scorer(FakeJudge()).score(_ex("deep_search", ["Paris"]), _ans("Lyon")))
+
+
+class SlowJudge:
+  def judge(self, question, labeled, predicted):
+    time.sleep(10)
+    return True
+
+
+@pytest.fixture(scope="module")
+def pool():
+  with RewardPool(num_workers=1, timeout_s=10.0, memory_limit_mb=2048) as p:
+    yield p
+
+
+def test_offline_checks_run_in_the_pool(pool):
+  before = pool.stats["items"]
+  out = Scorer(pool=pool).score(_ex("qa", ["Barack Obama", "Obama"]), _ans("the Obama"))
+  assert (out["em"], out["correct"], out["score_error"]) == (1.0, True, None)
+  assert pool.stats["items"] == before + 1
+
+
+def test_hostile_answer_costs_one_timeout_whatever_the_aliases(pool):
+  # In-process, math-verify's own 5 s guard ran once per alias (three aliases: over 15 s).
+  start = time.monotonic()
+  out = Scorer(pool=pool, timeout_s=1.5).score(_ex("math", ["5", "6", "7"]), _ans("10^{10^{9}}-1"))
+  assert time.monotonic() - start < 4
+  assert (out["score"], out["scorer"], out["extracted"]) == (0.0, "timeout", "10^{10^{9}}-1")
+  assert out["score_error"].startswith("timeout")
+  assert Scorer(pool=pool).score(_ex("math", ["25"]), _ans("025"))["correct"]  # the pool still serves
+
+
+def test_judge_time_per_example_is_bounded(pool):
+  start = time.monotonic()
+  out = Scorer(SlowJudge(), pool=pool, judge_timeout_s=0.5).score(_ex("deep_search", ["Paris"]), _ans("Lyon"))
+  assert time.monotonic() - start < 3
+  assert out["scorer"] == "judge_failed" and "no verdict within 0.5 s" in out["judge_error"] and needs_rescore(out)

@@ -26,3 +26,17 @@ def test_xla_accepts_the_flags():
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert abs(float(out.stdout.split()[-1]) - 64 * (64 + 4.1588830833596715)) < 1e-2
+
+
+def test_cpu_flags_stay_off_other_platforms(monkeypatch):
+  """XLA:TPU and XLA:GPU reject unknown flags: on them the CPU flags are not set (and JAX_PLATFORMS is left)."""
+  from aepo_jax.parallel import platform_is_cpu, use_cpu_xla_flags
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+  assert not platform_is_cpu()
+  assert use_cpu_xla_flags() == "--xla_force_host_platform_device_count=8"
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert platform_is_cpu() and "xla_cpu_experimental_ynn_fusion_type" in use_cpu_xla_flags()
+  monkeypatch.delenv("JAX_PLATFORMS")
+  monkeypatch.setenv("TPU_WORKER_ID", "0")  # a Cloud TPU VM's marker, before JAX starts
+  assert not platform_is_cpu()

@@ -34,3 +34,17 @@ def heavy_modules_loaded() -> list:
     import sys
 
     return sorted(m for m in ("jax", "torch", "tensorflow", "grain") if m in sys.modules)
+
+
+def echo(x):
+    return x
+
+
+class Unpicklable:
+    """An argument whose pickling raises `error` (an interruption arriving in the middle of a map)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __reduce__(self):
+        raise self.error

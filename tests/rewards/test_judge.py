@@ -35,11 +35,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         verdict = "Correct" if labeled.lower() == pred.lower() else "Incorrect"
         if action == "garbage":
             verdict = "Maybe"
-        out = json.dumps({"choices": [{"message": {"role": "assistant", "content": verdict}}]})
+        if action == "not correct":
+            verdict = "Not correct"
+        out = json.dumps({"choices": [{"message": {"role": "assistant", "content": verdict}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(out)))
         self.end_headers()
-        self.wfile.write(out.encode())
+        if action == "dribble":  # the whole body, one byte every 0.5 s: each read is quick, the answer never ends
+            try:
+                for i in range(len(out)):
+                    self.wfile.write(out[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            except OSError:  # the client gave up: as it should
+                pass
+            return
+        self.wfile.write(out)
 
 
 @pytest.fixture()
@@ -95,5 +107,28 @@ def test_gives_up_with_a_clear_error(server):
 
 def test_parse_verdict():
     assert parse_verdict(" Correct.") is True
+    assert parse_verdict("**Correct**") is True
     assert parse_verdict("Incorrect") is False
     assert parse_verdict("INCORRECT") is False
+
+
+@pytest.mark.parametrize("reply", ["Not correct", "not correct.", "Correct? No.", "It is not correct",
+                                   "Correct, but the year is wrong", "Not equivalent", "No"])
+def test_parse_verdict_rejects_negations_and_qualified_replies(reply):
+    # The official evaluation accepts only the reply "Correct" (content.strip() == "Correct").
+    assert parse_verdict(reply) is False
+
+
+def test_not_correct_from_the_server_is_false(server):
+    _Handler.script = ["not correct"]
+    assert OpenAICompatibleJudge(server, "m", timeout=5).judge("q", "a", "a") is False
+
+
+def test_slow_body_cannot_hold_a_call_past_its_timeout(server):
+    # Each byte arrives well within the socket timeout; the whole answer would take about 40 s.
+    _Handler.script = ["dribble"]
+    judge = OpenAICompatibleJudge(server, "m", timeout=2, retries=0)
+    start = time.monotonic()
+    with pytest.raises(JudgeError, match="failed after 1 attempts"):
+        judge.judge("q", "a", "a")
+    assert time.monotonic() - start < 3.5

@@ -1,9 +1,14 @@
-"""RewardPool: a pathological item costs its timeout and no more; the pool keeps serving."""
+"""RewardPool: a pathological item costs its timeout and no more; the pool keeps serving; a result only ever reaches
+its own item; the trainer's scoring paths go through the process's shared pool."""
 import time
+import types
 
+import ml_collections
+import numpy as np
 import pytest
 
-from aepo_jax.rewards import RewardPool, deep_research, math_equal
+from aepo_jax.data import Example
+from aepo_jax.rewards import RewardPool, _pool, deep_research, math_equal
 
 import _hostile_scorers as hs
 
@@ -66,3 +71,47 @@ def test_workers_stay_light(pool):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_workers"):
         RewardPool(num_workers=0)
+
+
+def test_no_stale_result_after_an_interrupted_map(pool):
+    # The first item is in flight when pickling the second raises KeyboardInterrupt: the map stops there. Its
+    # answer must never be handed to an item of a later map.
+    with pytest.raises(KeyboardInterrupt):
+        pool.map(hs.slow_scorer, [(0.3,), (hs.Unpicklable(KeyboardInterrupt()),)])
+    time.sleep(0.5)  # the abandoned answer (1.0) has arrived by now
+    assert pool.map(hs.echo, [("a",), ("b",), ("c",)]) == ["a", "b", "c"]
+
+
+def test_unpicklable_item_fails_alone(pool):
+    res = pool.map_results(hs.echo, [("a",), (lambda: 0,), ("c",)])
+    assert [r.status for r in res] == ["ok", "error", "ok"] and [res[0].value, res[2].value] == ["a", "c"]
+    assert "cannot send item 1" in res[1].error
+
+
+@pytest.fixture()
+def shared(monkeypatch, pool):
+    """The process's shared pool, replaced by the module's test pool (1.5 s per item)."""
+    monkeypatch.setattr(_pool, "_SHARED", pool)
+    monkeypatch.setattr(pool, "timeout_s", 1.5)
+    return pool
+
+
+def _traj(texts, groups):
+    return types.SimpleNamespace(response_text=list(texts), group_id_b=np.asarray(groups),
+                                 response_len_b=np.asarray([len(t) for t in texts]))
+
+
+def test_trainer_scoring_goes_through_the_shared_pool(shared):
+    from aepo_jax.train import _wiring
+
+    prompts = [Example("m:0", "q", ["5", "6", "7"], "m", "math"), Example("q:0", "q", ["Paris"], "q", "qa")]
+    hostile = "<think> x </think> <answer> \\boxed{10^{10^{9}}-1} </answer>"
+    traj = _traj([hostile, GOOD], [0, 1])
+    before = shared.stats["items"]
+    start = time.monotonic()
+    # DAPO's filter: in-process, math-verify's 5 s guard ran once per alias (over 15 s for this answer).
+    assert _wiring.correct_b(traj, prompts).tolist() == [0.0, 1.0]
+    assert time.monotonic() - start < 5
+    config = ml_collections.ConfigDict({"reward": {"name": "deep_research", "timeout_s": 10.0}, "algo": {"overlong_buffer": 0}})
+    assert _wiring.make_reward(config)(traj, prompts).tolist() == [0.0, 1.0]
+    assert shared.stats["items"] == before + 4 and shared.stats["timeouts"] >= 1

@@ -1,26 +1,25 @@
-"""Fixtures for the tools tests: which isolations work here, a free loopback port, a small made-up corpus."""
+"""Fixtures for the tools tests: both isolations (each must work), a free loopback port, a small made-up corpus."""
 import json
-import shutil
 import socket
+import threading
+import time
 
 import pytest
 
 from aepo_jax.tools import _isolation
 
 
-def isolation_or_skip(mode: str) -> str:
-    """bwrap must work (CI installs it); unshare is tested where the host allows it."""
-    if _isolation._probe(mode):
-        return mode
-    if mode == "bwrap":
-        pytest.fail("bubblewrap cannot start a sandbox on this host (is `bwrap` installed? are user namespaces "
-                    f"allowed?); which bwrap -> {shutil.which('bwrap')}")
-    pytest.skip(f"{mode} isolation does not work on this host")
+def isolation_or_fail(mode: str) -> str:
+    """Both isolations must work on every host that runs this suite (CI installs bubblewrap); never skipped."""
+    ok, why = _isolation._probe_result(mode)
+    if not ok:
+        pytest.fail(f"{mode} isolation cannot start a sandbox on this host: {why}")
+    return mode
 
 
 @pytest.fixture(params=["bwrap", "unshare"])
 def isolation(request):
-    return isolation_or_skip(request.param)
+    return isolation_or_fail(request.param)
 
 
 @pytest.fixture
@@ -29,6 +28,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def dribble_server():
+    """A loopback HTTP server that answers every request with a 200 whose JSON body arrives one byte every 0.5 s
+    (each read is quick; the whole answer takes about a minute). Yields its URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    body = json.dumps({"result": [[]], "organic": [], "pad": "x" * 100}).encode()
+
+    def answer(conn):
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body))
+                for i in range(len(body)):
+                    conn.sendall(body[i:i + 1])
+                    time.sleep(0.5)
+            except OSError:  # the client gave up
+                pass
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
 
 
 # Made-up facts: nothing here exists outside this test, so only retrieval can answer.

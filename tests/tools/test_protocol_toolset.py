@@ -109,17 +109,33 @@ def test_eval_repeated_query_after_cleaning():
     assert "other" in branch.queries and "other" not in state.queries
 
 
-def test_retries_while_empty_then_reports():
-    tool = FakeTool("", "", "Page 1: finally")
+def test_retries_while_raising_then_reports():
+    tool = FakeTool(ConnectionError("reset"), ConnectionError("reset"), "Page 1: finally")
     tools = ToolSet({"search": tool}, retry_count=3)
     out = tools.execute(ToolCall("search", "q"), CallState())
     assert out.ok and out.text == "Page 1: finally" and out.info["retries"] == 2 and len(tool.calls) == 3
+    assert tools.metrics()["tools/search_retries"] == 2
+
+
+def test_empty_output_is_an_answer_not_retried():
     tool = FakeTool("")
     tools = ToolSet({"search": tool}, retry_count=3)
     out = tools.execute(ToolCall("search", "q"), CallState())
-    assert not out.ok and out.text == "Tool(search) returned empty output." and len(tool.calls) == 3
+    assert out.text == "Tool(search) returned empty output." and len(tool.calls) == 1
+    assert out.ok and out.info["empty"] and out.info["retries"] == 0
     m = tools.metrics()
-    assert m["tools/search_retries"] == 2 and m["tools/search_failures"] == 1
+    assert m["tools/search_empty"] == 1 and "tools/search_retries" not in m and "tools/search_failures" not in m
+
+
+def test_silent_program_answers_once_with_its_real_time():
+    # A 2 s program that prints nothing, under a 5 s limit: one run, reported after about 2 s.
+    tools = ToolSet({"python": PythonTool(timeout_s=5)}, timeout_s=5)
+    start = time.monotonic()
+    out = tools.execute(ToolCall("python", "import time\ntime.sleep(2)\nx = 1"), CallState())
+    elapsed = time.monotonic() - start
+    assert out.text == "Tool(python) returned empty output." and not out.info.get("timeout"), out
+    assert 2 <= out.info["seconds"] <= elapsed < 4.5
+    assert tools.metrics()["tools/python_calls"] == 1 and "tools/python_retries" not in tools.metrics()
 
 
 def test_exception_message_after_retries():
@@ -135,8 +151,22 @@ def test_hung_tool_returns_bounded_outcome():
     start = time.monotonic()
     out = tools.execute(ToolCall("search", "q"), CallState())
     assert time.monotonic() - start < 1.5
-    assert out.info == {"timeout": True} and out.text.startswith("Error: Tool(search) execution failed with message:")
+    assert out.info["timeout"] and 0.5 <= out.info["seconds"] < 1.5
+    assert out.text.startswith("Error: Tool(search) execution failed with message: no result after 0.5 s (limit "
+                               "0.5 s)"), out.text
     assert tools.metrics()["tools/search_timeouts"] == 1
+    tools.shutdown()
+
+
+def test_timeout_text_says_how_long_the_call_queued():
+    # One worker: the second call waits for the first, and its timeout text says so.
+    tools = ToolSet({"search": FakeTool("ok", delay_s=0.8)}, timeout_s=1.0, max_workers=1)
+    first = tools.submit(ToolCall("search", "a"), CallState())
+    second = tools.submit(ToolCall("search", "b"), CallState())
+    assert first.result().text == "ok"
+    out = second.result()
+    assert out.info["timeout"] and "no result after 1.0 s (limit 1 s; 0.8 s of it waiting for a free tool worker)" \
+        in out.text, out.text
     tools.shutdown()
 
 

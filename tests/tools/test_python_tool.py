@@ -75,7 +75,7 @@ def test_python_tool_callable_and_limits():
 
 
 def test_no_isolation_is_refused_without_the_flag(monkeypatch):
-    monkeypatch.setattr(_isolation, "_probe", lambda mode: False)
+    monkeypatch.setattr(_isolation, "_probe_result", lambda mode: (False, f"{mode} refused (simulated)"))
     with pytest.raises(SandboxUnavailableError, match="allow_unsandboxed=True"):
         resolve_isolation("auto")
     with pytest.raises(SandboxUnavailableError, match="allow_unsandboxed=True"):
@@ -85,7 +85,7 @@ def test_no_isolation_is_refused_without_the_flag(monkeypatch):
 
 
 def test_unsandboxed_runs_with_loud_warning(monkeypatch, caplog, capsys):
-    monkeypatch.setattr(_isolation, "_probe", lambda mode: False)
+    monkeypatch.setattr(_isolation, "_probe_result", lambda mode: (False, f"{mode} refused (simulated)"))
     _isolation._warn_unsandboxed.cache_clear()
     with caplog.at_level(logging.WARNING):
         assert resolve_isolation("auto", allow_unsandboxed=True) == "none"

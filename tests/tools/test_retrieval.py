@@ -2,6 +2,7 @@
 client that survives the server being killed and restarted (and never hangs on a silent server)."""
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -145,6 +146,94 @@ def test_silent_server_times_out():
         with pytest.raises(SearchError, match="failed after 2 attempts"):
             backend.search("anything", 3)
         assert time.monotonic() - start < 3
+
+
+def test_slow_body_frees_its_slot_at_the_deadline(dribble_server, bm25_server):
+    # One slot: a call stuck on a server that dribbles its body must give the slot back at its own deadline.
+    backend = RetrievalBackend(dribble_server, timeout_s=2, retries=0, max_concurrency=1)
+    errors = []
+    stuck = threading.Thread(target=lambda: errors.append(pytest.raises(SearchError, backend.search, "q", 3)))
+    start = time.monotonic()
+    stuck.start()
+    time.sleep(0.3)
+    backend.url = bm25_server  # same client, same single slot, a healthy server
+    assert backend.search("highest peak of the Tarrow range", 1)[0].title == "Mount Kessa"
+    stuck.join()
+    assert time.monotonic() - start < 4.5 and "no complete answer within 2 s" in str(errors[0].value)
+
+
+def test_hostile_requests_get_json_errors(corpus_path, tmp_path):
+    index = RetrievalIndex(corpus_path, str(tmp_path / "idx"))
+    server, url = serve_in_thread(index, max_queries=8, max_body_bytes=1 << 20)
+    port = server.server_address[1]
+
+    def raw(body: bytes, method="POST", path="/retrieve", length=None):
+        length = len(body) if length is None else length
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode() + body)
+            data = b""
+            while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                    [h for h in data.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1]):
+                chunk = s.recv(65536)
+                assert chunk, f"the server dropped the connection: {data!r}"
+                data += chunk
+        head, _, payload = data.partition(b"\r\n\r\n")
+        return int(head.split()[1]), json.loads(payload)
+
+    try:
+        # No scorable term (stop words, punctuation, nothing): an empty list each, beside a normal query.
+        status, out = raw(json.dumps({"queries": ["The", "...", "", "a the of", "Mount Kessa"], "topk": 1}).encode())
+        assert status == 200 and out["result"][:4] == [[], [], [], []]
+        assert out["result"][4][0]["contents"].startswith("Mount Kessa")
+        assert SearchTool(RetrievalBackend(url, timeout_s=5, retries=0))("The") == "No search results found."
+        for body in (b"[1, 2]", b"[" * 100_000 + b"]" * 100_000, b"{not json", b"\xff\xfe", b'"queries"',
+                     b'{"queries": ["x"], "topk": true}', b'{"queries": [1]}'):
+            status, out = raw(body)
+            assert status == 400 and out["error"], (body[:20], status, out)
+        status, out = raw(json.dumps({"queries": ["x"] * 9}).encode())
+        assert status == 413 and "limit is 8" in out["error"]
+        status, out = raw(b"", length=(1 << 20) + 1)  # refused from the header alone, body never read
+        assert status == 413 and "over the limit" in out["error"]
+        assert raw(b"{}", method="PUT")[0] == 501
+        index.search = lambda queries, topk: 1 / 0  # a bug in the handler: still an answer
+        status, out = raw(b'{"queries": ["x"]}')
+        assert status == 500 and "ZeroDivisionError" in out["error"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_large_request_does_not_stall_a_small_one(tmp_path):
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(2000)]
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        for i in range(10000):
+            f.write(json.dumps({"id": str(i), "contents": f"doc {i}\n" + " ".join(rng.choices(words, k=30))}) + "\n")
+    index = RetrievalIndex(str(path), str(tmp_path / "idx"))
+    server, url = serve_in_thread(index, max_queries=5000)
+    client = RetrievalBackend(url, timeout_s=120, retries=0)
+    big = [" ".join(rng.choices(words, k=8)) for _ in range(3000)]
+    done = {}
+
+    def large():
+        client.client.request("POST", url + "/retrieve", body={"queries": big, "topk": 3})
+        done["large"] = time.monotonic()
+
+    try:
+        start = time.monotonic()
+        t = threading.Thread(target=large)
+        t.start()
+        time.sleep(0.3)
+        asked = time.monotonic()
+        assert client.search("w1 w2 w3", 3)
+        done["small"] = time.monotonic()
+        t.join()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done["small"] < done["large"], "the small request waited for the whole large one"
+    assert done["small"] - asked < 0.25 * (done["large"] - start), done
 
 
 def test_concurrency_cap(bm25_server):

@@ -1,6 +1,6 @@
 """Hostile programs against the Python sandbox: each must be contained and reported, and the next call must work.
 
-Every case runs under each isolation that works on the host (bwrap always; unshare where allowed).
+Every case runs under both isolations, bwrap and unshare; an isolation that does not work here fails the suite.
 """
 import os
 import signal
@@ -57,6 +57,27 @@ def test_host_tmp_is_private(isolation, tmp_path):
     secret.write_text("s3cret-host-file")
     res = _run(f"print(open({str(secret)!r}).read())", isolation)
     assert "s3cret-host-file" not in res.stdout and res.exit_code == 1
+
+
+def test_shared_scratch_dirs_are_private(isolation):
+    # World-writable host dirs: a file written there must neither reach the host nor the next call.
+    marker = f"aepo_{uuid.uuid4().hex}"
+    code = ("import os\nfor d in ('/dev/shm', '/var/tmp', '/run/lock', '/tmp'):\n    try:\n"
+            f"        open(os.path.join(d, {marker!r}), 'w').write('x')\n        print(d, 'written')\n"
+            "    except OSError as e:\n        print(d, type(e).__name__)")
+    res = _run(code, isolation)
+    assert res.exit_code == 0 and "/tmp written" in res.stdout, res
+    for d in ("/dev/shm", "/var/tmp", "/run/lock", "/tmp"):
+        assert not os.path.exists(os.path.join(d, marker)), f"the sandbox wrote {d}/{marker} on the host"
+    again = _run(f"import os\nprint([d for d in ('/dev/shm', '/var/tmp', '/run/lock', '/tmp') "
+                 f"if os.path.exists(os.path.join(d, {marker!r}))])", isolation)
+    assert again.stdout.strip() == "[]", again
+
+
+def test_etc_is_minimal(isolation):
+    res = _run("import os\nprint(sorted(os.listdir('/etc')))", isolation)
+    assert res.exit_code == 0, res
+    assert set(eval(res.stdout)) <= {"ld.so.cache", "localtime", "alternatives"}, res.stdout
 
 
 def test_write_outside_work_dir(isolation):

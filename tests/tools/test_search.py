@@ -4,6 +4,7 @@ import http.server
 import json
 import os
 import threading
+import time
 import urllib.parse
 
 import pytest
@@ -20,6 +21,7 @@ from aepo_jax.tools import (
     SerperBackend,
     clean_query,
     format_hits,
+    http_request,
     make_search_backend,
     parse_pages,
 )
@@ -212,3 +214,24 @@ def test_web_retries_transient_errors(fake_api, monkeypatch, tmp_path):
     assert len(FakeSearchAPI.requests) == 3 and backend.backend.client.stats["retries"] == 2
     backend.search("q", 1)
     assert len(FakeSearchAPI.requests) == 3  # second answer from the persistent cache
+
+
+# ------------------------------------------------------------------ whole-call deadlines
+def test_slow_body_cannot_hold_a_web_call(dribble_server, monkeypatch):
+    monkeypatch.setenv("SERPER_API_KEY", "k")
+    backend = SerperBackend(base_url=dribble_server + "/serper", timeout_s=2, retries=0)
+    start = time.monotonic()
+    with pytest.raises(SearchError, match="no complete answer within 2 s"):
+        backend.search("q", 3)
+    assert time.monotonic() - start < 3
+
+
+def test_http_request_deadline_covers_headers_and_body(dribble_server, fake_api):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no complete answer within 1 s"):
+        http_request("GET", dribble_server, timeout_s=1)
+    assert time.monotonic() - start < 2
+    status, body = http_request("GET", fake_api + "/bing", timeout_s=5)
+    assert status == 200 and json.loads(body)["webPages"]["value"][0]["name"] == "N"
+    status, body = http_request("POST", fake_api + "/serper", data=b'{"q": "x", "num": 1}', timeout_s=5)
+    assert status == 401 and json.loads(body) == {"message": "bad key"}  # an error status is returned, not raised

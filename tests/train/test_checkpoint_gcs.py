@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,3 +108,75 @@ def test_metrics_jsonl_on_gcs(gcs_emulator):
   w.scalars(2, {"reward/mean": float("inf")})
   w.flush()
   assert [(r["step"], r["reward/mean"]) for r in read_metrics(f"gs://{BUCKET}/metrics")] == [(1, 0.1), (2, None)]
+
+
+def _largest_object(step_dir):
+  """The largest data object of a step, found through its manifest (gs:// has no recursive glob)."""
+  import json
+
+  from etils import epath
+
+  from aepo_jax.train._checkpoint_integrity import MANIFEST
+  files = json.loads((epath.Path(step_dir) / MANIFEST).read_text())["files"]
+  return epath.Path(step_dir) / max((k for k in files if k.startswith("state/")), key=lambda k: files[k]["size"])
+
+
+def test_damaged_checkpoint_on_gcs_is_named_and_moved_aside(gcs_emulator):
+  """An object replaced by one with 64 inverted bytes: named by the manifest (size + the object's crc32c from the
+  listing) or, failing that, by the array checksums; the run falls back and the damaged step is renamed on gs://."""
+  from etils import epath
+
+  from aepo_jax.train import Checkpointer
+  from aepo_jax.train._checkpoint import CheckpointCorruptError
+  from aepo_jax.train._checkpoint_integrity import MANIFEST
+  d = f"gs://{BUCKET}/integrity/checkpoints/sft"
+  ck = Checkpointer(d, keep=2, ocdbt=False)  # zarr: see EMULATOR_FLAKE
+  state = {"params": {"w": jnp.arange(4096.0).reshape(64, 64)}, "rng": np.array([1, 2], np.uint32)}
+  for step in (1, 2):
+    ck.save(step, jax.tree.map(lambda x: x * step, state), {"step": step})
+  ck.wait()
+  assert (epath.Path(d) / "2" / MANIFEST).exists()
+  victim = _largest_object(f"{d}/2")
+  data = bytearray(victim.read_bytes())
+  data[100:164] = bytes(b ^ 0xFF for b in data[100:164])
+  victim.write_bytes(bytes(data))
+  with pytest.raises(CheckpointCorruptError) as e:
+    ck.restore(2, state)
+  assert e.value.step == 2 and f"{d}/2 is damaged" in str(e.value)
+  step, restored, meta = ck.restore_newest_intact(state)
+  assert step == 1 and meta == {"step": 1}
+  assert np.array_equal(np.asarray(restored["params"]["w"]), np.asarray(state["params"]["w"]))
+  assert ck.all_steps() == [1] and (epath.Path(d) / "2.damaged" / "state").exists()
+  ck.close()
+
+
+def test_unreachable_storage_fails_in_seconds_naming_the_settings(monkeypatch):
+  """No network (or a dead emulator) used to cost gcsfs 60-90 s of retries before any error."""
+  import time
+
+  from aepo_jax.train import CheckpointError, check_writable
+  from aepo_jax.train._checkpoint import check_remote
+  closed = f"http://127.0.0.1:{_free_port()}"
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", closed)
+  monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", closed)
+  t0 = time.monotonic()
+  with pytest.raises(CheckpointError) as e:
+    check_writable("gs://bucket/run")
+  assert time.monotonic() - t0 < 10
+  for needle in (f"the storage service at {closed} does not answer", "STORAGE_EMULATOR_HOST",
+                 "GOOGLE_APPLICATION_CREDENTIALS"):
+    assert needle in str(e.value)
+  silent = socket.socket()  # accepts connections, never answers
+  silent.bind(("127.0.0.1", 0))
+  silent.listen(8)
+  url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", url)
+  monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", url)
+  t0 = time.monotonic()
+  with pytest.raises(CheckpointError, match="does not answer \\(no answer within 1 s\\)"):
+    check_remote("gs://bucket/run", timeout_s=1.0)
+  assert time.monotonic() - t0 < 5
+  silent.close()
+  monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL")
+  with pytest.raises(CheckpointError, match="TENSORSTORE_GCS_HTTP_URL is not"):
+    check_remote("gs://bucket/run")

@@ -58,7 +58,7 @@ def test_aepo_gaia_paper_vs_released_is_explicit():
 def test_reasoning_config_values():
   c = load_config(os.path.join(ROOT, "configs/aepo_reasoning.py"), num_devices=8)
   assert (c.data.prompts_per_step, c.train.ppo_mini_batch_size, c.rollout.n, c.rollout.initial_rollouts) == (128, 16, 16, 8)
-  assert (c.rollout.max_prompt_len, c.rollout.max_response_len, c.train.epochs, c.tools.call_limit) == (1536, 4096, 2, 3)
+  assert (c.rollout.max_prompt_len, c.rollout.max_response_len, c.train.epochs, c.tools.call_limit) == (1536, 4096, 2, 6)
   assert c.data.train == "train_10k"
 
 
@@ -144,7 +144,8 @@ def _cli(*args):
 
 
 def test_cli_overrides_and_errors():
-  out = _cli("--config=configs/aepo_gaia.py:released", "--config.rollout.n=8", "--config.rollout.initial_rollouts=4",
+  out = _cli("--config=configs/aepo_gaia.py:released", "--config.model.name=smollm2-135m-instruct",
+             "--config.rollout.n=8", "--config.rollout.initial_rollouts=4",
              "--config.train.ppo_mini_batch_size=4", "--config.train.micro_batch_size=16")
   assert out.returncode == 0, out.stderr[-2000:]
   c = json.loads(out.stdout.strip().splitlines()[-1])

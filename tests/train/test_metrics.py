@@ -92,3 +92,55 @@ def test_plot_renders_pngs(tmp_path):
     assert name in written
     with open(tmp_path / "plots" / name, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+from test_checkpoint_gcs import BUCKET, gcs_emulator  # noqa: E402,F401  (the emulator fixture)
+
+
+def _events(data: bytes) -> list:
+  """The Event protos of a TFRecord event file (length, crc, payload, crc)."""
+  import struct
+
+  from tensorboardX.proto import event_pb2
+  out, i = [], 0
+  while i < len(data):
+    (n,) = struct.unpack("<Q", data[i:i + 8])
+    out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+    i += 12 + n + 4
+  return out
+
+
+def _scalars(fs, prefix: str) -> dict:
+  out = {}
+  for path in sorted(fs.ls(prefix, refresh=True)):
+    for e in _events(fs.cat(path)):
+      for v in e.summary.value:
+        if v.HasField("simple_value"):
+          out[(v.tag, e.step)] = v.simple_value
+  return out
+
+
+def test_tensorboard_events_of_a_gs_workdir_land_in_the_bucket(gcs_emulator):
+  """Events go to <workdir>/tb in the bucket: copied on flush (when upload_every_s has passed), rotated at
+  rotate_bytes, and the last ones on close; the local staging directory is gone afterwards."""
+  import fsspec
+
+  from aepo_jax.train import TensorboardWriter
+  fs = fsspec.filesystem("gs")
+  w = create_writer(f"gs://{BUCKET}/tbrun", {"jsonl": True, "tensorboard": True})
+  tb = next(x for x in w.writers if isinstance(x, TensorboardWriter))
+  staging = tb._dir
+  tb._upload_every_s, tb._rotate_bytes = 0.0, 400  # copy on every flush; a new file every few steps
+  for step in range(1, 7):
+    w.scalars(step, {"reward/mean": step / 10})
+    w.histograms(step, {"actor/entropy": np.linspace(0, 1, 20)})
+    w.flush()
+    if step == 1:  # already in the bucket before close
+      assert _scalars(fs, f"{BUCKET}/tbrun/tb")[("reward/mean", 1)] == pytest.approx(0.1)
+  w.close()
+  files = fs.ls(f"{BUCKET}/tbrun/tb", refresh=True)
+  assert len(files) > 1 and all(os.path.basename(f).startswith("events.out.tfevents.") for f in files)
+  got = _scalars(fs, f"{BUCKET}/tbrun/tb")
+  assert {s: got[("reward/mean", s)] for s in range(1, 7)} == pytest.approx({s: s / 10 for s in range(1, 7)})
+  assert not os.path.exists(staging)
+  assert read_metrics(f"gs://{BUCKET}/tbrun")[-1]["reward/mean"] == pytest.approx(0.6)

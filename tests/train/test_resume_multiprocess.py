@@ -39,7 +39,8 @@ def test_two_processes_match_one(tmp_path):
   port = s.getsockname()[1]
   s.close()
   multi = tmp_path / "two_processes"
-  procs = [subprocess.Popen(_cmd(multi, f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+  procs = [subprocess.Popen(_cmd(multi, "--config.checkpoint.shared_workdir=True",
+                                 f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                                  f"--process_id={i}"), cwd=ROOT, env=_env(1), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
   single = subprocess.run(_cmd(tmp_path / "one_process"), cwd=ROOT, env=_env(2), capture_output=True, text=True,

@@ -32,20 +32,27 @@ MODES = ("corrected", "faithful")
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-  """Rollout-policy hyperparameters; defaults are the official ones (spec §1.7, §2.1)."""
-  n: int = 16                        # rollout.n: trajectories per prompt (the group)
-  initial_rollouts: int = 8          # N0 global samples (ARPO; AEPO when dynamic rollouts are off)
-  beam_size: int = 2                 # Z: Z-1 attempts per candidate
-  entropy_weight: float = 0.2        # w
-  branch_threshold: float = 0.5      # τ
-  entropy_window: int = 20           # tokens per segment that enter the step entropy
-  estimator: str = "exact"           # 'exact' | 'official' (top-10 summed / ln|V|)
-  mode: str = "corrected"            # 'corrected' | 'faithful'
-  penalty_slope: float = 0.05        # AEPO: f = max(0, 1 - slope * l)
+  """Rollout-policy hyperparameters, with the same defaults as `aepo_jax.train.base_config()`'s rollout.* keys.
+
+  Constants marked "official" are those of the released ARPO/AEPO code and scripts (spec §1.7, §2.1, §2.4: the
+  14B deep-search scripts for n and N0). Two defaults deliberately differ from the code: `estimator='exact'`
+  (the paper's full-vocabulary token entropy; the code's top-10 sum is 'official') and `mode='corrected'` (the
+  code's quirks Q1 and the one-call lag fixed; 'faithful' reproduces them). The `:released` presets in
+  configs/ set both to the code's values.
+  """
+  n: int = 12                        # rollout.n: trajectories per prompt (the group); official (14B scripts)
+  initial_rollouts: int = 6          # N0 global samples (ARPO; AEPO when dynamic rollouts are off); official
+  beam_size: int = 2                 # Z: Z-1 attempts per candidate; official
+  entropy_weight: float = 0.2        # w; official (scripts; the code's own default is 0.5)
+  branch_threshold: float = 0.5      # τ; official
+  entropy_window: int = 20           # tokens per segment that enter the step entropy; official (hard-coded)
+  estimator: str = "exact"           # 'exact' (paper) | 'official' (top-10 summed / ln|V|, the code)
+  mode: str = "corrected"            # 'corrected' (ours) | 'faithful' (the code's quirks)
+  penalty_slope: float = 0.05        # AEPO: f = max(0, 1 - slope * l); official (hard-coded)
   penalty_counts_refills: bool = True  # AEPO code: refills also advance the consecutive-branch counter
-  enable_dynamic_rollouts: bool = True  # AEPO pre-monitoring (the released scripts set False, spec §2.6)
-  premonitor_beta: float = 0.5       # β of the pre-monitoring sigmoid (hard-coded 0.5 in the code)
-  probe_tokens: int = 50             # max tokens of the H_root sample
+  enable_dynamic_rollouts: bool = True  # AEPO pre-monitoring: paper; the released scripts set False (spec §2.6)
+  premonitor_beta: float = 0.5       # β of the pre-monitoring sigmoid; official (hard-coded)
+  probe_tokens: int = 50             # max tokens of the H_root sample; official
 
   def __post_init__(self):
     def bad(key, why):

@@ -1,0 +1,275 @@
+"""The memory plan of an RL step on a TPU slice, proven by compiling the step's programs for that slice on any host.
+
+With libtpu installed (`pip install -e ".[tpu]"`), XLA:TPU runs ahead of time on a CPU host:
+`jax.experimental.topologies.get_topology_desc("v5p:4x4x2", "tpu")` gives the chips of a slice, and
+`jit(f).lower(<ShapeDtypeStructs with shardings>).compile().memory_analysis()` is what each chip needs for `f`.
+`compile_plan(config, topology)` builds the config's model, mesh, batch and KV-cache shapes abstractly (nothing
+is allocated, no checkpoint is read) and compiles the four programs of an RL step:
+
+  update    one optimizer update: params + optimizer state (donated) and a mini-batch, on the training mesh
+  logprob   old / reference log-probs of the step's whole batch, on the training mesh
+  prefill   the engine's prefill/extend call (prefill_rows rows x prefill_chunk tokens), on one host's devices
+  decode    the engine's decode call (rollout.decode_chunk steps over every slot), on one host's devices
+
+Per chip, a program's peak is arguments + outputs - aliased (donated) + temporaries, plus what stays resident on
+the chip while it runs and is not one of its arguments: the optimizer state (and the KL reference, if any) during
+logprob, the whole training state (and reference) during prefill and decode. The rollout weights and the KV cache
+are dropped before the update (the trainer deletes its rollout copy; the agent loop frees its cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("aepo_jax.compile")
+
+GB = 1e9
+# HBM per chip by generation (Cloud TPU documentation), in GB.
+HBM_GB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
+KNOBS = {
+    "update": "train.micro_batch_size (rows per micro-batch), model.remat=True, mesh.fsdp / mesh.tensor (more "
+              "sharding), rollout.max_response_len",
+    "logprob": "train.micro_batch_size, mesh.fsdp / mesh.tensor",
+    "prefill": "rollout.prefill_rows, rollout.prefill_chunk, rollout.max_slots (a smaller KV cache)",
+    "decode": "rollout.max_slots (slots per host; the agent loop queues the rest), rollout.mesh.tensor, "
+              "rollout.dtype=bfloat16, rollout.max_response_len",
+}
+
+
+@dataclasses.dataclass
+class ProgramMemory:
+  name: str
+  argument_gb: float
+  output_gb: float
+  alias_gb: float
+  temp_gb: float
+  resident_gb: float  # on the chip during the program, not among its arguments
+  compile_s: float
+  devices: int
+
+  @property
+  def peak_gb(self) -> float:
+    return self.argument_gb + self.output_gb - self.alias_gb + self.temp_gb + self.resident_gb
+
+
+def topology_devices(topology: str):
+  """The chips of a TPU slice named like 'v5p:4x4x2' or 'v6e:8x8' (needs libtpu; no TPU needed)."""
+  import os
+  from jax.experimental import topologies
+  # Compile-only use of libtpu: do not take the lock a TPU job (or another compile) on this host may hold.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown name: say which and how to fix
+    raise RuntimeError(
+        f"cannot describe TPU topology {topology!r} ({type(e).__name__}: {e}). Compiling for TPU needs libtpu "
+        "(pip install -e \".[tpu]\", the jax[tpu] of the installed jax) and a name such as v5p:4x4x2, v6e:8x8, "
+        "v5e:4x4 or v4:2x2x2.") from e
+  return list(topo.devices)
+
+
+def host_devices(topology: str, devices) -> list:
+  """The chips of one host of the slice, as a slice of their own (`v6e:2x2` for a v6e:8x8 host): the engine's
+  programs run on one host's chips, and XLA:TPU compiles a program for device ids 0..n-1 of a topology."""
+  first = [d for d in devices if d.process_index == devices[0].process_index]
+  coords = np.asarray([d.coords for d in first])
+  extent = coords.max(0) - coords.min(0) + 1
+  dims = len(topology.split(":")[1].split("x"))
+  name = topology.split(":")[0] + ":" + "x".join(str(int(e)) for e in extent[:dims])
+  host = topology_devices(name)
+  if len(host) != len(first):
+    raise RuntimeError(f"{topology}: a host has {len(first)} chips but topology {name} has {len(host)}.")
+  return host
+
+
+def hbm_gb(topology: str) -> float:
+  gen = topology.split(":")[0].lower()
+  if gen not in HBM_GB:
+    raise ValueError(f"no HBM size known for {gen!r}; known: {sorted(HBM_GB)}.")
+  return HBM_GB[gen]
+
+
+def _per_chip_gb(tree) -> float:
+  """Bytes per chip of ShapeDtypeStructs with NamedShardings (the largest chip, replicated leaves counted whole)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
+  return total / GB
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _memory(name, compiled, resident_gb, seconds, devices) -> ProgramMemory:
+  m = compiled.memory_analysis()
+  return ProgramMemory(name, m.argument_size_in_bytes / GB, m.output_size_in_bytes / GB, m.alias_size_in_bytes / GB,
+                       m.temp_size_in_bytes / GB, resident_gb, seconds, devices)
+
+
+def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefill", "decode")) -> dict:
+  """Compiles the RL step's programs of `config` for `topology`; returns the report (see `report_json`)."""
+  from aepo_jax import model as model_lib
+  from aepo_jax import rollout as rollout_lib
+  from aepo_jax.parallel import local_mesh, make_mesh
+  from aepo_jax.train import _config, _optim, _step, _wiring
+
+  devices = topology_devices(topology)
+  mesh = make_mesh(_config.mesh_shape(config.mesh, len(devices)), devices)
+  mc, r, t, a = config.model, config.rollout, config.train, config.algo
+  model_cfg = model_config(config)
+  seq_len = r.max_prompt_len + r.max_response_len
+  optimizer = _optim.make_optimizer(config.optim.lr, weight_decay=config.optim.weight_decay,
+                                    grad_clip=config.optim.grad_clip)
+  p_sh = _step.param_shardings(model_cfg, mesh)
+  o_sh = _step.opt_state_shardings(model_cfg, optimizer, mesh)
+  params = _abstract(model_lib.param_shapes(model_cfg), p_sh)
+  opt_state = _abstract(jax.eval_shape(optimizer.init, model_lib.param_shapes(model_cfg)), o_sh)
+  with_ref = a.kl.coef > 0 or a.kl.use_in_reward
+  params_gb, opt_gb = _per_chip_gb(params), _per_chip_gb(opt_state)
+  ref_gb = params_gb if with_ref else 0.0
+  out = {"topology": topology, "chips": len(devices), "hbm_gb": hbm_gb(topology), "mesh": dict(mesh.shape),
+         "programs": {}, "params_gb": params_gb, "opt_state_gb": opt_gb}
+  mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
+  from aepo_jax.train._batch import batch_sharding
+  b_sh = batch_sharding(mesh)
+
+  def batch(k, keys):
+    return {name: jax.ShapeDtypeStruct((k, t.micro_batch_size, seq_len),
+                                       jnp.int32 if name in ("tokens", "attention_mask", "loss_mask") else jnp.float32,
+                                       sharding=b_sh) for name in keys}
+
+  if "update" in programs:
+    step = _step.make_update_step(
+        model_cfg, loss_fn=a.loss, loss_hp=_wiring.loss_hparams(config), optimizer=optimizer,
+        micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
+        kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
+        need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
+        logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
+        saved_logits_mb=t.saved_logits_mb)
+    keys = ["tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages"]
+    if a.kl.coef > 0 and not a.kl.use_in_reward:
+      keys.append("ref_log_prob")
+    t0 = time.perf_counter()
+    compiled = step.lower(params, opt_state, batch(mb_per_update, keys)).compile()
+    out["programs"]["update"] = _memory("update", compiled, ref_gb, time.perf_counter() - t0, len(devices))
+
+  if "logprob" in programs:
+    fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
+    rows = config.data.prompts_per_step * r.n
+    k = -(-rows // (t.micro_batch_size * mb_per_update)) * mb_per_update
+    t0 = time.perf_counter()
+    b = batch(k, ["tokens", "attention_mask"])
+    compiled = fn.lower(params, b["tokens"], b["attention_mask"]).compile()
+    out["programs"]["logprob"] = _memory("logprob", compiled, opt_gb + ref_gb, time.perf_counter() - t0,
+                                         len(devices))
+
+  if "prefill" in programs or "decode" in programs:
+    host = host_devices(topology, devices)
+    rmesh = local_mesh({k: int(v) for k, v in r.mesh.items()}, host)
+    dtype = r.dtype or mc.dtype
+    engine_cfg = model_cfg.replace(param_dtype=dtype)
+    hosts = len({d.process_index for d in devices})
+    slots = r.max_slots or -(-config.data.prompts_per_step // hosts) * r.n
+    engine = rollout_lib.Engine(engine_cfg, max_slots=slots, max_len=seq_len, eos_ids=(0,),
+                                entropy_window=r.entropy_window, topk_entropy=r.topk_entropy, mesh=rmesh,
+                                prefill_chunk=r.prefill_chunk, prefill_rows=r.prefill_rows, cpu_kernels=False)
+    weights = _abstract(model_lib.param_shapes(engine_cfg), model_lib.param_shardings(engine_cfg, rmesh))
+    resident = params_gb + opt_gb + ref_gb  # the training state stays on the chips during rollouts
+    out["rollout"] = {"host_chips": len(host), "hosts": hosts, "slots": slots, "max_len": seq_len,
+                      "weights_gb": _per_chip_gb(weights), "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache)}
+    if "prefill" in programs:
+      t0 = time.perf_counter()
+      compiled = engine.lower_fill(weights).compile()
+      out["programs"]["prefill"] = _memory("prefill", compiled, resident, time.perf_counter() - t0, len(host))
+    if "decode" in programs:
+      t0 = time.perf_counter()
+      compiled = engine.lower_decode(weights, r.decode_chunk).compile()
+      out["programs"]["decode"] = _memory("decode", compiled, resident, time.perf_counter() - t0, len(host))
+  out["fits"] = all(p.peak_gb <= out["hbm_gb"] for p in out["programs"].values())
+  out["shardings"] = {"params": _describe(p_sh), "kv_cache": str(engine.abstract_decode_state().cache["k"].sharding.spec)
+                      if "rollout" in out else ""}
+  return out
+
+
+def model_config(config):
+  """The ModelConfig of `config.model` from shapes alone: model.shape (a preset), a preset name, or the config.json
+  of a local HF directory; a gs:// checkpoint needs model.shape (no network is used)."""
+  import os
+
+  from aepo_jax import model as model_lib
+  mc = config.model
+  kw = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, **dict(mc.overrides))
+  name = mc.shape or mc.name
+  if name in model_lib.PRESETS:
+    return model_lib.preset(name, **kw)
+  if os.path.isfile(os.path.join(str(name), "config.json")):
+    return model_lib.read_hf_config(name, mc.param_dtype).replace(**kw)
+  raise ValueError(f"model.name={mc.name!r} gives no shape to compile: set --config.model.shape to the preset with the "
+                   f"checkpoint's architecture (one of {sorted(model_lib.PRESETS)}), or point model.name at a local HF "
+                   "directory with a config.json.")
+
+
+def _describe(shardings) -> dict:
+  flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+  return {"/".join(str(getattr(k, "key", k)) for k in path): str(s.spec) for path, s in flat}
+
+
+def report_json(report: dict) -> dict:
+  """The one-line summary: topology, chips, hbm_gb, per-program peak_gb (and parts), fits."""
+  return {"topology": report["topology"], "chips": report["chips"], "hbm_gb": report["hbm_gb"],
+          "programs": {name: {"peak_gb": round(p.peak_gb, 2), "argument_gb": round(p.argument_gb, 2),
+                              "output_gb": round(p.output_gb, 2), "alias_gb": round(p.alias_gb, 2),
+                              "temp_gb": round(p.temp_gb, 2), "resident_gb": round(p.resident_gb, 2),
+                              "compile_s": round(p.compile_s, 1)}
+                       for name, p in report["programs"].items()},
+          "fits": bool(report["fits"])}
+
+
+def format_table(report: dict) -> str:
+  lines = [f"topology {report['topology']}: {report['chips']} chips, {report['hbm_gb']:.0f} GB HBM each; "
+           f"training mesh {report['mesh']}"]
+  if "rollout" in report:
+    ro = report["rollout"]
+    lines.append(f"rollouts: {ro['hosts']} hosts x {ro['host_chips']} chips; {ro['slots']} slots x {ro['max_len']} "
+                 f"tokens per host; rollout weights {ro['weights_gb']:.2f} GB, KV cache {ro['kv_cache_gb']:.2f} GB "
+                 "per chip")
+  lines.append(f"training state per chip: params {report['params_gb']:.2f} GB, optimizer {report['opt_state_gb']:.2f} GB")
+  head = f"{'program':<9}{'chips':>6}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'resident':>10}{'peak':>9}" \
+         f"{'compile':>9}  fits"
+  lines += [head, "-" * len(head)]
+  for name, p in report["programs"].items():
+    ok = p.peak_gb <= report["hbm_gb"]
+    lines.append(f"{name:<9}{p.devices:>6}{p.argument_gb:>9.2f}{p.output_gb:>9.2f}{p.alias_gb:>9.2f}{p.temp_gb:>9.2f}"
+                 f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s  {'yes' if ok else 'NO'}")
+  lines.append("(GB per chip; peak = args + out - alias + temp + resident)")
+  sh = report.get("shardings", {})
+  if sh:
+    lines.append("parameter shardings: " + ", ".join(f"{k}={v}" for k, v in list(sh["params"].items())[:6]) + ", ...")
+    if sh.get("kv_cache"):
+      lines.append(f"KV cache sharding (layers, slots, length, kv_heads, head_dim): {sh['kv_cache']}")
+  return "\n".join(lines)
+
+
+def advice(report: dict) -> list:
+  """For each program over the chip's HBM: what to change."""
+  return [f"{name} needs {p.peak_gb:.1f} GB per chip > {report['hbm_gb']:.0f} GB: try {KNOBS[name]}."
+          for name, p in report["programs"].items() if p.peak_gb > report["hbm_gb"]]
+
+
+def check(config, topology: str, programs=("update", "logprob", "prefill", "decode")) -> int:
+  """Compiles, prints the table and (last) the JSON line; returns the exit status: 0 fits, 1 does not."""
+  import json
+  report = compile_plan(config, topology, programs=tuple(programs))
+  print(format_table(report))
+  for line in advice(report):
+    print("does not fit: " + line)
+  print(json.dumps(report_json(report)), flush=True)
+  return 0 if report["fits"] else 1

@@ -1,0 +1,392 @@
+"""Checks of a config against the world, before any device is claimed: `--dry_run` and the start of `run()`.
+
+`validate()` checks values against each other; this checks them against what the run will find: files and
+directories exist (local, and gs:// with one stat each under a shared deadline; a local data file is read with
+the configured field names), the model and tokenizer
+resolve to something loadable without a download, backend names are known, URLs are well-formed, API keys
+are set. With `probe=True` (the main job at start-up) it also asks a retrieval server for GET /health.
+Each problem names the key and the fix.
+
+  problems = preflight(config)       # [] when the config can start
+  check(config, probe=False)         # raises PreflightError listing every problem
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import threading
+import time
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+GS_TIMEOUT_S = 20.0
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_NEVER_TRAIN = ("gaia", "hle", "gaia_test", "hle_test")
+
+
+class PreflightError(ValueError):
+  """The config cannot run here; the message lists each problem with its key and fix."""
+
+
+class _Problems:
+  """Problems found so far, plus gs:// checks that run concurrently under one deadline."""
+
+  def __init__(self, gs_timeout_s: float):
+    self.items: list[str] = []
+    self._remote: list[tuple[str, str, Callable]] = []
+    self._timeout = gs_timeout_s
+
+  def add(self, msg: str):
+    self.items.append(msg)
+
+  def remote(self, key: str, path: str, fn: Callable[[], Optional[str]]):
+    """`fn()` returns a problem or None; it may raise (reported) or hang (reported at the deadline)."""
+    bucket = str(path)[len("gs://"):].split("/")[0]
+    if not _BUCKET.fullmatch(bucket):  # e.g. the shipped configs' placeholder: no need to wait for GCS to say so
+      self.add(f"{key}={path!r}: {bucket!r} is not a GCS bucket name (lowercase letters, digits, '-', '_', '.'); "
+               f"set --config.{key}=gs://<your bucket>/...")
+      return
+    self._remote.append((key, path, fn))
+
+  def finish(self) -> list[str]:
+    results: dict[int, Optional[str]] = {}
+
+    def work(i, key, path, fn):
+      try:
+        results[i] = fn()
+      except Exception as e:  # noqa: BLE001 -- any failure to read it is the problem to report
+        results[i] = f"{key}: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); check the path and this " \
+                     "machine's GCS credentials (gcloud auth application-default login, or the VM's service account)."
+
+    # Daemon threads: a stat stuck probing for credentials must not keep the process alive at exit.
+    threads = [threading.Thread(target=work, args=(i, *r), daemon=True) for i, r in enumerate(self._remote)]
+    for t in threads:
+      t.start()
+    deadline = time.monotonic() + self._timeout
+    for t in threads:
+      t.join(max(0.0, deadline - time.monotonic()))
+    for i, (key, path, _) in enumerate(self._remote):
+      if i not in results:
+        self.add(f"{key}: could not check {path} within {self._timeout:g} s (no network or GCS credentials on "
+                 "this machine?); run the dry run where the job runs, or fix the path.")
+      elif results[i]:
+        self.add(results[i])
+    return self.items
+
+
+def _gs_fs():
+  import fsspec
+  return fsspec.filesystem("gs")
+
+
+def _is_gs(path) -> bool:
+  return str(path).startswith("gs://")
+
+
+def _hub_message(key: str, name: str) -> str:
+  base = name.rstrip("/").split("/")[-1]
+  return (f"{key}={name!r} looks like a Hugging Face Hub id, and nothing is downloaded at run time. On a machine "
+          f"with network, run `huggingface-cli download {name} --local-dir {base}` (pip install huggingface_hub), "
+          f"copy that directory to every host or to gs://BUCKET/models/{base}, and pass "
+          f"--config.{key}=<that directory>.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model and tokenizer.
+# ---------------------------------------------------------------------------------------------------------
+def _hf_config_problem(key: str, where: str, text: str) -> Optional[str]:
+  from aepo_jax.model import from_hf_config
+  try:
+    from_hf_config(json.loads(text), source=where)
+  except (ValueError, KeyError, NotImplementedError) as e:
+    return f"{key}: {where} is not a config.json this project loads ({e})."
+  return None
+
+
+def _bundled_problem(key: str, name: str) -> Optional[str]:
+  """A bundled name needs its converted cache directory or the pip package holding its GGUF."""
+  from aepo_jax.model import _pretrained
+  root = os.environ.get("AEPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aepo_jax")
+  if os.path.isfile(os.path.join(root, name, _pretrained._DONE)):
+    return None
+  try:
+    _pretrained._gguf_path(name)
+  except FileNotFoundError as e:
+    return f"{key}={name!r}: {e}"
+  return None
+
+
+def _model(config, p: _Problems):
+  """model.name (and, when model.tokenizer is empty, the tokenizer that comes with it)."""
+  from aepo_jax import model as model_lib
+  mc = config.model
+  name = str(mc.name)
+  own_tokenizer = not mc.tokenizer and _needs_tokenizer(config)
+  if mc.init == "random":
+    if name not in model_lib.PRESETS:
+      close = difflib.get_close_matches(name, list(model_lib.PRESETS), n=1)
+      p.add(f"model.name={name!r} is not a preset (model.init='random' builds a preset's shape)"
+            + (f"; did you mean {close[0]!r}?" if close else ".") + f" Presets: {', '.join(sorted(model_lib.PRESETS))}"
+            "; or set model.init='pretrained' to load weights.")
+    if own_tokenizer:
+      p.add(f"model.tokenizer is empty and model.init='random' brings no tokenizer, which mode={config.mode!r} "
+            "needs; set --config.model.tokenizer=<directory with tokenizer.json>.")
+    return
+  no_tokenizer = (f"model.name={name!r} has no tokenizer.json; set model.tokenizer to a directory (local or gs://) "
+                  "that holds the model's tokenizer.")
+  if name in model_lib.PRETRAINED:
+    problem = _bundled_problem("model.name", name)
+    if problem:
+      p.add(problem)
+  elif _is_gs(name):
+    def remote():
+      fs, root = _gs_fs(), name.rstrip("/")
+      if not fs.exists(root + "/config.json"):
+        return (f"model.name={name!r}: {root}/config.json does not exist; give a gs:// directory holding a Hugging "
+                "Face checkpoint (config.json, *.safetensors, tokenizer files).")
+      problem = _hf_config_problem("model.name", root + "/config.json", fs.cat(root + "/config.json").decode("utf-8"))
+      if not problem and own_tokenizer and not fs.exists(root + "/tokenizer.json"):
+        problem = no_tokenizer
+      return problem
+    p.remote("model.name", name, remote)
+  elif os.path.isdir(name):
+    cfg = os.path.join(name, "config.json")
+    if not os.path.isfile(cfg):
+      p.add(f"model.name={name!r} is a directory without config.json; give a Hugging Face checkpoint directory "
+            "(config.json, *.safetensors, tokenizer files).")
+      return
+    with open(cfg) as f:
+      problem = _hf_config_problem("model.name", cfg, f.read())
+    if problem:
+      p.add(problem)
+    elif not any(n.endswith(".safetensors") for n in os.listdir(name)):
+      p.add(f"model.name={name!r} holds no *.safetensors weights; convert or re-download the checkpoint.")
+    if own_tokenizer and not os.path.isfile(os.path.join(name, "tokenizer.json")):
+      p.add(no_tokenizer)
+  elif _HUB_ID.match(name) and not os.path.exists(name):
+    p.add(_hub_message("model.name", name))
+  else:
+    p.add(f"model.name={name!r} is neither a bundled model ({', '.join(sorted(model_lib.PRETRAINED))}), a local "
+          "Hugging Face directory with config.json, nor a gs:// one" + ("" if os.path.isabs(name) else
+          f" (relative paths resolve against {os.getcwd()})") + "; fix the name or the path.")
+
+
+def _needs_tokenizer(config) -> bool:
+  sft = config.sft.enabled or config.mode == "sft"
+  return config.mode != "sft" or (sft and config.sft.source != "synthetic")
+
+
+def _tokenizer(config, p: _Problems):
+  """model.tokenizer, when set: a directory (local or gs://) with tokenizer.json."""
+  from aepo_jax import model as model_lib
+  tok = str(config.model.tokenizer)
+  if not tok:
+    return
+  key = "model.tokenizer"
+  if tok in model_lib.PRETRAINED:
+    p.add(f"{key}={tok!r}: give a directory, or '' for the model's own; a bundled model's tokenizer is its "
+          f"directory, printed by `python -c \"from aepo_jax.model import pretrained_dir; "
+          f"print(pretrained_dir('{tok}'))\"`.")
+  elif _is_gs(tok):
+    def remote():
+      f = tok.rstrip("/") + "/tokenizer.json"
+      return None if _gs_fs().exists(f) else f"{key}: {f} does not exist; the tokenizer directory needs tokenizer.json."
+    p.remote(key, tok, remote)
+  elif os.path.isdir(tok):
+    if not os.path.isfile(os.path.join(tok, "tokenizer.json")):
+      p.add(f"{key}: {os.path.join(tok, 'tokenizer.json')} does not exist; point {key} at a directory holding "
+            "tokenizer.json (and tokenizer_config.json with the chat template).")
+  elif _HUB_ID.match(tok):
+    p.add(_hub_message(key, tok))
+  else:
+    p.add(f"{key}={tok!r} does not exist; give a directory (local or gs://) holding tokenizer.json, or '' for the "
+          "model's own.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data.
+# ---------------------------------------------------------------------------------------------------------
+def _source(config, key: str, source, p: _Problems):
+  from aepo_jax import data as data_lib
+  source = str(source)
+  if source == "suite":
+    return
+  if source in data_lib.ARPO_RL_FILES:
+    path = data_lib.arpo_data_root() / "train" / f"{source}.parquet"
+    if not path.exists():
+      p.add(f"{key}={source!r}: {path} does not exist; set $AEPO_ARPO_DATA to the ARPO data folder (train/, eval/; "
+            "docs/data.md) or give a .jsonl / .parquet path.")
+    return
+  if source in data_lib.BENCHMARKS:
+    path = data_lib.arpo_data_root() / data_lib.BENCHMARKS[source].path
+    if not path.exists():
+      p.add(f"{key}={source!r}: {path} does not exist; set $AEPO_ARPO_DATA to the ARPO data folder (docs/data.md).")
+    return
+  if data_lib.is_data_file(source):
+    if _is_gs(source):
+      p.remote(key, source, lambda: None if data_lib.data_file_exists(source) else
+               f"{key}={source!r} does not exist; check the bucket and path.")
+    elif not os.path.isfile(source):
+      p.add(f"{key}={source!r} does not exist" + ("" if os.path.isabs(source) else f" (relative to {os.getcwd()})")
+            + "; fix the path.")
+    else:  # a local file is read whole (prompt sets are small): a wrong field name shows now, not after SFT
+      f = config.data.fields
+      try:
+        data_lib.load_records(source, question_key=f.question, answer_key=f.answer, system_key=f.system,
+                              family=config.data.family if config.data.family in data_lib.FAMILIES else "qa")
+      except ValueError as e:
+        p.add(f"{key}={source!r}: {e}")
+    return
+  p.add(f"{key}={source!r} is not a data source: use 'suite', an ARPO RL file ({', '.join(data_lib.ARPO_RL_FILES)}), "
+        f"a benchmark ({', '.join(sorted(data_lib.BENCHMARKS))}) or a .jsonl / .parquet file (docs/data.md).")
+
+
+def _data(config, p: _Problems):
+  from aepo_jax import data as data_lib
+  d = config.data
+  if config.mode != "sft":
+    _source(config, "data.train", d.train, p)
+    if str(d.train) in _NEVER_TRAIN:
+      p.add(f"data.train={d.train!r}: GAIA and HLE are evaluation sets; train on hard_search_1k or your own file.")
+  if isinstance(d.val, str):
+    p.add(f"data.val={d.val!r} must be a tuple of sources: --config.data.val='(\"{d.val}\",)'.")
+  else:
+    for i, source in enumerate(d.val):
+      _source(config, f"data.val[{i}]", source, p)
+  if d.template not in data_lib.TEMPLATES:
+    p.add(f"data.template={d.template!r} is unknown; choose one of {sorted(data_lib.TEMPLATES)}.")
+  if d.family not in data_lib.FAMILIES:
+    p.add(f"data.family={d.family!r}: use 'qa' or 'math'.")
+  for k in ("question", "answer", "system"):
+    if not isinstance(d.fields[k], str) or not d.fields[k]:
+      p.add(f"data.fields.{k}={d.fields[k]!r}: give the record field name as a non-empty string.")
+  src = str(config.sft.source)
+  if (config.sft.enabled or config.mode == "sft") and src not in ("suite", "synthetic"):
+    if not data_lib.is_data_file(src):
+      p.add(f"sft.source={src!r}: use 'suite', 'synthetic' or a .jsonl / .parquet file of chat traces (docs/data.md).")
+    elif _is_gs(src):
+      p.remote("sft.source", src, lambda: None if data_lib.data_file_exists(src) else
+               f"sft.source={src!r} does not exist; check the bucket and path.")
+    else:
+      _file("sft.source", src, p)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tools, reward, workdir.
+# ---------------------------------------------------------------------------------------------------------
+def _url_problem(key: str, url: str) -> Optional[str]:
+  u = urlparse(url)
+  if u.scheme not in ("http", "https") or not u.netloc:
+    return f"{key}={url!r} is not an http(s) URL; write it as http://HOST:PORT."
+  try:
+    u.port  # noqa: B018 -- raises on a malformed port
+  except ValueError:
+    return f"{key}={url!r} has a malformed port; write it as http://HOST:PORT."
+  return None
+
+
+def _probe(url: str) -> Optional[str]:
+  from aepo_jax.tools import JsonClient
+  try:
+    JsonClient(timeout_s=5.0, retries=0).request("GET", url.rstrip("/") + "/health")
+  except Exception as e:  # noqa: BLE001 -- any failure means the server is not usable
+    return (f"tools.search_url={url!r} did not answer GET /health ({e}); start the server "
+            "(python launch/retrieval_server.py ...) or fix the URL.")
+  return None
+
+
+def _tools(config, p: _Problems, probe: bool):
+  from aepo_jax.tools import _web
+  tc = config.tools
+  for name in tc.names:
+    if name not in ("python", "search"):
+      p.add(f"tools.names has {name!r}: the tools are 'python' and 'search'.")
+  if tc.search_url:
+    problem = _url_problem("tools.search_url", tc.search_url)
+    if problem:
+      p.add(problem)
+  if "search" not in tc.names:
+    return
+  if tc.search_mode == "browse":
+    for key in ("summarizer_url",):
+      problem = _url_problem(f"tools.browse.{key}", tc.browse[key]) if tc.browse[key] else None
+      if problem:
+        p.add(problem)
+    if tc.browse.pages and not _is_gs(tc.browse.pages) and not os.path.exists(tc.browse.pages):
+      p.add(f"tools.browse.pages={tc.browse.pages!r} does not exist; give a directory of pages or a corpus JSONL.")
+  backends = sorted([*_web.WEB_BACKENDS, "local", "retrieval", "replay"])
+  kind = tc.search_backend
+  if kind not in backends:
+    close = difflib.get_close_matches(str(kind), backends, n=1)
+    hint = {"cache": "replay", "http": "retrieval"}.get(kind) or (close[0] if close else None)
+    p.add(f"tools.search_backend={kind!r} is unknown" + (f"; did you mean {hint!r}?" if hint else "")
+          + f" (known: {', '.join(backends)}).")
+  elif kind == "retrieval":
+    if not tc.search_url:
+      p.add("tools.search_backend='retrieval' needs tools.search_url=http://HOST:PORT (launch/retrieval_server.py).")
+    elif probe and not _url_problem("tools.search_url", tc.search_url):
+      problem = _probe(tc.search_url)
+      if problem:
+        p.add(problem)
+  elif kind == "local" and tc.search_corpus:
+    _file("tools.search_corpus", tc.search_corpus, p)
+  elif kind == "replay":
+    if tc.search_corpus:
+      _file("tools.search_corpus", tc.search_corpus, p)
+    else:
+      from aepo_jax.data import arpo_data_root
+      cache = arpo_data_root() / "search_cache.json"
+      if not cache.exists():
+        p.add(f"tools.search_backend='replay' reads tools.search_corpus, default {cache}, which does not exist; set "
+              "tools.search_corpus to a query -> result JSON file or $AEPO_ARPO_DATA to the ARPO data folder.")
+  elif kind in _web.WEB_BACKENDS:
+    env = _web.WEB_BACKENDS[kind].DEFAULT_KEY_ENV
+    if not os.environ.get(env):
+      p.add(f"tools.search_backend={kind!r} needs the API key in ${env} (on every host); export it before the run.")
+
+
+def _file(key: str, path: str, p: _Problems):
+  if _is_gs(path):
+    p.remote(key, path, lambda: None if _gs_fs().exists(path) else f"{key}={path!r} does not exist.")
+  elif not os.path.exists(path):
+    p.add(f"{key}={path!r} does not exist; fix the path.")
+
+
+def _reward(config, p: _Problems):
+  from aepo_jax import rewards as rewards_lib
+  name = config.reward.name
+  if not callable(getattr(rewards_lib, str(name), None)):
+    p.add(f"reward.name={name!r} is not a function of aepo_jax.rewards; use 'deep_research'.")
+
+
+def _workdir(config, p: _Problems):
+  w = str(config.workdir)
+  if _is_gs(w):
+    bucket = w[len("gs://"):].split("/")[0]
+    p.remote("workdir", w, lambda: None if _gs_fs().exists(bucket) else
+             f"workdir={w!r}: bucket gs://{bucket} does not exist or is not visible with this machine's credentials.")
+  elif os.path.exists(w) and not os.path.isdir(w):
+    p.add(f"workdir={w!r} is a file; give a directory.")
+
+
+def preflight(config, *, probe: bool = False, gs_timeout_s: float = GS_TIMEOUT_S) -> list[str]:
+  """Every problem that would stop `config` after start-up, as 'key: what, fix' strings; [] when none.
+
+  probe=True also asks services (a retrieval server's GET /health): the main job's start-up check.
+  """
+  p = _Problems(gs_timeout_s)
+  for part in (_model, _tokenizer, _data, _reward, _workdir):
+    part(config, p)
+  _tools(config, p, probe)
+  return p.finish()
+
+
+def check(config, *, probe: bool = False, gs_timeout_s: float = GS_TIMEOUT_S):
+  """Raise PreflightError listing every problem of `preflight(config)`."""
+  problems = preflight(config, probe=probe, gs_timeout_s=gs_timeout_s)
+  if problems:
+    raise PreflightError("the config cannot run here:\n  " + "\n  ".join(problems))
+  return config

@@ -1,0 +1,85 @@
+r"""The RL step of a pod config on paper: FLOPs and HBM bytes from the shapes, a slice's peaks, and the step time
+they imply at a given MFU, plus the decode roofline of one host. Estimates, not measurements (no TPU here).
+
+  python bench/pod_estimate.py --config=configs/aepo_gaia.py --chip=v5p --chips=32 --host_chips=4
+
+Assumptions (printed): every trajectory at its full length (prompt + max response: an upper bound on the work),
+no prefix sharing between forks, bfloat16 weights and KV cache, causal attention over the average context, the
+update at 3x the forward FLOPs (model FLOPs; remat's recompute is not counted, as MFU conventions go) plus one
+forward for the old log-probs (and one for the reference when a KL term is on).
+"""
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py[:arg]).")
+_CHIP = flags.DEFINE_enum("chip", "v5p", ["v4", "v5e", "v5p", "v6e"], "TPU generation.")
+_CHIPS = flags.DEFINE_integer("chips", 32, "Chips in the slice.")
+_HOST_CHIPS = flags.DEFINE_integer("host_chips", 4, "Chips per host (each host decodes its own prompts).")
+_MFU = flags.DEFINE_list("mfu", ["0.3", "0.5"], "MFU values to turn the FLOPs into step times.")
+
+# Per chip: bf16 dense TFLOP/s and HBM GB/s (Cloud TPU documentation).
+PEAKS = {"v4": (275e12, 1228e9), "v5e": (197e12, 819e9), "v5p": (459e12, 2765e9), "v6e": (918e12, 1640e9)}
+
+
+def estimate(config, chip: str, chips: int, host_chips: int, mfus) -> list:
+  from aepo_jax.train import _compile
+  cfg = _compile.model_config(config)
+  r, d = config.rollout, config.data
+  flops_peak, hbm_bw = PEAKS[chip]
+  n = cfg.num_params
+  embed = cfg.vocab_size * cfg.hidden_size
+  n_matmul = n - (0 if cfg.tie_word_embeddings else embed)  # the input embedding is a lookup, not a matmul
+  seq = r.max_prompt_len + r.max_response_len
+  trajectories = d.prompts_per_step * r.n
+  tokens = trajectories * seq
+  # Attention: QK^T and PV, 2 x 2 FLOPs per (query, key, head, dim); causal: keys = context / 2 on average.
+  attn_fwd_per_token = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (seq / 2)
+  fwd_per_token = 2 * n_matmul + attn_fwd_per_token
+  passes = 3 + 1 + (1 if (config.algo.kl.coef > 0 or config.algo.kl.use_in_reward) else 0)
+  train_flops = tokens * fwd_per_token * passes
+  rollout_tokens = trajectories * seq  # prefill + decode, each token one forward
+  rollout_flops = rollout_tokens * fwd_per_token
+  kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+  hosts = chips // host_chips
+  slots = r.max_slots or -(-d.prompts_per_step // hosts) * r.n
+  weight_bytes = 2 * n  # bf16 rollout copy, read once per decode step by the host's chips together
+  avg_ctx = r.max_prompt_len + r.max_response_len / 2
+  step_read = weight_bytes + slots * avg_ctx * kv_per_token
+  step_s = step_read / (host_chips * hbm_bw)
+  response_steps = r.max_response_len  # decode steps per host if all its slots decode in lock-step
+  lines = [
+      f"model {cfg.num_params / 1e9:.2f}B parameters ({n_matmul / 1e9:.2f}B in matmuls), {cfg.num_layers} layers; "
+      f"{trajectories} trajectories x {seq} tokens = {tokens / 1e6:.2f}M tokens per step (upper bound)",
+      f"slice: {chips} x {chip} ({flops_peak / 1e12:.0f} TFLOP/s bf16, {hbm_bw / 1e9:.0f} GB/s HBM per chip), "
+      f"{hosts} hosts x {host_chips} chips",
+      f"training FLOPs per step: {train_flops / 1e15:.1f} PFLOP ({passes} forward-equivalents: update 3 + old "
+      f"log-probs 1{' + reference 1' if passes == 5 else ''}); rollout FLOPs {rollout_flops / 1e15:.1f} PFLOP",
+  ]
+  for mfu in mfus:
+    t = train_flops / (chips * flops_peak * mfu)
+    lines.append(f"  at MFU {mfu:.0%}: update + log-probs {t:.0f} s per step")
+  lines += [
+      f"decode roofline per host: {slots} slots; each step reads the bf16 weights ({weight_bytes / 1e9:.1f} GB) and "
+      f"the slots' KV at an average context of {avg_ctx:.0f} tokens ({slots * avg_ctx * kv_per_token / 1e9:.1f} GB) "
+      f"over {host_chips} chips: >= {step_s * 1e3:.1f} ms per step, <= {slots / step_s:.0f} tokens/s per host",
+      f"  {response_steps} decode steps (every slot to its full response) >= {response_steps * step_s:.0f} s of "
+      f"rollout per step; decode compute per step {slots * fwd_per_token / (host_chips * flops_peak) * 1e3:.2f} ms "
+      "at peak (bandwidth-bound while that is smaller)",
+  ]
+  return lines
+
+
+def main(argv):
+  del argv
+  print("\n".join(estimate(_CONFIG.value, _CHIP.value, _CHIPS.value, _HOST_CHIPS.value,
+                           [float(m) for m in _MFU.value])))
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)

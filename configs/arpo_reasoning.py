@@ -1,0 +1,27 @@
+r"""ARPO for reasoning (math + knowledge QA) on Qwen2.5-3B, Qwen2.5-7B (default) or Llama-3.1-8B: the ARPO paper's
+reasoning setting (spec §1.7, ARPO_7B_Reasoning_1node.sh).
+
+Command:  python launch/tpu_pod.py --config=configs/arpo_reasoning.py:qwen2.5-3b,released \
+              --config.workdir=gs://BUCKET/arpo_3b --config.model.name=gs://BUCKET/models/Qwen2.5-3B-Instruct
+          (models: qwen2.5-3b | qwen2.5-7b | llama-3.1-8b; variants: paper | released | cold_start, as in
+          configs/aepo_gaia.py)
+Hardware: a TPU v5p-64 slice (`v5p:4x4x2`, 32 chips; fsdp 8 x tensor 4); a v5p-32 holds the 3B model.
+  COMPILED
+Needs: the instruct model as an HF directory; ARPO's train_10k (train) and valid (validation), bundled; python +
+  search tools (search: replay of search_cache.json or a retrieval server).
+Time: 2 epochs x 79 steps of 128 prompts x 16 rollouts of up to 4,096 tokens; half a day to a day.
+Expected: the ARPO paper's per-benchmark reasoning rows (13 datasets) were not in the text available here
+  (spec §2.5); `eval/accuracy` on `valid` should rise over training. Compare ARPO with GRPO on the same slice.
+The released script is the 7B one; the 3B and Llama-3.1-8B runs use its values (batch 128, mini-batch 16, n = 16,
+N0 = 8, L = 4,096, prompt 1,536, call limit 3, 2 epochs, lr 1e-6).
+"""
+from aepo_jax.train import load_sibling
+
+common = load_sibling(__file__, "common")
+
+
+def get_config(arg: str = "qwen2.5-7b"):
+  v = common.variants(arg, "configs/arpo_reasoning.py", models=common.REASONING_MODELS)
+  model = v["model"] or "qwen2.5-7b"
+  c = common.arpo(common.reasoning(model))
+  return common.apply(c, v, common.REASONING_MODELS[model])

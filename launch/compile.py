@@ -1,0 +1,47 @@
+r"""Compile a config's RL step for a TPU slice on any host and say whether it fits the chips' memory.
+
+  pip install -e ".[tpu]"        # libtpu: XLA:TPU then compiles here, ahead of time; no TPU needed
+  python launch/compile.py --config=configs/aepo_gaia.py --topology=v5p:4x4x2
+  python launch/compile.py --config=configs/aepo_gaia.py --topology=v6e:8x8 --config.rollout.max_slots=32
+  python launch/tpu_pod.py --config=configs/aepo_gaia.py --dry_run --topology=v5p:4x4x2   # the same check
+
+Builds the config's model, training mesh, batch and KV-cache shapes abstractly (no checkpoint is read: a gs://
+model takes its shape from `model.shape`) and compiles the four programs of an RL step with XLA:TPU: the update
+step and the log-prob pass on the whole slice, the engine's prefill and decode calls on one host's chips. Prints a
+table of per-chip memory (peak = arguments + outputs - aliased + temporaries + what stays resident on the chip
+while the program runs), the shardings, compile times, and as its last line one JSON object:
+  {"topology": ..., "chips": N, "hbm_gb": X, "programs": {"update": {"peak_gb": ...}, ...}, "fits": true|false}
+Exits with status 1 when a program does not fit, naming the config keys that would help.
+"""
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
+                                          lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p:4x4x2 (v5p-64), v6e:8x8, v5e:4x4, v4:2x2x2.")
+_PROGRAMS = flags.DEFINE_list("programs", ["update", "logprob", "prefill", "decode"], "Programs to compile.")
+
+
+def run(config, topology: str, programs=("update", "logprob", "prefill", "decode")) -> int:
+  """Compiles, prints the table and the JSON line; returns the exit status (0 fits, 1 does not)."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for TPU; run nothing on a local TPU, if any
+  from aepo_jax.train import _compile, _config
+  _config.validate(config)
+  return _compile.check(config, topology, programs)
+
+
+def main(argv):
+  del argv
+  if not _TOPOLOGY.value:
+    raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x2")
+  sys.exit(run(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value))
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)

@@ -1,0 +1,60 @@
+"""`launch/compile.py`: the shipped pod configs' RL step compiled with XLA:TPU for real slices on this CPU host.
+
+The configs are compiled with 2 of their layers (the memory of the rest scales with depth; compile time does
+not), so the suite stays fast; the full 40-layer figures are in each config's docstring and the README. Needs
+libtpu (`pip install -e ".[tpu]"`): skipped without it, except where AEPO_JAX_REQUIRE_LIBTPU=1 (.ci/run sets it),
+so CI never skips these.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if importlib.util.find_spec("libtpu") is None:
+  if os.environ.get("AEPO_JAX_REQUIRE_LIBTPU") == "1":
+    raise RuntimeError("libtpu is not installed but AEPO_JAX_REQUIRE_LIBTPU=1: pip install -e \".[tpu]\"")
+  pytest.skip("libtpu is not installed (pip install -e \".[tpu]\")", allow_module_level=True)
+
+
+def _compile(config, topology, *overrides):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # the tests' fake CPU devices are irrelevant to a TPU compile
+  out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "compile.py"), f"--config={config}",
+                        f"--topology={topology}", "--config.model.overrides.num_layers=2", *overrides],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+  report = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else None
+  return out, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology,chips,hbm", [("v5p:4x4x2", 32, 95.0), ("v6e:8x8", 64, 32.0)])
+def test_aepo_gaia_fits_its_slices(topology, chips, hbm):
+  out, report = _compile("configs/aepo_gaia.py", topology)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert report["topology"] == topology and report["chips"] == chips and report["hbm_gb"] == hbm
+  assert set(report["programs"]) == {"update", "logprob", "prefill", "decode"} and report["fits"] is True
+  for name, p in report["programs"].items():
+    assert 0 < p["peak_gb"] <= hbm, (name, p)
+    assert abs(p["peak_gb"] - (p["argument_gb"] + p["output_gb"] - p["alias_gb"] + p["temp_gb"] + p["resident_gb"])) < 0.05
+  # The training state stays on the chips during rollouts; the engine's programs run on one host's 4 chips.
+  assert report["programs"]["decode"]["resident_gb"] > 0 and report["programs"]["update"]["resident_gb"] == 0
+  assert "program   chips" in out.stdout and "KV cache sharding" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_fit_exits_non_zero_and_names_the_knobs():
+  """Qwen3-14B's rollout weights and cache on one v5e host (4 chips of 16 GB) cannot fit."""
+  out, report = _compile("configs/aepo_gaia.py", "v5e:2x2", "--programs=decode", "--config.model.overrides.num_layers=40")
+  assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+  assert report["fits"] is False and report["programs"]["decode"]["peak_gb"] > 16
+  assert "does not fit: decode needs" in out.stdout and "rollout.max_slots" in out.stdout
+
+
+def test_unknown_topology_is_a_clear_error():
+  out, _ = _compile("configs/aepo_gaia.py", "v9z:1x1", "--programs=update")
+  assert out.returncode != 0 and "cannot describe TPU topology 'v9z:1x1'" in out.stderr

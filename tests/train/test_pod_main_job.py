@@ -1,0 +1,94 @@
+"""The whole main job on several JAX processes standing in for the hosts of a pod (gloo collectives, 2 fake CPU
+devices each): `launch/tpu_pod.py --config=configs/testing/tiny_rl.py` runs SFT, evaluation and agentic RL with
+real tools (sandboxed Python, local search) and checkpoints; every host rolls out its own prompts on its own
+devices, and the trajectories of all hosts make one global batch. Rerun with more steps, the job resumes.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+  from aepo_jax.testing import tiny_tokenizer
+  return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(num_hosts, workdir, tok_dir, *overrides, timeout=900):
+  """Runs the main job as `num_hosts` processes; returns their logs (each asserted to have exited 0)."""
+  port = _free_port()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu_pod.py"), "--config=configs/testing/tiny_rl.py",
+         f"--config.workdir={workdir}", f"--config.model.tokenizer={tok_dir}",
+         "--config.checkpoint.shared_workdir=True", *overrides,
+         f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_hosts}"]
+  procs = [subprocess.Popen(cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(num_hosts)]
+  try:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-5000:]}"
+  return logs
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _steps(workdir, phase):
+  return sorted(int(p) for p in os.listdir(os.path.join(workdir, "checkpoints", phase)) if p.isdigit())
+
+
+@pytest.mark.slow
+def test_two_hosts_run_the_main_job_then_resume(tmp_path, tok_dir):
+  workdir = str(tmp_path / "run")
+  logs = _launch(2, workdir, tok_dir, "--config.train.steps=2")
+  assert "process 1/2, 4 devices (2 local)" in logs[1]
+  records = _metrics(workdir)
+  rl = [r for r in records if "reward/mean" in r]
+  assert [r["step"] for r in rl] == [1, 2]
+  # 2 prompts per step, one per host, 4 trajectories each: the global batch holds both hosts' trajectories.
+  assert all(r["rollout/trajectories"] == 8 and r["train/sequences"] > 0 for r in rl), rl
+  evals = [r for r in records if "eval/suite/accuracy" in r]
+  assert [r["step"] for r in evals] == [0, 2]  # before and after RL, over both hosts' shares of the held-out set
+  assert _steps(workdir, "sft")[-1] == 2
+  assert _steps(workdir, "rl") == [1, 2]
+
+  logs = _launch(2, workdir, tok_dir, "--config.train.steps=3")
+  assert "from step 2" in logs[0], logs[0][-3000:]
+  rl = [r for r in _metrics(workdir) if "reward/mean" in r]
+  assert [r["step"] for r in rl] == [1, 2, 3]  # no step lost or repeated
+  assert _steps(workdir, "rl") == [2, 3]  # keep=2
+
+
+@pytest.mark.slow
+def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
+  """6 prompts per step over 4 hosts (2, 2, 1, 1): hosts finish their rollouts at different times and hold
+  different numbers of trajectories; the update still sees all 24, in mini-batches of 8 sequences."""
+  workdir = str(tmp_path / "run")
+  _launch(4, workdir, tok_dir, "--config.data.prompts_per_step=6", "--config.train.steps=1", "--config.sft.steps=1",
+          "--config.eval.before_rl=False", "--config.eval.batch_size=3")
+  records = _metrics(workdir)
+  rl = [r for r in records if "reward/mean" in r]
+  assert len(rl) == 1 and rl[0]["rollout/trajectories"] == 24, rl
+  assert rl[0]["train/sequences"] == 8.0  # ppo_mini_batch_size 2 prompts x n 4, as on one host
+  assert [r["step"] for r in records if "eval/suite/accuracy" in r] == [1]
+  assert _steps(workdir, "rl") == [1]
