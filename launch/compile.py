@@ -39,9 +39,15 @@ def main(argv):
   del argv
   if not _TOPOLOGY.value:
     raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x2")
-  sys.exit(run(_CONFIG.value, _TOPOLOGY.value, _PROGRAMS.value))
+  from aepo_jax.train import _config
+  config = _config.apply_model_overrides(_CONFIG.value, _MODEL_OVERRIDES)
+  sys.exit(run(config, _TOPOLOGY.value, _PROGRAMS.value))
 
+
+_MODEL_OVERRIDES: dict = {}
 
 if __name__ == "__main__":
+  from aepo_jax.train._config import split_model_overrides
+  sys.argv, _MODEL_OVERRIDES = split_model_overrides(sys.argv)
   flags.mark_flag_as_required("config")
   app.run(main)

@@ -52,6 +52,7 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config=configs/<experiment>.py is required.")
+  _config.apply_model_overrides(config, _MODEL_OVERRIDES)
   if _MODE.value:
     config.mode = _MODE.value
   _config.validate(config)  # before any device is claimed; the mesh is checked once devices are known
@@ -104,7 +105,11 @@ def _check_override_keys(argv) -> None:
                + (f"; did you mean {close[0]!r}?" if close else "; see aepo_jax/train/_config.py:base_config()"))
 
 
+_MODEL_OVERRIDES: dict = {}
+
 if __name__ == "__main__":
+  from aepo_jax.train._config import split_model_overrides
+  sys.argv, _MODEL_OVERRIDES = split_model_overrides(sys.argv)  # absl cannot add keys to model.overrides
   flags.mark_flag_as_required("config")
   _check_override_keys(sys.argv)
   app.run(main)

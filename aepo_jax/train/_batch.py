@@ -16,6 +16,8 @@ Rows are padded up to whole micro-batches with empty rows (all masks 0), which n
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Iterator, Mapping, Optional, Sequence
 
 import jax
@@ -201,43 +203,59 @@ def shard_batch(batch_np: Mapping[str, np.ndarray], mesh, rules=DEFAULT_RULES) -
   return out
 
 
+_ROW_FIELDS = (("tokens_bt", None), ("loss_mask_bt", 0), ("attention_mask_bt", 0), ("sampler_logprob_bt", 0),
+               ("sampler_entropy_bt", 0), ("prompt_len_b", 0), ("response_len_b", 0), ("group_id_b", 0),
+               ("parent_b", -1), ("fork_pos_b", -1), ("num_tool_calls_b", 0))
+
+
 def gather_trajectories(traj, rewards_b, *, pad_id: int):
   """(trajectories, rewards) of every host, concatenated in process order, on every host (a few small collectives
   per RL step, none inside a rollout). Each host rolled out its own prompts on its own devices; from here on every
   host sees the same global batch and builds the same micro-batches a single host would, then keeps its share of
-  each (`process_rows`). Group ids and parent rows are renumbered to stay unique; columns are right-padded to the
-  widest host. The per-trajectory text fields are left empty and `stats` stay this host's. One process: unchanged.
+  each (`process_rows`). See `merge_hosts` for the layout. One process: unchanged.
   """
   if jax.process_count() == 1:
     return traj, np.asarray(rewards_b)
-  import dataclasses
   from jax.experimental import multihost_utils
   n, t = np.shape(traj.tokens_bt)
-  groups = int(np.max(traj.group_id_b)) + 1 if n else 0
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([n, t, groups], np.int64))).reshape(-1, 3)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([n, t], np.int64))).reshape(-1, 2)
   rows, width = int(sizes[:, 0].max()), int(sizes[:, 1].max())
-  row_off = np.concatenate([[0], np.cumsum(sizes[:, 0])])[:-1]
-  group_off = np.concatenate([[0], np.cumsum(sizes[:, 2])])[:-1]
-
-  def gather(x, fill=0):
+  hosts: list = [dict() for _ in range(len(sizes))]
+  fields = [(name, pad_id if fill is None else fill, getattr(traj, name)) for name, fill in _ROW_FIELDS]
+  for name, fill, x in fields + [("rewards", 0, np.asarray(rewards_b, np.float32))]:
     x = np.asarray(x)
     padded = np.full((rows,) + ((width,) if x.ndim == 2 else ()), fill, x.dtype)
     padded[tuple(slice(0, k) for k in x.shape)] = x
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape((len(sizes),) + padded.shape)
-    return [every[p, :sizes[p, 0]] for p in range(len(sizes))]
+    for p, host in enumerate(hosts):
+      host[name] = every[p, :sizes[p, 0], :sizes[p, 1]] if x.ndim == 2 else every[p, :sizes[p, 0]]
+  parts = [dataclasses.replace(traj, **{k: v for k, v in h.items() if k != "rewards"}) for h in hosts]
+  return merge_hosts(parts, pad_id=pad_id), np.concatenate([h["rewards"] for h in hosts])
 
-  parents = gather(traj.parent_b, -1)
-  out = dataclasses.replace(
-      traj, tokens_bt=np.concatenate(gather(traj.tokens_bt, pad_id)),
-      loss_mask_bt=np.concatenate(gather(traj.loss_mask_bt)), attention_mask_bt=np.concatenate(gather(traj.attention_mask_bt)),
-      sampler_logprob_bt=np.concatenate(gather(traj.sampler_logprob_bt)),
-      sampler_entropy_bt=np.concatenate(gather(traj.sampler_entropy_bt)),
-      prompt_len_b=np.concatenate(gather(traj.prompt_len_b)), response_len_b=np.concatenate(gather(traj.response_len_b)),
-      group_id_b=np.concatenate([g + o for g, o in zip(gather(traj.group_id_b), group_off)]).astype(np.int32),
-      parent_b=np.concatenate([np.where(b >= 0, b + o, -1) for b, o in zip(parents, row_off)]).astype(np.int32),
-      fork_pos_b=np.concatenate(gather(traj.fork_pos_b, -1)), num_tool_calls_b=np.concatenate(gather(traj.num_tool_calls_b)),
-      stop_reason_b=[], response_text=[], kind_b=[])
-  return out, np.concatenate(gather(np.asarray(rewards_b, np.float32)))
+
+def merge_hosts(parts: Sequence, *, pad_id: int):
+  """One `Trajectories` from the hosts' own, in process order: group ids and parent rows offset by the earlier
+  hosts' (so they stay unique), columns right-padded to the widest host. The per-trajectory text fields are left
+  empty and `stats` are the first host's."""
+  groups = [int(np.max(tr.group_id_b)) + 1 if len(tr.group_id_b) else 0 for tr in parts]
+  rows = [len(tr.group_id_b) for tr in parts]
+  group_off, row_off = np.cumsum([0] + groups)[:-1], np.cumsum([0] + rows)[:-1]
+  width = max(np.shape(tr.tokens_bt)[1] for tr in parts)
+  out = {}
+  for name, fill in _ROW_FIELDS:
+    fill = pad_id if fill is None else fill
+    xs = []
+    for tr, g0, r0 in zip(parts, group_off, row_off):
+      x = np.asarray(getattr(tr, name))
+      if x.ndim == 2:
+        x = np.concatenate([x, np.full((x.shape[0], width - x.shape[1]), fill, x.dtype)], axis=1)
+      if name == "group_id_b":
+        x = x + g0
+      elif name == "parent_b":
+        x = np.where(x >= 0, x + r0, -1)
+      xs.append(x)
+    out[name] = np.concatenate(xs).astype(np.asarray(getattr(parts[0], name)).dtype)
+  return dataclasses.replace(parts[0], stop_reason_b=[], response_text=[], kind_b=[], **out)
 
 
 def process_rows(batch_np: Mapping[str, np.ndarray]) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from typing import Optional
 
@@ -108,10 +109,21 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def _memory(name, compiled, resident_gb, seconds, devices) -> ProgramMemory:
-  m = compiled.memory_analysis()
+def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemory:
+  """Compiles `lowered` and reads its per-chip memory. XLA:TPU refuses to compile a program whose temporaries
+  exceed the chip's HBM (RESOURCE_EXHAUSTED): that program is reported with the temporaries XLA asked for."""
+  t0 = time.perf_counter()
+  try:
+    m = lowered.compile().memory_analysis()
+  except Exception as e:  # noqa: BLE001 - only an out-of-memory refusal is a result; anything else is raised
+    need = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
+    if "RESOURCE_EXHAUSTED" not in str(e) or not need:
+      raise
+    temp = float(need.group(1)) * {"K": 1e-6, "M": 1e-3, "G": 1.0, "T": 1e3}[need.group(2)] * 2 ** 30 / GB
+    log.warning("%s: XLA:TPU refused to compile it: %s", name, str(e).splitlines()[0][:300])
+    return ProgramMemory(name, args_gb, 0.0, 0.0, temp, resident_gb, time.perf_counter() - t0, devices)
   return ProgramMemory(name, m.argument_size_in_bytes / GB, m.output_size_in_bytes / GB, m.alias_size_in_bytes / GB,
-                       m.temp_size_in_bytes / GB, resident_gb, seconds, devices)
+                       m.temp_size_in_bytes / GB, resident_gb, time.perf_counter() - t0, devices)
 
 
 def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefill", "decode")) -> dict:
@@ -157,19 +169,17 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
     keys = ["tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages"]
     if a.kl.coef > 0 and not a.kl.use_in_reward:
       keys.append("ref_log_prob")
-    t0 = time.perf_counter()
-    compiled = step.lower(params, opt_state, batch(mb_per_update, keys)).compile()
-    out["programs"]["update"] = _memory("update", compiled, ref_gb, time.perf_counter() - t0, len(devices))
+    b = batch(mb_per_update, keys)
+    out["programs"]["update"] = _memory("update", step.lower(params, opt_state, b), ref_gb, len(devices),
+                                        params_gb + opt_gb + _per_chip_gb(b))
 
   if "logprob" in programs:
     fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
     rows = config.data.prompts_per_step * r.n
     k = -(-rows // (t.micro_batch_size * mb_per_update)) * mb_per_update
-    t0 = time.perf_counter()
     b = batch(k, ["tokens", "attention_mask"])
-    compiled = fn.lower(params, b["tokens"], b["attention_mask"]).compile()
-    out["programs"]["logprob"] = _memory("logprob", compiled, opt_gb + ref_gb, time.perf_counter() - t0,
-                                         len(devices))
+    out["programs"]["logprob"] = _memory("logprob", fn.lower(params, b["tokens"], b["attention_mask"]),
+                                         opt_gb + ref_gb, len(devices), params_gb + _per_chip_gb(b))
 
   if "prefill" in programs or "decode" in programs:
     host = host_devices(topology, devices)
@@ -185,14 +195,12 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
     resident = params_gb + opt_gb + ref_gb  # the training state stays on the chips during rollouts
     out["rollout"] = {"host_chips": len(host), "hosts": hosts, "slots": slots, "max_len": seq_len,
                       "weights_gb": _per_chip_gb(weights), "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache)}
+    state_gb = _per_chip_gb(weights) + _per_chip_gb(engine.abstract_decode_state())
     if "prefill" in programs:
-      t0 = time.perf_counter()
-      compiled = engine.lower_fill(weights).compile()
-      out["programs"]["prefill"] = _memory("prefill", compiled, resident, time.perf_counter() - t0, len(host))
+      out["programs"]["prefill"] = _memory("prefill", engine.lower_fill(weights), resident, len(host), state_gb)
     if "decode" in programs:
-      t0 = time.perf_counter()
-      compiled = engine.lower_decode(weights, r.decode_chunk).compile()
-      out["programs"]["decode"] = _memory("decode", compiled, resident, time.perf_counter() - t0, len(host))
+      out["programs"]["decode"] = _memory("decode", engine.lower_decode(weights, r.decode_chunk), resident,
+                                          len(host), state_gb)
   out["fits"] = all(p.peak_gb <= out["hbm_gb"] for p in out["programs"].values())
   out["shardings"] = {"params": _describe(p_sh), "kv_cache": str(engine.abstract_decode_state().cache["k"].sharding.spec)
                       if "rollout" in out else ""}

@@ -199,6 +199,8 @@ def base_config() -> ml_collections.ConfigDict:
   # The update steps keep a micro-batch's float32 logits from the forward for the backward when they take at most
   # this many MiB (one LM-head matmul fewer per step); larger ones are recomputed chunk by chunk. 0: always recompute.
   c.train.saved_logits_mb = 1024.0
+  # Peak dense TFLOP/s of one chip, for perf/mfu; 0 = the known TPU/GPU kinds' table (no MFU on CPU).
+  c.train.peak_tflops = 0.0
 
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = False
@@ -399,10 +401,6 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
        f"algo.clip_low={a.clip_low}: must be in [0, 1) (the lower bound is 1 - clip_low).")
   need(a.clip_high > 0, f"algo.clip_high={a.clip_high}: must be > 0 (the upper bound is 1 + clip_high).")
   need(a.clip_c == 0 or a.clip_c > 1, f"algo.clip_c={a.clip_c}: the dual clip must be > 1, or 0 for off.")
-  # The RL step does not pass the branching tree to the advantage yet (_wiring.advantage_fn(tree=...)).
-  need(a.attribution != "hard" or config.mode == "sft",
-       "algo.attribution='hard' is not wired into the RL step yet (objectives.hard_attribution and "
-       "_wiring.advantage_fn(tree=...) exist); use 'soft'.")
   need(a.entropy_advantage_coef >= 0, f"algo.entropy_advantage_coef={a.entropy_advantage_coef}: must be >= 0.")
   need(a.entropy_advantage_coef == 0 or a.loss == "aepo",
        f"algo.entropy_advantage_coef={a.entropy_advantage_coef} only acts with algo.loss='aepo' "
@@ -546,6 +544,32 @@ def _did_you_mean(key, node, prefix=""):
   close = difflib.get_close_matches(key, list(node.keys()), n=1)
   full = f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else "")
   return f"; did you mean {full!r}?" if close else f"; known keys here: {', '.join(node.keys())}"
+
+
+def split_model_overrides(argv: list) -> tuple[list, dict]:
+  """(argv without them, {field: value}) for `--config.model.overrides.FIELD=VALUE` flags: the overrides dict
+  starts empty in most configs, and absl's config flags cannot add keys to it. Values are Python literals
+  (`2`, `1e6`, `'bfloat16'`, `(2,)`) or else strings."""
+  import ast
+  rest, found = [], {}
+  prefix = "--config.model.overrides."
+  for arg in argv:
+    if arg.startswith(prefix) and "=" in arg:
+      key, value = arg[len(prefix):].split("=", 1)
+      try:
+        found[key] = ast.literal_eval(value)
+      except (ValueError, SyntaxError):
+        found[key] = value
+    else:
+      rest.append(arg)
+  return rest, found
+
+
+def apply_model_overrides(config, overrides: dict):
+  if overrides:
+    with config.unlocked(), config.model.overrides.ignore_type():
+      config.model.overrides.update(overrides)
+  return config
 
 
 def to_json(config) -> str:

@@ -241,6 +241,50 @@ def progress(total: int, desc: str, *, initial: int = 0, enabled: bool = True):
   return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
 
 
+# Dense bfloat16 peak FLOP/s per chip by device kind (vendor documentation), for MFU.
+_PEAK_FLOPS = (("v6", 918e12), ("v5p", 459e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v4", 275e12),
+               ("h200", 989e12), ("h100", 989e12), ("a100", 312e12))
+
+
+def chip_peak_flops(device_kind: str) -> Optional[float]:
+  """Peak dense bf16 FLOP/s of one chip of this kind (jax.devices()[0].device_kind), or None when unknown (CPU)."""
+  kind = device_kind.lower()
+  return next((f for k, f in _PEAK_FLOPS if k in kind), None)
+
+
+def model_flops(model_cfg, tokens: float, seq_len: float, *, forward_passes: float) -> float:
+  """Model FLOPs of `forward_passes` forward-equivalents over `tokens` tokens of rows of about `seq_len`: 2 FLOPs
+  per matmul parameter and token (the input embedding is a lookup) plus causal attention (QK and PV over half the
+  row on average). An update is 3 forward-equivalents (remat's recompute is not counted, as MFU conventions go)."""
+  embed = model_cfg.vocab_size * model_cfg.hidden_size
+  matmul = model_cfg.num_params - (0 if model_cfg.tie_word_embeddings else embed)
+  attention = 4 * model_cfg.num_layers * model_cfg.num_heads * model_cfg.head_dim * seq_len / 2
+  return forward_passes * tokens * (2 * matmul + attention)
+
+
+class Throughput:
+  """perf/ metrics of a phase: step time, model TFLOP/s, MFU (when the chip's peak is known), cumulative tokens
+  and the estimated time to the end of the phase."""
+
+  def __init__(self, total_steps: int, start_step: int, tokens_total: float = 0.0, peak_tflops: float = 0.0):
+    import jax
+    self.total, self.tokens_total = total_steps, float(tokens_total)
+    self.peak = (peak_tflops * 1e12 if peak_tflops else chip_peak_flops(jax.devices()[0].device_kind))
+    self.chips = jax.device_count()
+    self.start_step, self.started = start_step, time.perf_counter()
+
+  def step(self, step: int, step_s: float, tokens: float, flops: float) -> dict:
+    self.tokens_total += tokens
+    out = {"perf/step_s": step_s, "perf/model_tflops": flops / max(step_s, 1e-9) / 1e12,
+           "perf/tokens_total": self.tokens_total}
+    if self.peak:
+      out["perf/mfu"] = flops / max(step_s, 1e-9) / (self.peak * self.chips)
+    done = step - self.start_step
+    if done > 0:
+      out["perf/eta_s"] = (time.perf_counter() - self.started) / done * max(self.total - step, 0)
+    return out
+
+
 class Timer:
   """Wall time of named phases within a step: `with timer("rollout"): ...` -> perf/rollout_s."""
 

@@ -222,9 +222,12 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
     def apply(operand):
       p, s = operand
       updates, s = optimizer.update(grads, s, p)
-      return optax.apply_updates(p, updates), s
+      return optax.apply_updates(p, updates), s, optax.global_norm(updates).astype(jnp.float32)
 
-    params, opt_state = jax.lax.cond(finite, apply, lambda operand: operand, (params, opt_state))
+    def skip(operand):
+      return operand + (jnp.zeros((), jnp.float32),)
+
+    params, opt_state, update_norm = jax.lax.cond(finite, apply, skip, (params, opt_state))
 
     tokens_m = aux_m.pop("tokens")
     entropy_sum = aux_m.pop("entropy_sum")
@@ -234,6 +237,8 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
     metrics.update({
         "train/loss": loss,
         "train/grad_norm": grad_norm,
+        "train/update_norm": update_norm,  # of the optimizer's step (0 when skipped)
+        "train/param_norm": optax.global_norm(params),
         "train/nonfinite_skipped": 1.0 - finite.astype(jnp.float32),
         "train/tokens": jnp.sum(tokens_m),
         "train/sequences": objectives.num_sequences(mask_all),

@@ -256,6 +256,7 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   nan_count = int(meta.get("nan_count", 0))
 
   bar = _metrics.progress(s.steps, "sft", initial=start, enabled=progress)
+  perf = _metrics.Throughput(s.steps, start, meta.get("tokens_total", 0.0), config.train.peak_tflops)
   step, m = start, {}
   while step < s.steps:
     t0 = time.perf_counter()
@@ -273,7 +274,9 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
     m = jax.device_get(m)
     nan_count = _check_finite(m, nan_count, config.train.nan_limit, step)
     dt = time.perf_counter() - t0
-    m.update({"perf/step_s": dt, "perf/tokens_per_s": float(m["train/tokens"]) / dt, "sft/step": step})
+    tokens = float(np.sum(batch["attention_mask"]))  # every token the step ran, not only the trained ones
+    m.update(perf.step(step, dt, tokens, _metrics.model_flops(model_cfg, tokens, s.max_len, forward_passes=3)))
+    m.update({"perf/tokens_per_s": float(m["train/tokens"]) / dt, "sft/step": step})
     if step % config.train.log_every == 0 or step == s.steps:
       writer.scalars(step, {k.replace("train/", "sft/"): v for k, v in m.items()})
       writer.flush()
@@ -282,7 +285,7 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
     stop = preempt.agreed(step)  # every host sees the same answer at the same step
     if step % config.checkpoint.every_steps == 0 or step == s.steps or stop:
       _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg,
-            {"phase": "sft", "nan_count": nan_count}, force=stop)
+            {"phase": "sft", "nan_count": nan_count, "tokens_total": perf.tokens_total}, force=stop)
     if stop:
       break
   bar.close()
@@ -340,6 +343,7 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
 
   bar = _metrics.progress(total, "rl", initial=start, enabled=progress)
   timer = _metrics.Timer()
+  perf = _metrics.Throughput(total, start, meta.get("tokens_total", 0.0), t.peak_tflops)
   step = start
   while step < total:
     # -- rollout ------------------------------------------------------------------------------------------
@@ -355,7 +359,8 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     with timer("reward"):
       # Every host's trajectories on every host: from here on all hosts build the same global batch.
       traj, rewards_b = _batch.gather_trajectories(traj, rewards_b, pad_id=pad_id)
-      adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt)))
+      adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt),
+                                 tree=(traj.parent_b, traj.fork_pos_b)))
     # -- old / reference log-probs (recomputed by the trainer, spec §1.5) ------------------------------------
     with timer("logprob"):
       # The global batch in micro-batches as one host would build it; this host feeds its share of each.
@@ -395,7 +400,12 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     scalars.update({f"tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()} if tools else {})
     scalars.update(timer.pop())
     n_tok = float(np.sum(traj.loss_mask_bt))
-    scalars["perf/tokens_per_s"] = n_tok / max(sum(v for k, v in scalars.items() if k.startswith("perf/")), 1e-9)
+    step_s = sum(v for k, v in scalars.items() if k.startswith("perf/"))  # rollout + reward + logprob + update
+    scalars["perf/tokens_per_s"] = n_tok / max(step_s, 1e-9)
+    all_tok = float(np.sum(traj.attention_mask_bt))  # old (+ ref) log-probs: 1 (+ 1) forward; updates: 3 each
+    passes = 3 * t.ppo_epochs + 1 + (1 if ref_params is not None else 0)
+    scalars.update(perf.step(step, step_s, all_tok, _metrics.model_flops(model_cfg, all_tok, seq_len,
+                                                                          forward_passes=passes)))
     if tools:
       tools.reset_metrics()
     if step % t.log_every == 0 or step == total:
@@ -412,7 +422,8 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     stop = preempt.agreed(step)  # every host sees the same answer at the same step
     if step % config.checkpoint.every_steps == 0 or step == total or stop or ev:
       _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg,
-            {"phase": "rl", "nan_count": nan_count, "metrics": {**scalars, **ev}}, metrics=ev or None,
+            {"phase": "rl", "nan_count": nan_count, "tokens_total": perf.tokens_total,
+             "metrics": {**scalars, **ev}}, metrics=ev or None,
             force=stop)
     if stop:
       break
@@ -489,7 +500,7 @@ def _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh):
   token_rewards_bt = full.reshape(-1, full.shape[-1])[:n, :t]
   mask = np.asarray(traj.loss_mask_bt) > 0
   adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt),
-                             token_rewards_bt=token_rewards_bt))
+                             token_rewards_bt=token_rewards_bt, tree=(traj.parent_b, traj.fork_pos_b)))
   penalty_b = np.sum(np.where(mask, token_rewards_bt, 0.0), axis=1)
   return adv_bt, {"kl/reward_penalty_mean": float(np.mean(penalty_b)),
                   "kl/reward_kl_token_mean": float(-np.sum(penalty_b) / max(mask.sum(), 1) / kl.coef)}

@@ -82,13 +82,35 @@ def test_two_hosts_run_the_main_job_then_resume(tmp_path, tok_dir):
 @pytest.mark.slow
 def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
   """6 prompts per step over 4 hosts (2, 2, 1, 1): hosts finish their rollouts at different times and hold
-  different numbers of trajectories; the update still sees all 24, in mini-batches of 8 sequences."""
+  different numbers of trajectories; the update still sees all 24, in mini-batches of 8 sequences, with ARPO's
+  hard advantage attribution over every host's branching trees."""
   workdir = str(tmp_path / "run")
   _launch(4, workdir, tok_dir, "--config.data.prompts_per_step=6", "--config.train.steps=1", "--config.sft.steps=1",
-          "--config.eval.before_rl=False", "--config.eval.batch_size=3")
+          "--config.eval.before_rl=False", "--config.eval.batch_size=3",
+          "--config.algo.attribution=hard")  # the branching trees of all hosts, renumbered, reach the advantages
   records = _metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
   assert len(rl) == 1 and rl[0]["rollout/trajectories"] == 24, rl
   assert rl[0]["train/sequences"] == 8.0  # ppo_mini_batch_size 2 prompts x n 4, as on one host
   assert [r["step"] for r in records if "eval/suite/accuracy" in r] == [1]
   assert _steps(workdir, "rl") == [1]
+
+
+def test_merge_hosts_renumbers_groups_and_parents():
+  """Every host's trajectories in process order: group ids and parent rows offset by the earlier hosts', columns
+  padded to the widest host (what gather_trajectories builds from the hosts' gathered arrays)."""
+  import numpy as np
+
+  from aepo_jax.train import _batch
+  from test_rl_loop import _traj
+
+  host0, host1 = _traj([2, 1], width=6), _traj([1, 2], width=8, offset=10)  # host 1: its row 2 branched from row 1
+  traj = _batch.merge_hosts([host0, host1], pad_id=0)
+  assert traj.tokens_bt.shape == (6, 8)
+  np.testing.assert_array_equal(traj.tokens_bt[:3, :6], host0.tokens_bt)
+  np.testing.assert_array_equal(traj.tokens_bt[:3, 6:], 0)  # host 0's rows padded with pad_id
+  np.testing.assert_array_equal(traj.tokens_bt[3:], host1.tokens_bt)
+  np.testing.assert_array_equal(traj.loss_mask_bt[:3, 6:], 0)
+  assert traj.group_id_b.tolist() == [0, 0, 1, 2, 3, 3]  # host 1's groups after host 0's two
+  assert traj.parent_b.tolist() == [-1, 0, -1, -1, -1, 4]  # host 1's row 2 branched from its row 1 = global row 4
+  assert traj.fork_pos_b.tolist() == host0.fork_pos_b.tolist() + host1.fork_pos_b.tolist()

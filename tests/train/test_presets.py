@@ -169,3 +169,21 @@ def test_choices_come_from_the_registries(key, value, needle):
   with pytest.raises(ConfigError) as e:
     validate(c)
   assert needle in str(e.value)
+
+
+def test_the_trainer_builds_its_update_step_with_the_configured_aggregation(tmp_path, monkeypatch):
+  from aepo_jax.testing import tiny_tokenizer
+  from aepo_jax.train import _step, run
+
+  class Built(Exception):
+    pass
+
+  def spy(*args, **kw):
+    raise Built(kw["aggregation"])
+
+  monkeypatch.setattr(_step, "make_update_step", spy)
+  config = load_config(os.path.join(ROOT, "configs", "testing", "tiny_rl.py"), overrides={
+      "workdir": str(tmp_path / "run"), "model.tokenizer": tiny_tokenizer(tmp_path / "tok"), "mode": "rl",
+      "sft.enabled": False, "algo.aggregation": "verl"}, num_devices=None)
+  with pytest.raises(Built, match="verl"):
+    run(config)
