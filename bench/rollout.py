@@ -7,7 +7,7 @@ Model: SmolLM2-135M-Instruct through aepo_jax.model.load_pretrained (the llm-smo
 float32) for both sides; if it is not installed, random weights of the smollm2-135m preset for us and a random
 LlamaForCausalLM of the same config for transformers (said in the output). Same prompts, lengths and batch.
 Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (bandwidth / weight bytes steps/s) with
-the bandwidth of a 1 GiB numpy copy (read + write counted, as issue 8 defines it) and with the read bandwidth of a
+the bandwidth of a 1 GiB numpy copy (read + write counted) and with the read bandwidth of a
 jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction of each; the cost of the entropy
 in a decode step (alternating rounds, and the sampling step alone); the decode step's weight matmuls alone at batch
 8 with XLA's, numpy's BLAS and our CPU kernel (aepo_jax/rollout/_cpu_matmul.py), against the read limit; ours

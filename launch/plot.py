@@ -34,14 +34,42 @@ PANELS = {
 }
 
 
-def series(records, name):
+# y-axis label of each panel
+UNITS = {"reward": "reward", "accuracy": "accuracy", "entropy": "nats", "clip_fractions": "fraction of tokens",
+         "kl": "nats", "grad_norm": "L2 norm", "branches": "count", "tool_calls": "calls", "sft_nll": "nats per token",
+         "throughput": "tokens / s", "time": "seconds per step"}
+
+
+def _is_sft(record) -> bool:
+  return "sft/step" in record or any(k.startswith("sft/") for k in record)
+
+
+def global_steps(records) -> list:
+  """x of each record on one axis for the whole run: SFT steps 1..S, then RL step r at S + r (evaluations before
+  RL at S), so a metric both phases log (throughput, step time) never jumps back."""
+  sft_total = max((int(r["step"]) for r in records if _is_sft(r)), default=0)
+  return [int(r["step"]) if _is_sft(r) else sft_total + int(r["step"]) for r in records]
+
+
+def series(records, name, xs_all=None):
+  xs_all = global_steps(records) if xs_all is None else xs_all
   xs, ys = [], []
-  for r in records:
+  for r, x in zip(records, xs_all):
     v = r.get(name)
     if v is not None:
-      xs.append(r["step"])
+      xs.append(x)
       ys.append(v)
   return xs, ys
+
+
+def _phase_marker(ax, records, xs_all):
+  """A dashed line where SFT ends and RL begins (when the run has both)."""
+  sft = [x for r, x in zip(records, xs_all) if _is_sft(r)]
+  if sft and len(sft) < len(records):
+    ax.axvline(max(sft) + 0.5, color="grey", ls="--", lw=0.8)
+    ax.text(max(sft) + 0.5, 1.0, " RL", transform=ax.get_xaxis_transform(), fontsize=7, va="top", color="grey")
+    ax.text(max(sft) + 0.5, 1.0, "SFT ", transform=ax.get_xaxis_transform(), fontsize=7, va="top", ha="right",
+            color="grey")
 
 
 def plot_run(workdir: str, out: str) -> list[str]:
@@ -61,13 +89,17 @@ def plot_run(workdir: str, out: str) -> list[str]:
     if chosen:
       panels[panel] = chosen
   written = []
+  xs_all = global_steps(records)
+  xlabel = "step (SFT, then RL)" if any(_is_sft(r) for r in records) else "step"
   for panel, chosen in panels.items():
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for n in chosen:
-      xs, ys = series(records, n)
+      xs, ys = series(records, n, xs_all)
       ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=n)
+    _phase_marker(ax, records, xs_all)
     ax.set_title(panel.replace("_", " "))
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(UNITS.get(panel, ""))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -82,8 +114,11 @@ def plot_run(workdir: str, out: str) -> list[str]:
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3 * rows), squeeze=False)
     for ax, (panel, chosen) in zip(axes.ravel(), panels.items()):
       for n in chosen:
-        ax.plot(*series(records, n), label=n)
+        ax.plot(*series(records, n, xs_all), label=n)
+      _phase_marker(ax, records, xs_all)
       ax.set_title(panel.replace("_", " "))
+      ax.set_xlabel(xlabel, fontsize=7)
+      ax.set_ylabel(UNITS.get(panel, ""), fontsize=7)
       ax.legend(fontsize=6)
       ax.grid(alpha=0.3)
     for ax in axes.ravel()[len(panels):]:

@@ -40,7 +40,7 @@ class ModelConfig:
   attention_impl: str = "auto"
   # Layers of the scanned layer loop per loop iteration (nn.scan's `unroll`; num_layers = fully unrolled). On CPU
   # a full unroll made the SmolLM2 8 x 256 update step ~5% faster and its compile ~12 s longer
-  # (docs/performance.md, session 9). Execution only: parameters are the same.
+  # (docs/performance.md). Execution only: parameters are the same.
   scan_unroll: int = 1
 
   def __post_init__(self):

@@ -8,9 +8,6 @@ question, same two verdict words), not a byte copy. The official runs used Qwen2
 """
 from __future__ import annotations
 
-import json
-import os
-import time
 from typing import Protocol, runtime_checkable
 
 JUDGE_PROMPT = (
@@ -75,47 +72,19 @@ class OpenAICompatibleJudge:
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
                  timeout: float = 60.0, retries: int = 3, backoff_s: float = 0.5,
                  temperature: float = 0.0, max_tokens: int = 16):
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model, self.api_key_env = model, api_key_env
-        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
-        self.temperature, self.max_tokens = temperature, max_tokens
+        from aepo_jax.tools import ChatClient  # lazy: only a judge that is used needs the HTTP client
 
-    def _post(self, payload: dict) -> tuple[int, bytes]:
-        from aepo_jax.tools import http_request  # lazy: only a judge that is used needs the HTTP client
-
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.api_key_env)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        return http_request("POST", self.url, data=json.dumps(payload).encode(), headers=headers,
-                            timeout_s=self.timeout)
+        self._client = ChatClient(base_url, model, timeout_s=timeout, retries=retries, backoff_s=backoff_s,
+                                  temperature=temperature, max_tokens=max_tokens, api_key_env=api_key_env)
+        self.url, self.model, self.timeout, self.retries = self._client.url, model, timeout, retries
 
     def complete(self, prompt: str) -> str:
-        payload = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                   "temperature": self.temperature, "max_tokens": self.max_tokens}
-        last_err: Exception | str | None = None
-        for attempt in range(self.retries + 1):
-            try:
-                status, body = self._post(payload)
-            except OSError as e:  # refused, reset, or no complete answer within `timeout`
-                last_err = e
-            except ValueError as e:  # a bad URL or an oversized answer: the same on every attempt
-                raise JudgeError(f"{self.url}: {e}") from e
-            else:
-                if status == 429 or status >= 500:
-                    last_err = f"HTTP {status}"
-                elif status >= 400:
-                    raise JudgeError(f"{self.url} answered HTTP {status}; check model name and key "
-                                     f"(${self.api_key_env}): {body[:200].decode(errors='replace')}")
-                else:
-                    try:
-                        return json.loads(body)["choices"][0]["message"]["content"]
-                    except (KeyError, IndexError, TypeError, ValueError) as e:
-                        raise JudgeError(f"{self.url} returned a non-OpenAI response: {e!r}") from e
-            if attempt < self.retries:
-                time.sleep(self.backoff_s * 2**attempt)
-        raise JudgeError(f"{self.url} failed after {self.retries + 1} attempts (timeout "
-                         f"{self.timeout:g} s each): {last_err!r}")
+        from aepo_jax.tools import ChatError
+
+        try:
+            return self._client.complete(prompt)
+        except (ChatError, ValueError) as e:  # failed after retries, a 4xx, a non-OpenAI answer, a bad URL
+            raise JudgeError(str(e)) from e
 
     def judge(self, question: str, labeled_answer, predicted_answer: str) -> bool:
         return parse_verdict(self.complete(format_judge_prompt(question, labeled_answer,

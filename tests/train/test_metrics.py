@@ -94,6 +94,20 @@ def test_plot_renders_pngs(tmp_path):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_puts_sft_then_rl_on_one_increasing_axis():
+  """SFT steps 1..3 and RL steps 1..2 both log perf/tokens_per_s: on the plot's axis RL continues after SFT."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "launch", "plot.py"))
+  plot = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(plot)
+  records = [{"step": s, "sft/nll": 1.0, "sft/step": s, "perf/tokens_per_s": 10.0 * s} for s in (1, 2, 3)]
+  records += [{"step": 0, "eval/accuracy": 0.1}]
+  records += [{"step": s, "reward/mean": 0.5, "perf/tokens_per_s": 5.0 * s} for s in (1, 2)]
+  xs, ys = plot.series(records, "perf/tokens_per_s")
+  assert xs == [1, 2, 3, 4, 5] and ys == [10.0, 20.0, 30.0, 5.0, 10.0]
+  assert plot.series(records, "eval/accuracy")[0] == [3]  # the evaluation before RL, at the end of SFT
+
+
 from test_checkpoint_gcs import BUCKET, gcs_emulator  # noqa: E402,F401  (the emulator fixture)
 
 
