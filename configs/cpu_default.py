@@ -6,13 +6,8 @@ Hardware: 2 CPU cores, 24 GiB RAM, no accelerator, no network (everything it nee
 Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_pretrained`), the generated
   task suite (arithmetic / lookup questions with a generated corpus), the real Python sandbox and local
   BM25 search over the suite's corpus.
-Time: about 15 minutes on 2 cores (2026-12-01, seed 0: 15:01 with the CPU training-attention kernel and a save
-  every 4 steps; 16 SFT steps of 19-25 s (the first 33 s with its compile); 5 RL steps of 75-103 s: rollout 23-37 s
-  + two updates 50-62 s, plus two evaluations); peak RSS 7.9 GB (10.1 before session 8). KNOB sizes set it.
-  History (seed 0, 0.025 -> 0.375 every time): 17:04 and 17:44 earlier that day (session 8's update step, a save
-  every 2 steps); 1355 s before train.logit_fraction, 1242 s with it; 1228 s
-  with idle decode steps skipped (1253 s adding only the decode-attention kernel); 1024 s with compact decoding
-  (only the active slots) and uncompressed checkpoints (checkpoint.compression=False) as well.
+Time: about 15-20 minutes on 2 cores (16 SFT steps of 20-35 s, 5 RL steps of 75-120 s: rollouts, two updates and
+  two evaluations), peak RSS about 8 GB; every dated run is in docs/benchmarks.md. KNOB sizes set it.
 Design: 3/4 of the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.25), so after SFT the
   policy almost never calls the tool it needs and mostly answers wrong; RL has to teach it when to call tools.
 Expected: held-out accuracy after RL clearly above after SFT.
@@ -22,14 +17,8 @@ Measured (2026-11-30, these settings; seeds = train.seed, sft.seed and data.seed
      1 | 0.025 -> 0.925                                    | 0.025 -> 1.0
      2 | 0.0   -> 0.70                                     | 0.0 -> 1.0
   mean 0.017 -> 0.667 over 40 held-out questions (after RL: 0.375-0.925); wall 22:55 for seed 2 on a quiet machine.
-  Re-run 2026-12-01 with the CPU training-attention kernel: seed 0 0.025 -> 0.375 (15:01), seed 1 0.025 -> 0.925
-  (tool calls 0.025 -> 1.0), the same numbers as above. Again after the LM head's custom VJP (session 10): seed 0
-  0.025 -> 0.375, tool calls 0.0 -> 1.0, wall 19:02 on a day the VM's matmul peak was half the day before's; and
-  after session 11's kernel fixes: the same numbers, 19:19 on that slow VM (SFT steps 27-35 s, RL rollouts
-  25.5-34.2 s, two updates 72-78 s; transformers' update step took 32-38 s that hour against 20-25 s on the day
-  of the 15:01 run), peak RSS 8.3 GB.
   Train rollouts (seed 1): tool calls per trajectory 0.19 -> 0.44 -> 0.63 -> 0.94 -> 0.88, reward 0.13 -> 0.63.
-  Earlier settings that did not work: tool_demo_fraction=0.5 leaves SFT at 0.85 with little room for RL
+  Settings that did not work (2026-11-30): tool_demo_fraction=0.5 leaves SFT at 0.85 with little room for RL
   (0.85 -> 0.825); rollout T=1.0 after 10 SFT steps broke the tag format in 25-56% of samples and RL at lr 3e-5
   collapsed to answering without tools (0.525 -> 0.0).
 """
