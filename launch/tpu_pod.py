@@ -100,9 +100,8 @@ def _check_override_keys(argv) -> None:
       continue
     key = arg[len("--config."):].split("=", 1)[0]
     if key not in known:
-      close = _config.difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
       sys.exit(f"error: config key {key!r} (from {arg!r}) does not exist"
-               + (f"; did you mean {close[0]!r}?" if close else "; see aepo_jax/train/_config.py:base_config()"))
+               + _config.did_you_mean(key, known, otherwise=_config._SEE_BASE))
 
 
 _MODEL_OVERRIDES: dict = {}

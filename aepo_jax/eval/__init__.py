@@ -5,12 +5,13 @@ Command line: `python launch/evaluate.py --checkpoint PATH --benchmarks gsm8k,ma
 Whole runs
   check_inputs(checkpoint, benchmarks, *, search_backend, search_options, judge_url, judge_model) -> EvalPlan
   run_evaluation(plan, output, *, settings=EvalSettings(), ks=(1, 5), limit=None) -> summary dict
-  evaluate(config, model_cfg, params, tokenizer, examples, mesh=None, tools=None) -> {'accuracy', ...}  (trainer)
+  evaluate(evaluator, {name: examples}, reward_timeout_s=) -> {'eval/<name>/accuracy', ...}  (the trainer's)
   EvalInputError                                   bad input, raised before any compute
 Pieces
   select_benchmarks(spec), requirements_error(names, search_backend=, judge=), load_examples(name, limit)
   resolve_checkpoint(path) -> CheckpointRef; load_policy(ref, tokenizer=None) -> Policy(config, params, tokenizer)
-  EvalSettings, Evaluator(policy, tools, scorer, settings).run(name, examples, jsonl_path) -> records (resumable)
+  EvalSettings, Evaluator(policy, tools, scorer, settings, loop=None).run(name, examples, path=None) -> records
+                                                   (resumable from the JSONL; `loop`: the caller's agent loop)
   Scorer(judge=None).score(example, response) -> dict; probe_judge(url, model)
   summarize_records(records, ks), write_summary(...), compare(run_dirs, out_prefix) -> (markdown, png)
   pass_at_k(n, c, k), mean_pass_at_k, best_of_k, bootstrap_ci, summarize
@@ -22,7 +23,7 @@ from aepo_jax.eval._checkpoint_io import (CheckpointDamagedError, CheckpointNotF
                                           load_tokenizer, resolve_checkpoint)
 from aepo_jax.eval._passk import best_of_k, bootstrap_ci, mean_pass_at_k, pass_at_k, summarize
 from aepo_jax.eval._report import compare, load_summary, summarize_records, summary_markdown, write_summary
-from aepo_jax.eval._runner import EvalSettings, Evaluator, read_records, tool_calls_from_text, tool_stop_sequences
+from aepo_jax.eval._runner import EvalSettings, Evaluator, read_records, tool_calls_from_text
 from aepo_jax.eval._scoring import JudgeUnavailableError, Scorer, probe_judge
 
 __all__ = [
@@ -31,5 +32,5 @@ __all__ = [
     "CheckpointDamagedError", "CheckpointNotFoundError", "CheckpointRef", "Policy", "load_policy", "load_tokenizer", "resolve_checkpoint",
     "best_of_k", "bootstrap_ci", "mean_pass_at_k", "pass_at_k", "summarize", "compare", "load_summary",
     "summarize_records", "summary_markdown", "write_summary", "EvalSettings", "Evaluator", "read_records",
-    "tool_calls_from_text", "tool_stop_sequences", "JudgeUnavailableError", "Scorer", "probe_judge",
+    "tool_calls_from_text", "JudgeUnavailableError", "Scorer", "probe_judge",
 ]

@@ -2,7 +2,7 @@
 
   plan = check_inputs(checkpoint, benchmarks, search_backend=..., judge_url=..., judge_model=...)
   summary = run_evaluation(plan, output_dir, settings=EvalSettings(n=5), ks=(1, 5), limit=None)
-  evaluate(config, model_cfg, params, tokenizer, examples, mesh=None, tools=None)   # the trainer's validation
+  evaluate(evaluator, {name: examples}, reward_timeout_s=10.0)   # the trainer's validation metrics
 
 check_inputs fails, in this order and before any weights are read: unknown benchmark names; a checkpoint
 path that does not exist; benchmarks whose search backend or judge is not configured; a browse setting without
@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from aepo_jax.eval import _benchmarks, _checkpoint_io, _report
 from aepo_jax.eval._runner import EvalSettings, Evaluator
@@ -204,34 +204,34 @@ def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
       json.dump(mine, f, indent=2, sort_keys=True)
 
 
-def evaluate(config, model_cfg, params, tokenizer, examples, mesh=None, tools=None) -> dict:
-  """The trainer's validation (ARPO: greedy, n = 1, the rollout's sampler settings, no per-call cap):
-  {'accuracy', 'num_examples'} on `examples`; judged as the protocol when eval.judge_url is set."""
-  import tempfile
-  from aepo_jax import tools as tools_lib
-  r = config.rollout
-  ev = config.get("eval", {})
-  settings = EvalSettings(n=1, temperature=float(ev.get("temperature", 0.0)), top_p=1.0, top_k=0,
-                          min_p=float(r.get("min_p", 0.0)), repetition_penalty=float(r.get("repetition_penalty", 1.0)),
-                          max_tokens_per_call=0, max_prompt_len=int(r.max_prompt_len),
-                          max_response_len=int(ev.get("max_response_len", 0) or r.max_response_len),
-                          batch_size=max(1, min(len(examples), int(r.max_slots or 8))),
-                          chunk_steps=int(r.decode_chunk), template=config.data.get("template", "code_search"))
-  own_tools = tools is None
-  if own_tools:
-    tools = tools_lib.ToolSet({"python": tools_lib.PythonTool(
-        allow_unsandboxed=bool(config.tools.get("allow_unsandboxed", False)))}, mode="eval")
-  policy = _checkpoint_io.Policy(model_cfg, params, tokenizer, "in-training")
-  try:
-    judge = None
-    if ev.get("judge_url"):
-      from aepo_jax.rewards import OpenAICompatibleJudge
-      judge = OpenAICompatibleJudge(ev["judge_url"], ev["judge_model"])
-    ev_ = Evaluator(policy, tools, Scorer(judge), settings, mesh=mesh, show_progress=False)
-    with tempfile.TemporaryDirectory() as d:
-      records = ev_.run("val", list(examples), os.path.join(d, "val.jsonl"))
-  finally:
-    if own_tools:
-      tools.shutdown()
-  return {"accuracy": float(sum(x["score"] for x in records) / max(1, len(records))),
-          "num_examples": float(len(records))}
+def evaluate(evaluator: Evaluator, sources: Mapping[str, Sequence], *, reward_timeout_s: float = 10.0) -> dict:
+  """The trainer's validation: n = 1 answers of `evaluator` (built on the trainer's own agent loop) to each named
+  source of examples, as metrics: eval/<name>/accuracy (the scorer's verdict), eval/<name>/reward
+  (`rewards.deep_research`, 0 past reward_timeout_s), eval/<name>/tool_calls (mean calls per answer), and
+  eval/accuracy (the mean over sources).
+
+  Every process answers its own round-robin share of each source on its own devices (shares differ by at most one
+  example), writing nothing; the sums are combined across processes once per source, so every process calls this
+  with the same sources."""
+  import jax
+  import numpy as np
+  from aepo_jax import rewards as rewards_lib
+  p, n = jax.process_index(), jax.process_count()
+  out = {}
+  for name, examples in sources.items():
+    records = evaluator.run(name, list(examples)[p::n])
+    reward = rewards_lib.shared_pool().map(  # bounded time per answer, as in training; 0 past it
+        rewards_lib.deep_research, [(r["response"], r["answers"]) for r in records], timeout_s=reward_timeout_s,
+        default=0.0) if records else []
+    sums = np.asarray([len(records), sum(r["score"] for r in records), sum(reward),
+                       sum(r.get("num_tool_calls", 0) for r in records)], np.float64)
+    if n > 1:
+      from jax.experimental import multihost_utils
+      sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(n, -1).sum(0)
+    count = max(sums[0], 1.0)
+    out[f"eval/{name}/accuracy"] = float(sums[1] / count)
+    out[f"eval/{name}/reward"] = float(sums[2] / count)
+    out[f"eval/{name}/tool_calls"] = float(sums[3] / count)
+  if sources:
+    out["eval/accuracy"] = float(np.mean([out[f"eval/{name}/accuracy"] for name in sources]))
+  return out

@@ -17,13 +17,14 @@ runs (temperature 0) are.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from aepo_jax.data import Example, build_messages
 from aepo_jax.eval._scoring import Scorer, needs_rescore
@@ -81,21 +82,6 @@ class _ContinuationTokenizer:
     return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def tool_stop_sequences(tokenizer, tags: Sequence[str]) -> list[list[int]]:
-  """Token sequences that end a tool call `</tag>`: the closing tag as tokenized after a few common left
-  contexts (a BPE may merge its first characters with what precedes, e.g. ' </' or ')</')."""
-  seqs = []
-  for tag in tags:
-    close = f"</{tag}>"
-    for left in ("", " ", "\n", ")", "x", "'", '"', ".", "]", "1"):
-      ids = tokenizer.encode_continuation(left + close)
-      for i in range(len(ids) - 1, -1, -1):
-        if close in tokenizer.decode(ids[i:]):
-          seqs.append(tuple(ids[i:]))
-          break
-  return [list(s) for s in dict.fromkeys(seqs)]
-
-
 _CALL = re.compile(r"<(python|search)>(.*?)</\1>\s*<result>(.*?)</result>", re.DOTALL)
 
 
@@ -150,50 +136,49 @@ def _write_records(path: str, records: list[dict]) -> None:
   os.replace(tmp, path)
 
 
-_ENGINES: dict = {}  # the last Engine built, by everything that shapes its compiled functions
-
-
 class Evaluator:
-  """One policy + tools + scorer; `run(name, examples, path)` evaluates one benchmark into a JSONL."""
+  """One policy + tools + scorer; `run(name, examples, path)` evaluates one benchmark into a JSONL.
+
+  By default the agent loop is built from `settings` (the evaluation protocol). `loop` (with its `rollout_policy`)
+  runs a caller's loop instead: the trainer's validation, on its own engine, tools and result format; `settings`
+  then give only n, batch_size, max_prompt_len, template and seed.
+  """
 
   def __init__(self, policy, tools, scorer: Scorer, settings: EvalSettings = EvalSettings(), *,
-               mesh=None, show_progress: bool = True):
-    from aepo_jax.rollout import Engine, SamplingParams
-    from aepo_jax.rollout._agent import AgentConfig, AgentLoop
-    from aepo_jax.rollout.policies import rollout_policy
+               mesh=None, show_progress: bool = True, loop=None, rollout_policy=None):
+    from aepo_jax.rollout.policies import rollout_policy as make_policy
 
     self.policy, self.tools, self.scorer, self.settings = policy, tools, scorer, settings
     self.show_progress = show_progress
-    s, tok, cfg = settings, policy.tokenizer, policy.config
+    self.loop = loop if loop is not None else self._protocol_loop(mesh)
+    self.rollout_policy = rollout_policy or make_policy("none", n=1, initial_rollouts=1)
+
+  def _protocol_loop(self, mesh):
+    from aepo_jax.rollout import AgentConfig, AgentLoop, SamplingParams, make_engine
+    s, tok, tools = self.settings, self.policy.tokenizer, self.tools
     tags = tuple(tools.tags)
-    eos = tuple(dict.fromkeys([*getattr(tok, "eos_ids", ()), *cfg.eos_token_ids]))
-    # Greedy keeps the repetition penalty (it changes the argmax); min_p and the truncations only matter sampled.
-    sampling = (SamplingParams(0.0, 1.0, 0, repetition_penalty=s.repetition_penalty) if s.temperature == 0 else
-                SamplingParams(s.temperature, s.top_p, s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty))
-    key = (cfg, s.batch_size, s.max_prompt_len + s.max_response_len, eos,
-           tuple(map(tuple, tool_stop_sequences(tok, tags))), sampling, mesh)
-    if key not in _ENGINES:  # an Engine holds only jitted functions (state is passed in): reuse its compilations
-      _ENGINES.clear()
-      _ENGINES[key] = Engine(cfg, max_slots=key[1], max_len=key[2], eos_ids=eos, stop_sequences=key[4],
-                             sampling=key[5], mesh=mesh)
-    self.engine = _ENGINES[key]
+    engine = make_engine(self.policy.config, max_slots=s.batch_size, max_len=s.max_prompt_len + s.max_response_len,
+                         tokenizer=tok, stop_strings=[f"</{t}>" for t in tags], tokenizer_eos=True,
+                         sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty),
+                         mesh=mesh)
     # Evaluation: the per-tool limits live in the ToolSet (refusal text, the model continues); the loop's own
     # total-call cap, which ends a trajectory, is set out of reach (a refused call still costs tokens).
     agent_cfg = AgentConfig(max_response_len=s.max_response_len, max_tool_calls=10 ** 6, chunk_steps=s.chunk_steps,
                             tool_tags=tags, result_mode="eval", max_tokens_per_call=s.max_tokens_per_call)
-    pad = getattr(tok, "pad_id", None)
-    self.loop = AgentLoop(self.engine, _ContinuationTokenizer(tok), tools, agent_cfg, pad_id=pad)
-    self.rollout_policy = rollout_policy("none", n=1, initial_rollouts=1)
+    return AgentLoop(engine, _ContinuationTokenizer(tok), tools, agent_cfg, pad_id=getattr(tok, "pad_id", None))
 
   def prompt_tokens(self, example: Example) -> list[int]:
-    return self.policy.tokenizer.apply_chat_template(build_messages(example, self.settings.template))
+    return self.policy.tokenizer.apply_chat_template(build_messages(example, self.settings.template),
+                                                     add_generation_prompt=True)
 
-  def run(self, name: str, examples: Sequence[Example], path: str) -> list[dict]:
-    """Evaluates the missing (example, sample) pairs of one benchmark; returns all its records."""
+  def run(self, name: str, examples: Sequence[Example], path: Optional[str] = None) -> list[dict]:
+    """Evaluates the missing (example, sample) pairs of one benchmark; returns all its records (path None: kept in
+    memory only, nothing to resume)."""
     s = self.settings
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path is not None:
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     by_id = {ex.id: ex for ex in examples}
-    stored = read_records(path)
+    stored = read_records(path) if path is not None else []
     seen_all, kept = set(), []
     for r in stored:  # keep the first of any duplicate (defensive; the writer never makes them)
       if (r.get("id"), r.get("sample")) not in seen_all:
@@ -204,17 +189,18 @@ class Evaluator:
     stale = [r for r in unique if needs_rescore(r)]
     for r in stale:
       r.update(self.scorer.score(by_id[r["id"]], r["response"]))
-    if stale or len(kept) != len(stored):
+    if path is not None and (stale or len(kept) != len(stored)):
       _write_records(path, kept)
     seen = {(r["id"], r["sample"]) for r in unique}
     todo = [(ex, k) for ex in examples for k in range(s.n) if (ex.id, k) not in seen]
     bar = self._bar(name, len(examples) * s.n, len(unique), unique)
-    with open(path, "a") as f:
+    with open(path, "a") if path is not None else contextlib.nullcontext() as f:
       for b in range(0, len(todo), s.batch_size):
         batch = todo[b:b + s.batch_size]
         for rec in self._run_batch(name, batch, seed=s.seed * 1_000_003 + len(unique) + b):
-          f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-          f.flush()
+          if f is not None:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
           unique.append(rec)
           if bar is not None:
             bar.update(1)

@@ -1,8 +1,6 @@
 """Shardings of a model's parameters on a mesh (logical axes of the decoder + a rules table)."""
 from __future__ import annotations
 
-import jax
-
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.model._functional import param_logical_axes, param_shapes
 from aepo_jax.parallel import DEFAULT_RULES, logical_sharding

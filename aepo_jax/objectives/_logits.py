@@ -16,10 +16,12 @@ import jax
 import jax.numpy as jnp
 
 
-def entropy_from_logits(logits):
-  """H = logsumexp(z) − Σ softmax(z)·z over the last axis, in float32 (verl `entropy_from_logits`)."""
+def entropy_from_logits(logits, lse=None):
+  """H = logsumexp(z) − Σ softmax(z)·z over the last axis, in float32 (verl `entropy_from_logits`; the engine's
+  exact per-token entropy, spec §1.2 step 2.2). lse: logsumexp(z) when the caller has it (saves a vocabulary pass)."""
   z = jnp.asarray(logits, jnp.float32)
-  lse = jax.nn.logsumexp(z, axis=-1)
+  if lse is None:
+    lse = jax.nn.logsumexp(z, axis=-1)
   return lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
 
 
@@ -169,7 +171,7 @@ def _head_logprobs(h_btd, w, tgt_bt, inv_temp: float, c: int, layout: str, save_
   (dot 3, hᵀ the small transposed operand); Wᵀ's gradient is transposed back once at the end.
   Against JAX's autodiff of a `jax.checkpoint`-ed chunk (the function path): no recomputed matmul when the logits
   are saved, one fused pass instead of autodiff's several over [B, C, V], and every dot row-major on both
-  operands (XLA:CPU runs `a.T @ b` forms on Eigen, off its fast path). docs/performance.md, session 10."""
+  operands (XLA:CPU runs `a.T @ b` forms on Eigen, off its fast path). docs/performance.md."""
   return _head_fwd(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits)[0]
 
 

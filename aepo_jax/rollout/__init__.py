@@ -3,6 +3,8 @@
 Engine (docs/rollout_contract.md):
   Engine(model_config, *, max_slots, max_len, eos_ids, stop_sequences, sampling, entropy_window, topk_entropy, ...)
     .init_decode_state() .add() .decode() .extend() .copy_slots() .truncate() .release() .host_info()
+  make_engine(model_config, *, max_slots, max_len, tokenizer, stop_strings, eos_ids, tokenizer_eos, sampling, mesh,
+              ...)                             the Engine of a run's settings (trainer, evaluation, server, generate)
   DecodeState, StepOutputs, SamplingParams, stop-reason codes (STOP_*)
   generate(config, params, prompts, *, max_new_tokens, ...)   one-call generation (tests, benchmarks, evals)
   stop_sequences_from_strings(tokenizer, strings)              stop strings -> token-id sequences
@@ -10,7 +12,8 @@ Engine (docs/rollout_contract.md):
                                                 (optional extra; jetstream is imported only when it is called)
 """
 from aepo_jax.rollout._engine import Engine
-from aepo_jax.rollout._sampling import SamplingParams, entropy_from_logits, topk_entropy
+from aepo_jax.rollout._factory import make_engine
+from aepo_jax.rollout._sampling import SamplingParams, topk_entropy
 from aepo_jax.rollout._state import (RUNNING, STOP_BUDGET, STOP_CACHE_FULL, STOP_EOS, STOP_REASON_NAMES,
                                      STOP_SEQUENCE, DecodeState, StepOutputs)
 

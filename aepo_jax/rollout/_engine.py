@@ -59,7 +59,7 @@ def _stop_matrix(seqs: tuple):
 _decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _decode_weights = jax.jit(_ops.decode_weights, static_argnums=(0,))
 _fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,))
-_start = jax.jit(_ops.start_rows, static_argnums=(7, 8, 9), donate_argnums=(0,))
+_start = jax.jit(_ops.start_rows, static_argnames=("reset_generated", "window", "width"), donate_argnums=(0,))
 _copy = jax.jit(_ops.copy_rows, donate_argnums=(0,))
 _truncate = jax.jit(_ops.truncate_rows, static_argnums=(3, 4), donate_argnums=(0,))
 _release = jax.jit(_ops.release_rows, donate_argnums=(0,))
@@ -311,10 +311,11 @@ class Engine:
     budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy()
     lengths = np.asarray([t.size for t in toks], np.int32)
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))), np.uint32) for s in seeds])
-    state = _start(state, jnp.asarray(slots), jnp.asarray(self._rows(slots, toks, [0] * len(toks))),
-                   jnp.asarray(lengths), jnp.zeros(slots.shape, jnp.int32), jnp.asarray(keys),
-                   jnp.asarray(budget), True, self.entropy_window, self.tail_width,
-                   jax.tree.map(jnp.asarray, SlotSampling.of(per_slot)))
+    state = _start(state, jnp.asarray(slots), tokens_nl=jnp.asarray(self._rows(slots, toks, [0] * len(toks))),
+                   length_n=jnp.asarray(lengths), keep_from_n=jnp.zeros(slots.shape, jnp.int32),
+                   rng_n2=jnp.asarray(keys), budget_n=jnp.asarray(budget),
+                   sampling_n=jax.tree.map(jnp.asarray, SlotSampling.of(per_slot)), reset_generated=True,
+                   window=self.entropy_window, width=self.tail_width)
     return self._fill_ranges(params, state, slots, np.zeros_like(lengths), lengths - 1)
 
   def extend(self, params, state, slots, token_lists, max_new_tokens=None):
@@ -338,9 +339,9 @@ class Engine:
                        f"more than max_len={self.max_len}; end those trajectories instead.")
     budget = None if max_new_tokens is None else jnp.asarray(
         np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
-    state = _start(state, jnp.asarray(slots), jnp.asarray(self._rows(slots, toks, length)),
-                   jnp.asarray(new_len), jnp.asarray(length), None, budget, False, self.entropy_window,
-                   self.tail_width)
+    state = _start(state, jnp.asarray(slots), tokens_nl=jnp.asarray(self._rows(slots, toks, length)),
+                   length_n=jnp.asarray(new_len), keep_from_n=jnp.asarray(length), budget_n=budget,
+                   reset_generated=False, window=self.entropy_window, width=self.tail_width)
     return self._fill_ranges(params, state, slots, length - 1, new_len - 1)
 
   # ------------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from aepo_jax.rollout._engine import Engine
+from aepo_jax.rollout._factory import make_engine
 from aepo_jax.rollout._sampling import SamplingParams
 from aepo_jax.rollout._state import STOP_REASON_NAMES, STOP_SEQUENCE
-from aepo_jax.rollout._stop import StopStringChecker, stop_sequences_from_strings
+from aepo_jax.rollout._stop import StopStringChecker
 
 
 def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
@@ -39,17 +39,14 @@ def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
     raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1.")
   if stop_strings and tokenizer is None:
     raise ValueError("generate: stop_strings need a tokenizer (to find their token sequences); pass tokenizer=.")
-  seqs = [list(s) for s in stop_sequences]
-  checker = None
-  if stop_strings:
-    seqs += stop_sequences_from_strings(tokenizer, stop_strings)
-    checker = StopStringChecker(tokenizer, stop_strings, config.vocab_size)
+  checker = StopStringChecker(tokenizer, stop_strings, config.vocab_size) if stop_strings else None
   n = len(prompts)
   slots = max(1, min(n, max_slots or n))
   max_len = max_len or max(len(p) for p in prompts) + max_new_tokens
-  engine = Engine(config, max_slots=slots, max_len=max_len, eos_ids=eos_ids, stop_sequences=seqs,
-                  sampling=SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty),
-                  prefill_chunk=prefill_chunk)
+  engine = make_engine(config, max_slots=slots, max_len=max_len, tokenizer=tokenizer, stop_strings=stop_strings,
+                       stop_sequences=stop_sequences, eos_ids=eos_ids,
+                       sampling=SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty),
+                       prefill_chunk=prefill_chunk)
   state = engine.init_decode_state()
   pending = collections.deque(range(n))
   running = {}  # slot -> prompt index

@@ -1,9 +1,12 @@
 """JetStream 0.2.2 `Engine` adapter over the slot engine (optional extra `[jetstream]`).
 
-JetStream is archived and pulls TensorFlow through seqio, so nothing else in aepo_jax imports this module, and
-this module imports jetstream only inside `jetstream_engine_class()` after installing two shims:
-  * a minimal `seqio.vocabularies` (JetStream's token_utils imports two classes from it at import time);
-  * `jax.tree_map` (removed from JAX, still called by the orchestrator, which kills its process on error).
+JetStream is archived and pulls TensorFlow through seqio, so this module imports jetstream only inside
+`jetstream_engine_class()`, within `_jetstream_imported()`, which contains what JetStream 0.2.2 needs and does:
+  * a minimal `seqio.vocabularies` (JetStream's token_utils imports two classes from it at import time) is in
+    `sys.modules` only while jetstream's modules are imported, then taken out again;
+  * `jax.tree_map` (removed from JAX, still called by the orchestrator, which kills its process on error) is given
+    to the orchestrator module alone, as its own `jax` name; the `jax` module itself is left untouched;
+  * the orchestrator sets the root logger to DEBUG with a stdout handler when imported: both are undone.
 Install without TensorFlow:
   pip install grpcio tiktoken blobfile shortuuid portpicker prometheus-client
   pip install --no-deps google-jetstream==0.2.2
@@ -14,8 +17,11 @@ the Prefix is that one-slot DecodeState; `insert` copies it into a slot of the s
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib.util
 import itertools
+import logging
 import sys
 import types
 from typing import Optional, Sequence
@@ -24,26 +30,51 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aepo_jax.rollout._engine import Engine
+from aepo_jax.rollout._factory import make_engine
 from aepo_jax.rollout._sampling import SamplingParams
 
 _NO_BOS = -1  # JetStream prepends bos_id to token requests; a model without BOS gets this marker, dropped again
 
 
-def install_shims() -> None:
-  """seqio and jax.tree_map shims JetStream 0.2.2 needs (idempotent; only touches missing names)."""
-  if "seqio" not in sys.modules:
+class _JaxWithTreeMap(types.ModuleType):
+  """`jax` plus the `tree_map` alias JAX removed, for JetStream's orchestrator module only."""
+
+  tree_map = staticmethod(jax.tree.map)
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+
+@contextlib.contextmanager
+def _jetstream_imported():
+  """Imports JetStream's orchestrator, and lets the body import its engine modules; every global change they need or
+  make is undone at exit (see the module docstring). The modules stay imported (in `sys.modules`), patched."""
+  fake_seqio = "seqio" not in sys.modules and importlib.util.find_spec("seqio") is None
+  if fake_seqio:
+    vocab = types.ModuleType("seqio.vocabularies")
+    vocab.Vocabulary = type("Vocabulary", (), {})
+    vocab.SentencePieceVocabulary = type("SentencePieceVocabulary", (vocab.Vocabulary,), {})
+    seqio = types.ModuleType("seqio")
+    seqio.vocabularies = vocab
+    sys.modules["seqio"], sys.modules["seqio.vocabularies"] = seqio, vocab
+  root = logging.getLogger()
+  level, handlers = root.level, list(root.handlers)
+  try:
     try:
-      import seqio  # noqa: F401  (the real one, if installed)
-    except ImportError:
-      vocab = types.ModuleType("seqio.vocabularies")
-      vocab.Vocabulary = type("Vocabulary", (), {})
-      vocab.SentencePieceVocabulary = type("SentencePieceVocabulary", (vocab.Vocabulary,), {})
-      seqio = types.ModuleType("seqio")
-      seqio.vocabularies = vocab
-      sys.modules["seqio"], sys.modules["seqio.vocabularies"] = seqio, vocab
-  if not hasattr(jax, "tree_map"):
-    jax.tree_map = jax.tree.map
+      from jetstream.core import orchestrator
+    except ImportError:  # the engine API alone (no grpc / prometheus-client): no orchestrator to patch
+      orchestrator = None
+    if orchestrator is not None and not hasattr(jax, "tree_map"):
+      orchestrator.jax = _JaxWithTreeMap("jax")
+    yield
+  finally:
+    root.setLevel(level)
+    for h in root.handlers[:]:
+      if h not in handlers:
+        root.removeHandler(h)
+    if fake_seqio:
+      for name in ("seqio", "seqio.vocabularies"):
+        sys.modules.pop(name, None)
 
 
 def _insert(prefix, state, slot):
@@ -58,8 +89,8 @@ def _insert(prefix, state, slot):
 @functools.lru_cache(maxsize=None)
 def jetstream_engine_class():
   """Builds the adapter class (a subclass of JetStream's Engine ABC); imports jetstream on first call."""
-  install_shims()
-  from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2, token_utils
+  with _jetstream_imported():
+    from jetstream.engine import engine_api, tokenizer_api, tokenizer_pb2, token_utils
 
   class _Tokenizer(tokenizer_api.Tokenizer):
     """JetStream tokenizer over an HF-style tokenizer (encode/decode) and the model's special ids."""
@@ -101,8 +132,8 @@ def jetstream_engine_class():
                  prefill_chunk: int = 128, seed: int = 0):
       self.config, self._params, self._hf_tokenizer = model_config, params, tokenizer
       kw = dict(max_len=max_len, eos_ids=eos_ids, sampling=sampling, prefill_chunk=prefill_chunk)
-      self.engine = Engine(model_config, max_slots=max_slots, **kw)
-      self._one = Engine(model_config, max_slots=1, **kw)  # prefill engine: one row per request
+      self.engine = make_engine(model_config, max_slots=max_slots, **kw)
+      self._one = make_engine(model_config, max_slots=1, **kw)  # prefill engine: one row per request
       self._insert = jax.jit(_insert, donate_argnums=(1,))
       self._seeds = itertools.count(seed)
       # JetStream only accepts powers of two (>= 16) here; keep one position free for generation.

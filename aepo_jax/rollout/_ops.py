@@ -128,8 +128,8 @@ def fill_chunk(config, chunk: int, attend_len: int, params, state, slots_n, star
 # ----------------------------------------------------------------------------------------------------
 # Row edits
 # ----------------------------------------------------------------------------------------------------
-def start_rows(state, slots_n, tokens_nl, length_n, keep_from_n, rng_n2, budget_n, reset_generated: bool,
-               window: int, width: int, sampling_n=None):
+def start_rows(state, slots_n, *, tokens_nl, length_n, keep_from_n, rng_n2=None, budget_n=None, sampling_n=None,
+               reset_generated: bool, window: int, width: int):
   """Writes tokens[slot, keep_from:length] from tokens_nl (the rest of the row is kept), sets length,
   last_token, budget, a new segment starting at `length`, and the run/stop flags. Used by add and extend.
   rng_n2 / budget_n / sampling_n (a SlotSampling of [n] arrays) None keep the slot's own."""
@@ -165,12 +165,9 @@ def copy_rows(state, src_n, dst_n, rng_n2):
   """Fork: every per-slot field of src (KV rows included) copied to dst, with the given keys."""
   def cp(x):
     return x.at[dst_n].set(x[src_n])
-  cache = jax.tree.map(lambda c: c.at[:, dst_n].set(c[:, src_n]), state.cache)
-  fields = {f: cp(getattr(state, f)) for f in (
-      "tokens", "generated", "entropy_buf", "topk_entropy_buf", "length", "last_token", "active", "budget",
-      "n_generated", "stop_reason", "tail", "seg_start", "seg_count", "seg_entropy_sum", "seg_topk_entropy_sum")}
-  return state.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2), sampling=jax.tree.map(cp, state.sampling),
-                       **fields)
+  copied = jax.tree.map(cp, state.replace(cache={}))  # every per-slot field (leading slot axis)
+  cache = jax.tree.map(lambda c: c.at[:, dst_n].set(c[:, src_n]), state.cache)  # [layers, slots, ...]
+  return copied.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2))
 
 
 def truncate_rows(state, slots_n, length_n, window: int, width: int):

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The one exact-entropy function, shared with the trainer; objectives/ is pure jax, so importing it pulls nothing in.
+from aepo_jax.objectives import entropy_from_logits
+
 _NEG_INF = -1e30
 
 
@@ -99,15 +102,6 @@ class Sample(NamedTuple):
   rng: jax.Array           # [S, 2] the rows' next keys
   top_ids: jax.Array       # [S, N] int32, the N most likely tokens under p, most likely first (N = top_logprobs)
   top_logprobs: jax.Array  # [S, N] their log-probs
-
-
-def entropy_from_logits(z_sv, lse_s=None):
-  """Exact entropy of softmax(z): logsumexp(z) - sum softmax(z) * z (spec §1.2 step 2.2, exact variant).
-  lse_s: logsumexp(z) when the caller has it already (saves one pass over the vocabulary)."""
-  if lse_s is None:
-    lse_s = jax.nn.logsumexp(z_sv, axis=-1)
-  p_sv = jnp.exp(z_sv - lse_s[:, None])
-  return lse_s - jnp.sum(p_sv * z_sv, axis=-1)
 
 
 def _iter_max(x_sn, k: int):

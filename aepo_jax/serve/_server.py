@@ -20,7 +20,7 @@ import uuid
 from typing import Optional
 from urllib.parse import urlsplit
 
-from aepo_jax.rollout import Engine
+from aepo_jax.rollout import make_engine
 from aepo_jax.serve._protocol import ApiError, GenRequest, parse_request
 from aepo_jax.serve._scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from aepo_jax.serve._text import ChoiceText
@@ -40,11 +40,10 @@ class Server:
   def __init__(self, config, params, tokenizer, *, model_name: str, max_slots: int = 16, max_len: int = 2048,
                host: str = "127.0.0.1", port: int = 8000, steps_per_call: int = 8, max_queue: int = 64,
                prefill_chunk: int = 128, cache_dtype: Optional[str] = None):
-    eos = tuple(dict.fromkeys([*tokenizer.eos_ids, *config.eos_token_ids]))
-    self.engine = Engine(config, max_slots=max_slots, max_len=max_len, eos_ids=eos, per_slot_sampling=True,
-                         prefill_chunk=prefill_chunk, cache_dtype=cache_dtype)
+    self.engine = make_engine(config, max_slots=max_slots, max_len=max_len, tokenizer=tokenizer, tokenizer_eos=True,
+                              per_slot_sampling=True, prefill_chunk=prefill_chunk, cache_dtype=cache_dtype)
     self.scheduler = Scheduler(self.engine, params, steps_per_call=steps_per_call, max_queue=max_queue)
-    self.tokenizer, self.model_name, self.eos_ids = tokenizer, model_name, eos
+    self.tokenizer, self.model_name, self.eos_ids = tokenizer, model_name, self.engine.eos_ids
     self.created = int(time.time())
     self.draining = False
     self._counts = {}

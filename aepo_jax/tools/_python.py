@@ -1,4 +1,4 @@
-"""The Python tool: each call runs model-written code in a fresh isolated process (spec §4, issue 5).
+"""The Python tool: each call runs model-written code in a fresh isolated process (spec §4).
 
     result = run_python("x = 6 * 7\\nx", timeout_s=10)
     result.text  # "42": stdout, or stderr on error, as the official tool returns
@@ -67,6 +67,12 @@ class PythonResult:
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def crashed(self) -> bool:
+        """Killed by a signal that no limit of ours explains: SIGKILL from outside (the OOM killer, an operator),
+        a segfault. The program did not finish, so its output is no answer."""
+        return self.exit_code < 0 and not self.timed_out and self.limit_hit is None
 
     @property
     def text(self) -> str:

@@ -361,6 +361,12 @@ class RetrievalBackend:
             hits.append(SearchHit(title=title.strip().strip('"'), text=text.strip(), url=str(doc.get("id", ""))))
         return hits
 
+    def metrics(self) -> dict[str, float]:
+        """Cumulative: http_retries, attempts that failed and were tried again (server down or restarting,
+        timeouts, 5xx); http_failures, searches the client gave up on (the tool raised)."""
+        stats = dict(self.client.stats)
+        return {"http_retries": float(stats["retries"]), "http_failures": float(stats["failures"])}
+
 
 class LocalIndexBackend:
     """Searches a RetrievalIndex in this process (no server): handy for single-host runs and tests."""

@@ -91,6 +91,11 @@ class SearchTool:
         hits = self.backend.search(query, self.topk)
         return format_hits(hits[: self.topk], self.include_titles, self.snippet_chars)
 
+    def metrics(self) -> dict[str, float]:
+        """The backend's own cumulative counters (e.g. RetrievalBackend's HTTP retries), for ToolSet.metrics()."""
+        counters = getattr(self.backend, "metrics", None)
+        return counters() if callable(counters) else {}
+
 
 class ReplayBackend:
     """Exact lookup in a {query: formatted text} cache such as ../shared/data/arpo/search_cache.json.

@@ -5,7 +5,8 @@ Training (spec §1.2 step 2.3-2.4): one total `call_limit` per trajectory; a cal
 ends the trajectory without a result, as the official code does). A tool that raises is tried up to
 `retry_count` times; then the text is `Error: Tool(<tag>) execution failed with message: ...`. A tool that
 answers with nothing (a program that prints nothing) has answered: the text is `Tool(<tag>) returned empty
-output.` at once.
+output.` at once. A sandbox killed mid-call (`result.crashed`: SIGKILL from outside, a segfault) has not: its text
+says so, `ok` is False, and `tools/<tag>_crashes` counts it.
 Deliberate differences: the official rollout also retries empty output (a program that prints nothing ran
 three times, for nothing) and reports a raising tool as "returned empty output"; we keep the exception
 message, which tells the model (and whoever reads the logs) what went wrong.
@@ -42,8 +43,8 @@ class CallState:
 @dataclasses.dataclass(frozen=True)
 class ToolOutput:
     """text: what goes between the result tags. ok: the tool ran and answered (possibly with nothing: info['empty']).
-    info: flags for the loop ('limit_reached', 'empty_call', 'refused', 'repeated', 'timeout'), 'retries', and
-    'seconds' (real time from submission to the answer, all tries together)."""
+    info: flags for the loop ('limit_reached', 'empty_call', 'refused', 'repeated', 'timeout', 'crashed'),
+    'retries', and 'seconds' (real time from submission to the answer, all tries together)."""
     text: str
     ok: bool
     tag: str
@@ -54,11 +55,12 @@ class ToolOutput:
         return bool(self.info.get("limit_reached") or self.info.get("empty_call"))
 
 
-def _text_of(result: Any) -> tuple[str, bool]:
-    """A tool returns a str or an object with `.text` (e.g. PythonResult); returns (text, timed_out)."""
+def _text_of(result: Any) -> tuple[str, bool, bool]:
+    """A tool returns a str or an object with `.text` (e.g. PythonResult); returns (text, timed_out, crashed)."""
     if isinstance(result, str):
-        return result, False
-    return str(getattr(result, "text", "")), bool(getattr(result, "timed_out", False))
+        return result, False, False
+    return (str(getattr(result, "text", "")), bool(getattr(result, "timed_out", False)),
+            bool(getattr(result, "crashed", False)))
 
 
 class ToolSet:
@@ -90,6 +92,7 @@ class ToolSet:
         self.retry_count, self.timeout_s = retry_count, timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="toolset")
         self._metrics = collections.Counter()
+        self._tool_base: dict[str, float] = {}  # the tools' own counters at the last reset
         self._lock = threading.Lock()
 
     @property
@@ -101,14 +104,29 @@ class ToolSet:
         with self._lock:
             self._metrics[key] += n
 
+    def _tool_counters(self) -> dict[str, float]:
+        """Counters a tool keeps itself (`tool.metrics()`, cumulative), e.g. the search client's HTTP retries."""
+        out = {}
+        for tag, tool in self.tools.items():
+            counters = getattr(tool, "metrics", None)
+            if callable(counters):
+                out.update({f"tools/{tag}_{k}": float(v) for k, v in counters().items()})
+        return out
+
     def metrics(self) -> dict[str, float]:
-        """Counters such as tools/python_calls, tools/python_timeouts, tools/search_retries, tools/limit_reached."""
+        """Counters since the last reset, such as tools/python_calls, tools/python_timeouts, tools/python_crashes,
+        tools/search_retries, tools/search_http_retries, tools/limit_reached."""
+        tool_counters = self._tool_counters()
         with self._lock:
-            return dict(self._metrics)
+            out = dict(self._metrics)
+            out.update({k: v - self._tool_base.get(k, 0.0) for k, v in tool_counters.items()})
+        return out
 
     def reset_metrics(self) -> None:
+        tool_counters = self._tool_counters()
         with self._lock:
             self._metrics.clear()
+            self._tool_base = tool_counters
 
     # ---------------------------------------------------------------- admission (synchronous, updates state)
     def _admit(self, call: ToolCall, state: CallState) -> ToolOutput | None:
@@ -148,7 +166,7 @@ class ToolSet:
             if attempt:
                 self._count(f"tools/{tag}_retries")
             try:
-                text, timed_out = _text_of(tool(call.content))
+                text, timed_out, crashed = _text_of(tool(call.content))
             except Exception as e:  # noqa: BLE001 -- any tool failure becomes text for the model
                 log.warning("Tool(%s) failed (try %d/%d): %s", tag, attempt + 1, self.retry_count, e)
                 error = e
@@ -157,6 +175,9 @@ class ToolSet:
             self._count(f"tools/{tag}_timeouts", timed_out)
             self._count(f"tools/{tag}_seconds", time.monotonic() - timing["started"])
             info = {"retries": attempt, "timed_out": bool(timed_out), "seconds": seconds}
+            if crashed:  # killed mid-call: no answer. Not retried: a program that crashes itself would again
+                self._count(f"tools/{tag}_crashes")
+                return ToolOutput(text, False, tag, dict(info, crashed=True))
             if not text:  # an answer all the same: running it again would print nothing again
                 self._count(f"tools/{tag}_empty")
                 return ToolOutput(_protocol.empty_output_message(tag), True, tag, dict(info, empty=True))

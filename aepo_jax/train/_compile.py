@@ -140,7 +140,7 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
   seq_len = r.max_prompt_len + r.max_response_len
   optimizer = _optim.make_optimizer(config.optim.lr, weight_decay=config.optim.weight_decay,
                                     grad_clip=config.optim.grad_clip)
-  p_sh = _step.param_shardings(model_cfg, mesh)
+  p_sh = model_lib.param_shardings(model_cfg, mesh)
   o_sh = _step.opt_state_shardings(model_cfg, optimizer, mesh)
   params = _abstract(model_lib.param_shapes(model_cfg), p_sh)
   opt_state = _abstract(jax.eval_shape(optimizer.init, model_lib.param_shapes(model_cfg)), o_sh)

@@ -139,7 +139,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   # timeout_s: wall time per response in a scoring worker (math-verify on a hostile answer can run for minutes);
   # past it the response scores 0 and the step goes on.
-  c.reward = ml_collections.ConfigDict(dict(name="deep_research", format="strict", timeout_s=10.0))
+  c.reward = ml_collections.ConfigDict(dict(name="deep_research", timeout_s=10.0))
 
   c.algo = ml_collections.ConfigDict()
   c.algo.advantage = "grpo"
@@ -232,6 +232,9 @@ def base_config() -> ml_collections.ConfigDict:
   # OR'ed with math equivalence as in the evaluation protocol (spec §2.5); '' = math equivalence / exact match only.
   c.eval.judge_url = ""
   c.eval.judge_model = ""
+  # Or serve a judge from this process: a bundled model name, an HF directory or a training checkpoint (local or
+  # gs://), behind aepo_jax.serve on 127.0.0.1 for the run (each host its own); excludes judge_url.
+  c.eval.judge_checkpoint = ""
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 10
@@ -272,14 +275,24 @@ def _flatten(c, prefix=""):
   return out
 
 
+_SEE_BASE = "; see aepo_jax/train/_config.py:base_config()"
+
+
+def did_you_mean(name, choices, *, prefix: str = "", otherwise: str = "") -> str:
+  """The hint `; did you mean 'x'?` for the choice x closest to `name` (difflib, cutoff 0.6; 'prefix.x' with a
+  prefix), or `otherwise` when none is close: the one ending of every unknown-name error (config, preflight, CLI)."""
+  close = difflib.get_close_matches(str(name), list(choices), n=1)
+  if not close:
+    return otherwise
+  return f"; did you mean {f'{prefix}.{close[0]}' if prefix else close[0]!r}?"
+
+
 def _unknown_keys(config) -> list[str]:
   known = set(_flatten(base_config()))
   errors = []
   for key in _flatten(config):
     if key not in known:
-      close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-      hint = f"; did you mean {close[0]!r}?" if close else "; see aepo_jax/train/_config.py:base_config()"
-      errors.append(f"config key {key!r} does not exist{hint}")
+      errors.append(f"config key {key!r} does not exist" + did_you_mean(key, known, otherwise=_SEE_BASE))
   return errors
 
 
@@ -289,8 +302,7 @@ def _model_override_errors(config) -> list[str]:
   errs = []
   for k in config.model.overrides.keys():
     if k not in fields:
-      close = difflib.get_close_matches(k, fields, n=1)
-      errs.append(f"model.overrides.{k} is not a ModelConfig field" + (f"; did you mean {close[0]!r}?" if close else ""))
+      errs.append(f"model.overrides.{k} is not a ModelConfig field" + did_you_mean(k, fields))
   return errs
 
 
@@ -343,8 +355,7 @@ def _registry_errors(config) -> list[str]:
   for key, value, names in table:
     names = list(names)
     if value not in names:
-      close = difflib.get_close_matches(str(value), names, n=1)
-      errs.append(f"{key}={value!r} is not registered" + (f"; did you mean {close[0]!r}?" if close else "")
+      errs.append(f"{key}={value!r} is not registered" + did_you_mean(value, names)
                   + f" (known: {', '.join(names)})")
   return errs
 
@@ -426,6 +437,8 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
          f"tools.browse.max_pages={b.max_pages} and tools.browse.page_chars={b.page_chars} must be >= 1.")
   need(bool(config.eval.judge_url) == bool(config.eval.judge_model),
        "eval.judge_url and eval.judge_model go together (the OpenAI-compatible base URL and the model name).")
+  need(not (config.eval.judge_checkpoint and config.eval.judge_url),
+       "eval.judge_checkpoint serves a judge here, eval.judge_url uses one elsewhere: set one of them.")
   o = config.optim
   need(o.lr > 0, f"optim.lr={o.lr}: must be > 0.")
   need(o.schedule in ("constant", "cosine", "linear"), f"optim.schedule={o.schedule!r}: constant, cosine or linear.")
@@ -532,18 +545,16 @@ def set_key(config, dotted: str, value):
   for i, p in enumerate(parents):
     if p not in node:
       raise ConfigError(f"config key {'.'.join(parents[:i + 1])!r} does not exist"
-                        + _did_you_mean(p, node, ".".join(parents[:i])))
+                        + _did_you_mean_key(p, node, ".".join(parents[:i])))
     node = node[p]
   if leaf not in node and node is not config.get("model", {}).get("overrides"):
-    raise ConfigError(f"config key {dotted!r} does not exist" + _did_you_mean(leaf, node, ".".join(parents)))
+    raise ConfigError(f"config key {dotted!r} does not exist" + _did_you_mean_key(leaf, node, ".".join(parents)))
   with node.ignore_type():
     node[leaf] = value
 
 
-def _did_you_mean(key, node, prefix=""):
-  close = difflib.get_close_matches(key, list(node.keys()), n=1)
-  full = f"{prefix}.{close[0]}" if close and prefix else (close[0] if close else "")
-  return f"; did you mean {full!r}?" if close else f"; known keys here: {', '.join(node.keys())}"
+def _did_you_mean_key(key, node, prefix=""):
+  return did_you_mean(key, node.keys(), prefix=prefix, otherwise=f"; known keys here: {', '.join(node.keys())}")
 
 
 def split_model_overrides(argv: list) -> tuple[list, dict]:

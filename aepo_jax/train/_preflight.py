@@ -12,7 +12,6 @@ Each problem names the key and the fix.
 """
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -20,6 +19,8 @@ import threading
 import time
 from typing import Callable, Optional
 from urllib.parse import urlparse
+
+from aepo_jax.train._config import did_you_mean
 
 GS_TIMEOUT_S = 20.0
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
@@ -127,9 +128,8 @@ def _model(config, p: _Problems):
   own_tokenizer = not mc.tokenizer and _needs_tokenizer(config)
   if mc.init == "random":
     if name not in model_lib.PRESETS:
-      close = difflib.get_close_matches(name, list(model_lib.PRESETS), n=1)
       p.add(f"model.name={name!r} is not a preset (model.init='random' builds a preset's shape)"
-            + (f"; did you mean {close[0]!r}?" if close else ".") + f" Presets: {', '.join(sorted(model_lib.PRESETS))}"
+            + did_you_mean(name, model_lib.PRESETS, otherwise=".") + f" Presets: {', '.join(sorted(model_lib.PRESETS))}"
             "; or set model.init='pretrained' to load weights.")
     if own_tokenizer:
       p.add(f"model.tokenizer is empty and model.init='random' brings no tokenizer, which mode={config.mode!r} "
@@ -320,9 +320,9 @@ def _tools(config, p: _Problems, probe: bool):
   backends = sorted([*_web.WEB_BACKENDS, "local", "retrieval", "replay"])
   kind = tc.search_backend
   if kind not in backends:
-    close = difflib.get_close_matches(str(kind), backends, n=1)
-    hint = {"cache": "replay", "http": "retrieval"}.get(kind) or (close[0] if close else None)
-    p.add(f"tools.search_backend={kind!r} is unknown" + (f"; did you mean {hint!r}?" if hint else "")
+    alias = {"cache": "replay", "http": "retrieval"}.get(kind)  # what the other name of the backend means
+    p.add(f"tools.search_backend={kind!r} is unknown"
+          + (f"; did you mean {alias!r}?" if alias else did_you_mean(kind, backends))
           + f" (known: {', '.join(backends)}).")
   elif kind == "retrieval":
     if not tc.search_url:

@@ -33,9 +33,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from aepo_jax import objectives
-from aepo_jax.model import (ModelConfig, forward_hidden, param_logical_axes, param_shapes, resolve_attention_impl,
+from aepo_jax.model import (ModelConfig, forward_hidden, param_shapes, param_shardings, resolve_attention_impl,
                             unembed_matrix)
-from aepo_jax.parallel import DEFAULT_RULES, logical_sharding, make_mesh, sharding_context
+from aepo_jax.parallel import DEFAULT_RULES, make_mesh, sharding_context
 from aepo_jax.train._batch import batch_sharding
 from aepo_jax.train._optim import current_lr
 
@@ -51,13 +51,6 @@ def _mesh(mesh: Optional[Mesh]) -> Mesh:
 # ----------------------------------------------------------------------------------------------------
 # Shardings and state
 # ----------------------------------------------------------------------------------------------------
-def param_shardings(model_config: ModelConfig, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
-  """NamedShardings of the parameter pytree, from the model's logical axes and the rules table."""
-  mesh = _mesh(mesh)
-  shapes = param_shapes(model_config)
-  return logical_sharding(param_logical_axes(model_config), shapes, mesh, rules)
-
-
 def opt_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,
                         mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
   """Optimizer-state shardings: moments like their parameters, counters and hyperparameters replicated."""
@@ -149,7 +142,7 @@ def make_logprob_fn(model_config: ModelConfig, mesh: Optional[Mesh] = None, rule
 
 @jax.jit
 def logprob_mismatch_metrics(trainer_log_prob, sampler_log_prob, loss_mask):
-  """Sampler vs trainer log-probs on the same tokens (different code paths; spec issue 6)."""
+  """Sampler vs trainer log-probs on the same tokens (two code paths: the engine samples, the trainer recomputes)."""
   valid = loss_mask > 0
   diff = jnp.where(valid, jnp.abs(trainer_log_prob - sampler_log_prob), 0.0)
   prob_diff = jnp.where(valid, jnp.abs(jnp.exp(trainer_log_prob) - jnp.exp(sampler_log_prob)), 0.0)

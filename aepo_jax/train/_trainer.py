@@ -327,12 +327,16 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       saved_logits_mb=t.saved_logits_mb, aggregation=a.aggregation)
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
 
-  eval_rollout = []  # built on first use
+  eval_rollout, judge = [], []  # built on first use
 
   def evaluate(step):
     if not eval_rollout:
       eval_rollout.append(_wiring.make_eval_rollout(config, model_cfg, tokenizer, tools))
-    ev = _wiring.evaluate(config, eval_rollout[0], params)
+      judge.extend(_wiring.serve_judge(config))  # eval.judge_checkpoint: a judge served here for the run
+    ev = _wiring.evaluate(judge[0], eval_rollout[0], params)
+    if tools:  # the evaluation's own tool calls, kept out of the next RL step's tools/* counters
+      ev.update({f"eval/tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()})
+      tools.reset_metrics()
     writer.scalars(step, ev)
     writer.flush()
     return ev
@@ -430,6 +434,8 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   bar.close()
   if not preempt.requested and config.eval.after_rl and config.data.val:
     summary.update({f"after_rl/{k}": v for k, v in evaluate(step).items()})
+  if judge and judge[1] is not None:
+    judge[1].shutdown(drain_s=5.0)
   ckpt.close()
   summary["rl/steps"] = step
   return params, summary

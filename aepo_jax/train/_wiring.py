@@ -6,6 +6,7 @@ the rollout engine or the tools.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -181,6 +182,7 @@ def _suite(config):
   if key not in _SUITES:
     from aepo_jax import data as data_lib
     corpus_dir = tempfile.mkdtemp(prefix="aepo_jax_suite_")
+    atexit.register(shutil.rmtree, corpus_dir, ignore_errors=True)  # the corpus and its index die with the process
     _SUITES[key] = data_lib.generate_suite(**dict(config.data.suite), corpus_dir=corpus_dir,
                                            template=config.data.template)
   return _SUITES[key]
@@ -314,14 +316,13 @@ class Rollout:
     self.mesh = local_mesh({k: int(v) for k, v in r.mesh.items()})
     engine_cfg = model_cfg.replace(param_dtype=self.dtype)
     self.shardings = model_lib.param_shardings(engine_cfg, self.mesh)
-    self.engine = rollout_lib.Engine(
-        engine_cfg, max_slots=slots, max_len=r.max_prompt_len + response_len, eos_ids=model_cfg.eos_token_ids,
-        stop_sequences=rollout_lib.stop_sequences_from_strings(tokenizer, [f"</{t}>" for t in tags]),
+    self.engine = rollout_lib.make_engine(
+        engine_cfg, max_slots=slots, max_len=r.max_prompt_len + response_len, tokenizer=tokenizer,
+        stop_strings=[f"</{t}>" for t in tags],
         sampling=rollout_lib.SamplingParams(temperature=r.temperature if temperature is None else temperature,
                                             top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
                                             repetition_penalty=r.repetition_penalty),
-        entropy_window=r.entropy_window, topk_entropy=r.topk_entropy,
-        mesh=self.mesh if self.mesh.devices.size > 1 else None, prefill_chunk=r.prefill_chunk,
+        entropy_window=r.entropy_window, topk_entropy=r.topk_entropy, mesh=self.mesh, prefill_chunk=r.prefill_chunk,
         prefill_rows=r.prefill_rows)
     self.loop = rollout_lib.AgentLoop(self.engine, tokenizer, tools, rollout_lib.AgentConfig(
         max_response_len=response_len, max_tool_calls=config.tools.call_limit, chunk_steps=r.decode_chunk,
@@ -455,6 +456,26 @@ def rollout_histograms(traj, adv_bt) -> dict:
           "rollout/tool_calls": np.asarray(traj.num_tool_calls_b)}
 
 
+def serve_judge(config):
+  """(config with eval.judge_url / judge_model pointing at it, server): `eval.judge_checkpoint` served by
+  `aepo_jax.serve.Server` on 127.0.0.1 (a free port) in this process, for the validation's LLM judge. The caller
+  shuts the server down. (None, config) unchanged when no judge checkpoint is set."""
+  ckpt = config.eval.judge_checkpoint
+  if not ckpt:
+    return config, None
+  from aepo_jax import eval as eval_lib
+  from aepo_jax.serve import Server
+  policy = eval_lib.load_policy(ckpt, dtype=config.model.dtype)
+  server = Server(policy.config, policy.params, policy.tokenizer, model_name=ckpt, max_slots=8, max_len=8192,
+                  port=0).start()
+  server.warmup()
+  log.info("judge %s served at %s", ckpt, server.url)
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.eval.judge_url, config.eval.judge_model, config.eval.judge_checkpoint = server.url + "/v1", ckpt, ""
+  return config, server
+
+
 def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
   """The validation rollout (policy 'none', n = 1, eval.temperature: greedy by default)."""
   e = config.eval
@@ -464,55 +485,30 @@ def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
 
 
 def evaluate(config, rollout: Rollout, params) -> dict:
-  """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature):
-  eval/<source>/accuracy (answer correct by `rewards.eval_correct`: math equivalence / EM; with eval.judge_url, the
-  evaluation protocol's LLM judge OR'ed with math equivalence on QA and deep-search sets, `eval.Scorer`),
-  eval/<source>/reward and eval/<source>/tool_calls (mean calls per answer).
+  """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature), by
+  `eval.evaluate` on this host's validation rollout: eval/<source>/accuracy (answer correct by `eval.Scorer`: math
+  equivalence / EM; with eval.judge_url, the evaluation protocol's LLM judge OR'ed with math equivalence on QA and
+  deep-search sets), eval/<source>/reward and eval/<source>/tool_calls (mean calls per answer), eval/accuracy.
 
   Every host evaluates its own share of the examples on its own devices; the sums are combined across hosts once
   per source at the end (the only collectives: that and copying the weights)."""
+  from aepo_jax import eval as eval_lib
   from aepo_jax import rewards as rewards_lib
-  weights = rollout.weights(params)
-  per_call = rollout.prompts_per_call
-  p, n = jax.process_index(), jax.process_count()
-  scorer = None
-  if config.eval.judge_url:
-    from aepo_jax import eval as eval_lib
-    scorer = eval_lib.Scorer(rewards_lib.OpenAICompatibleJudge(config.eval.judge_url, config.eval.judge_model),
-                             timeout_s=config.reward.timeout_s)
-  out = {}
+  e = config.eval
+  policy = eval_lib.Policy(rollout.engine.config, rollout.weights(params), rollout.tokenizer, "in-training")
+  judge = rewards_lib.OpenAICompatibleJudge(e.judge_url, e.judge_model) if e.judge_url else None
+  # The loop brings the engine, tools and result format of training; the settings only batch, template and seed.
+  settings = eval_lib.EvalSettings(n=1, batch_size=rollout.prompts_per_call,
+                                   max_prompt_len=config.rollout.max_prompt_len, template=config.data.template,
+                                   seed=jax.process_index())
+  evaluator = eval_lib.Evaluator(policy, None, eval_lib.Scorer(judge, timeout_s=config.reward.timeout_s), settings,
+                                 show_progress=False, loop=rollout.loop, rollout_policy=rollout.policy)
+  limit = e.num_prompts or config.data.val_size
+  sources = {}
   for source in config.data.val:
     examples = _examples(config, source, "val")
-    limit = config.eval.num_prompts or config.data.val_size
-    examples = examples[:limit] if limit else examples
-    mine = examples[p::n]  # round robin: shares differ by at most one example
-    correct, reward, calls = [], [], []
-    for i in range(0, len(mine), per_call):
-      chunk = mine[i:i + per_call]
-      traj = rollout(weights, chunk, jax.random.key(i))
-      if scorer is None:
-        correct.extend(correct_b(traj, chunk).tolist())
-      else:
-        correct.extend(float(scorer.score(chunk[int(g)], text)["correct"])
-                       for text, g in zip(traj.response_text, np.asarray(traj.group_id_b)))
-      reward.extend(rewards_lib.shared_pool().map(  # bounded time per answer, as in training; 0 past it
-          rewards_lib.deep_research, [(text, chunk[int(g)].answers)
-                                      for text, g in zip(traj.response_text, np.asarray(traj.group_id_b))],
-          timeout_s=config.reward.timeout_s, default=0.0))
-      calls.extend(np.asarray(traj.num_tool_calls_b, np.float32).tolist())
-    sums = np.asarray([len(correct), sum(correct), sum(reward), sum(calls)], np.float64)
-    if n > 1:
-      from jax.experimental import multihost_utils
-      sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(n, -1).sum(0)
-    count = max(sums[0], 1.0)
-    name = _short(source)
-    out[f"eval/{name}/accuracy"] = float(sums[1] / count)
-    out[f"eval/{name}/reward"] = float(sums[2] / count)
-    out[f"eval/{name}/tool_calls"] = float(sums[3] / count)
-  accs = [v for k, v in out.items() if k.endswith("/accuracy")]
-  if accs:
-    out["eval/accuracy"] = float(np.mean(accs))
-  return out
+    sources[_short(source)] = examples[:limit] if limit else examples
+  return eval_lib.evaluate(evaluator, sources, reward_timeout_s=config.reward.timeout_s)
 
 
 def _short(source: str) -> str:

@@ -1,4 +1,4 @@
-"""Bad input fails before any compute, with a message that names the input and the fix (issue 7)."""
+"""Bad input fails before any compute, with a message that names the input and the fix."""
 import http.server
 import importlib.util
 import json

@@ -1,9 +1,10 @@
 """The evaluation protocol on the real engine (spec §2.5 / §4), driven by scripted tiny policies:
 per-tool limits with the official refusal text (the model continues), `<result>{text}</result>` formatting,
 answer extraction and scoring, the per-example record, and the stop sequences of the tool tags."""
+import dataclasses
 import json
 
-from aepo_jax.eval import Evaluator, Policy, Scorer, tool_calls_from_text, tool_stop_sequences
+from aepo_jax.eval import Evaluator, Policy, Scorer, tool_calls_from_text
 from aepo_jax.tools import PYTHON_LIMIT_MESSAGE, ToolSet
 
 from eval_helpers import SETTINGS, short_examples
@@ -15,14 +16,17 @@ def _evaluator(config, params, tokenizer, settings=SETTINGS, tool=lambda code: "
   return Evaluator(Policy(config, params, tokenizer, "scripted"), tools, Scorer(), settings, show_progress=False)
 
 
-def test_stop_sequences_cover_merged_left_contexts(tokenizer):
-  seqs = tool_stop_sequences(tokenizer, ["python", "search"])
+def test_stop_sequences_cover_merged_left_contexts(tiny_config, tiny_params, tokenizer):
+  tools = ToolSet({"python": lambda code: "42", "search": lambda query: "none"}, mode="eval", retry_count=1)
+  ev = Evaluator(Policy(tiny_config, tiny_params, tokenizer, "t"), tools, Scorer(), SETTINGS, show_progress=False)
+  seqs = [list(s) for s in ev.loop.engine.stop_sequences]
   for left in ("", " ", ")", "x"):
     for tag in ("python", "search"):
       ids = tokenizer.encode_continuation(f"{left}</{tag}>")
       assert any(ids[-len(s):] == s for s in seqs), (left, tag, ids, seqs)
   for s in seqs:
     assert "</python>" in tokenizer.decode(s) or "</search>" in tokenizer.decode(s)
+  assert ev.loop.engine.eos_ids[0] == tokenizer.eos_id  # the tokenizer's end of turn first, then the model's
 
 
 def test_one_tool_call_then_correct_answer_is_scored(tiny_config, scripted, tokenizer, tmp_path):
@@ -63,17 +67,42 @@ def test_a_prompt_longer_than_the_limit_is_recorded_wrong_not_dropped(tiny_confi
   assert [r["score"] for r in recs] == [0.0, 0.0, 1.0, 1.0]
 
 
-def test_trainer_validation_hook(tiny_config, scripted, tokenizer):
-  """aepo_jax.eval.evaluate: what train/_wiring.evaluate calls (greedy, n = 1, accuracy)."""
+def test_trainer_validation_metrics(tiny_config, scripted, tokenizer):
+  """aepo_jax.eval.evaluate, what train/_wiring.evaluate calls: per-source accuracy, reward and tool calls."""
   from aepo_jax.eval import evaluate
-  from aepo_jax.train import base_config
-  config = base_config()
-  config.unlock()
-  config.rollout.max_prompt_len, config.rollout.max_response_len = 256, 200
-  config.rollout.max_slots, config.rollout.decode_chunk, config.data.template = 4, 8, "compact"
-  tools = ToolSet({"python": lambda code: "42"}, mode="eval", retry_count=1)
-  exs = short_examples(4)
-  out = evaluate(config, tiny_config, scripted["answer"], tokenizer, exs, tools=tools)
-  assert out == {"accuracy": 1.0, "num_examples": 4.0}
-  wrong = short_examples(4, answer="19")
-  assert evaluate(config, tiny_config, scripted["answer"], tokenizer, wrong, tools=tools)["accuracy"] == 0.0
+  one = dataclasses.replace(SETTINGS, n=1)
+  ev = _evaluator(tiny_config, scripted["answer"], tokenizer, settings=one)
+  out = evaluate(ev, {"toy": short_examples(4), "wrong": short_examples(2, answer="19")})
+  assert out["eval/toy/accuracy"] == 1.0 and out["eval/wrong/accuracy"] == 0.0
+  assert out["eval/toy/tool_calls"] == out["eval/wrong/tool_calls"] == 1.0
+  assert out["eval/accuracy"] == 0.5
+  assert sorted(out) == ["eval/accuracy"] + [f"eval/{n}/{k}" for n in ("toy", "wrong")
+                                             for k in ("accuracy", "reward", "tool_calls")]
+
+
+def test_validation_on_hosts_answers_its_share_and_sums_over_hosts(monkeypatch):
+  """Host 1 of 2 answers examples 1, 3, 5 of the source; the allgather adds host 0's sums."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from aepo_jax.eval import evaluate
+
+  class Answers:  # an Evaluator that answers 18 to every question, with one tool call
+    def __init__(self):
+      self.seen = []
+
+    def run(self, name, examples, path=None):
+      self.seen += [ex.id for ex in examples]
+      return [{"id": ex.id, "answers": list(ex.answers), "score": 1.0, "num_tool_calls": 1,
+               "response": "<answer>\\boxed{18}</answer>"} for ex in examples]
+
+  host0 = np.asarray([3.0, 0.0, 0.0, 3.0])  # three answers, none right, three tool calls
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([host0, x]))
+  ev = Answers()
+  out = evaluate(ev, {"toy": short_examples(6)})
+  assert ev.seen == ["toy:1", "toy:3", "toy:5"]
+  assert out["eval/toy/accuracy"] == out["eval/accuracy"] == 0.5
+  assert out["eval/toy/tool_calls"] == 1.0

@@ -36,7 +36,7 @@ def _abstract(tree, shardings):
 def _lowered_update(mesh):
   opt = _optim.make_optimizer(1e-3)
   step = _step.make_update_step(CFG, loss_fn="ppo", optimizer=opt, micro_batches=1, mesh=mesh)
-  params = _abstract(model_lib.param_shapes(CFG), _step.param_shardings(CFG, mesh))
+  params = _abstract(model_lib.param_shapes(CFG), model_lib.param_shardings(CFG, mesh))
   opt_state = _abstract(jax.eval_shape(opt.init, model_lib.param_shapes(CFG)), _step.opt_state_shardings(CFG, opt, mesh))
   b_sh = batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct((1, ROWS, T), jnp.int32 if k in ("tokens", "attention_mask", "loss_mask")

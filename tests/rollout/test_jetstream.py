@@ -2,6 +2,7 @@
 import asyncio
 import importlib.util
 import logging
+import sys
 
 import jax
 import numpy as np
@@ -19,21 +20,32 @@ CFG = ModelConfig(family="llama", vocab_size=320, hidden_size=32, intermediate_s
                   num_kv_heads=2, head_dim=8, eos_token_ids=(2,), pad_token_id=0)
 
 
+def test_importing_jetstream_leaves_jax_seqio_and_logging_as_they_were():
+  from aepo_jax.rollout._jetstream import jetstream_engine_class
+  had_seqio, had_tree_map = "seqio" in sys.modules, hasattr(jax, "tree_map")
+  root = logging.getLogger()
+  level, handlers = root.level, list(root.handlers)
+  jetstream_engine_class()
+  from jetstream.core import orchestrator  # already imported inside the adapter, patched there
+  assert ("seqio" in sys.modules) == had_seqio
+  assert hasattr(jax, "tree_map") == had_tree_map
+  assert (root.level, root.handlers) == (level, handlers)
+  x = {"a": np.ones(2)}
+  assert orchestrator.jax.tree_map(lambda v: v + 1, x)["a"].tolist() == [2.0, 2.0]
+  assert orchestrator.jax.Array is jax.Array
+
+
 @pytest.mark.slow
 def test_orchestrator_serves_concurrent_requests_like_generate(tmp_path):
-  from aepo_jax.rollout._jetstream import JetStreamEngine, install_shims
+  from aepo_jax.rollout._jetstream import JetStreamEngine
   from aepo_jax.testing import tiny_tokenizer
   from transformers import AutoTokenizer
-
-  root_level = logging.getLogger().level
-  install_shims()
-  from jetstream.core import orchestrator
-  from jetstream.core.proto import jetstream_pb2
-  logging.getLogger().setLevel(root_level)  # importing the orchestrator sets the root logger to DEBUG
 
   tok = AutoTokenizer.from_pretrained(tiny_tokenizer(tmp_path / "tok"))
   params = jax.tree.map(lambda x: 4.0 * x if x.ndim >= 2 else x, init_params(CFG, jax.random.PRNGKey(1)))
   eng = JetStreamEngine(CFG, params, max_slots=2, max_len=64, tokenizer=tok, sampling=SamplingParams(0.0))
+  from jetstream.core import orchestrator  # imported by the adapter, with its global changes undone
+  from jetstream.core.proto import jetstream_pb2
   driver = orchestrator.Driver(prefill_engines=[eng], generate_engines=[eng], prefill_params=[params],
                                generate_params=[params], interleaved_mode=True)
   server = orchestrator.LLMOrchestrator(driver=driver)

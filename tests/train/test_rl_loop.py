@@ -1,8 +1,8 @@
 """The RL phase of the trainer end to end on a tiny random model with the real engine, tools and rewards, plus
 the pieces of the RL step that the tiny run cannot exercise on its own (DAPO group selection, group concat).
 
-A random model never answers correctly, so the learning itself is shown by the embedded default (issue 6
-note, docs/training.md); here every branch of the loop has to run and write what it promises.
+A random model never answers correctly, so the learning itself is shown by the embedded default
+(configs/cpu_default.py); here every branch of the loop has to run and write what it promises.
 """
 import os
 
