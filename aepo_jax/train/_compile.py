@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import re
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -6,10 +6,8 @@ The prompt an SFT example starts with must be token for token the prompt the rol
 """
 import os
 
-import numpy as np
 import pytest
 
-from aepo_jax.model import Tokenizer
 from aepo_jax.train import load_config
 from aepo_jax.train import _wiring
 
