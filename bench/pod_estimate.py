@@ -8,6 +8,7 @@ no prefix sharing between forks, bfloat16 weights and KV cache, causal attention
 update at 3x the forward FLOPs (model FLOPs; remat's recompute is not counted, as MFU conventions go) plus one
 forward for the old log-probs (and one for the reference when a KL term is on).
 """
+
 import os
 import sys
 
@@ -28,6 +29,7 @@ PEAKS = {"v4": (275e12, 1228e9), "v5e": (197e12, 819e9), "v5p": (459e12, 2765e9)
 
 def estimate(config, chip: str, chips: int, host_chips: int, mfus) -> list:
   from aepo_jax.train import _compile
+
   cfg = _compile.model_config(config)
   r, d = config.rollout, config.data
   flops_peak, hbm_bw = PEAKS[chip]
@@ -53,31 +55,32 @@ def estimate(config, chip: str, chips: int, host_chips: int, mfus) -> list:
   step_s = step_read / (host_chips * hbm_bw)
   response_steps = r.max_response_len  # decode steps per host if all its slots decode in lock-step
   lines = [
-      f"model {cfg.num_params / 1e9:.2f}B parameters ({n_matmul / 1e9:.2f}B in matmuls), {cfg.num_layers} layers; "
-      f"{trajectories} trajectories x {seq} tokens = {tokens / 1e6:.2f}M tokens per step (upper bound)",
-      f"slice: {chips} x {chip} ({flops_peak / 1e12:.0f} TFLOP/s bf16, {hbm_bw / 1e9:.0f} GB/s HBM per chip), "
-      f"{hosts} hosts x {host_chips} chips",
-      f"training FLOPs per step: {train_flops / 1e15:.1f} PFLOP ({passes} forward-equivalents: update 3 + old "
-      f"log-probs 1{' + reference 1' if passes == 5 else ''}); rollout FLOPs {rollout_flops / 1e15:.1f} PFLOP",
+    f"model {cfg.num_params / 1e9:.2f}B parameters ({n_matmul / 1e9:.2f}B in matmuls), {cfg.num_layers} layers; "
+    f"{trajectories} trajectories x {seq} tokens = {tokens / 1e6:.2f}M tokens per step (upper bound)",
+    f"slice: {chips} x {chip} ({flops_peak / 1e12:.0f} TFLOP/s bf16, {hbm_bw / 1e9:.0f} GB/s HBM per chip), "
+    f"{hosts} hosts x {host_chips} chips",
+    f"training FLOPs per step: {train_flops / 1e15:.1f} PFLOP ({passes} forward-equivalents: update 3 + old "
+    f"log-probs 1{' + reference 1' if passes == 5 else ''}); rollout FLOPs {rollout_flops / 1e15:.1f} PFLOP",
   ]
   for mfu in mfus:
     t = train_flops / (chips * flops_peak * mfu)
     lines.append(f"  at MFU {mfu:.0%}: update + log-probs {t:.0f} s per step")
   lines += [
-      f"decode roofline per host: {slots} slots; each step reads the bf16 weights ({weight_bytes / 1e9:.1f} GB) and "
-      f"the slots' KV at an average context of {avg_ctx:.0f} tokens ({slots * avg_ctx * kv_per_token / 1e9:.1f} GB) "
-      f"over {host_chips} chips: >= {step_s * 1e3:.1f} ms per step, <= {slots / step_s:.0f} tokens/s per host",
-      f"  {response_steps} decode steps (every slot to its full response) >= {response_steps * step_s:.0f} s of "
-      f"rollout per step; decode compute per step {slots * fwd_per_token / (host_chips * flops_peak) * 1e3:.2f} ms "
-      "at peak (bandwidth-bound while that is smaller)",
+    f"decode roofline per host: {slots} slots; each step reads the bf16 weights ({weight_bytes / 1e9:.1f} GB) and "
+    f"the slots' KV at an average context of {avg_ctx:.0f} tokens ({slots * avg_ctx * kv_per_token / 1e9:.1f} GB) "
+    f"over {host_chips} chips: >= {step_s * 1e3:.1f} ms per step, <= {slots / step_s:.0f} tokens/s per host",
+    f"  {response_steps} decode steps (every slot to its full response) >= {response_steps * step_s:.0f} s of "
+    f"rollout per step; decode compute per step {slots * fwd_per_token / (host_chips * flops_peak) * 1e3:.2f} ms "
+    "at peak (bandwidth-bound while that is smaller)",
   ]
   return lines
 
 
 def main(argv):
   del argv
-  print("\n".join(estimate(_CONFIG.value, _CHIP.value, _CHIPS.value, _HOST_CHIPS.value,
-                           [float(m) for m in _MFU.value])))
+  print(
+    "\n".join(estimate(_CONFIG.value, _CHIP.value, _CHIPS.value, _HOST_CHIPS.value, [float(m) for m in _MFU.value]))
+  )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ shapes. Caveat: dots that XLA runs through Eigen (`dot.N`, e.g. some weight grad
 the Eigen pool; their time shows up inside the ops that run meanwhile and as "no op running".
 Findings on the development VM: docs/performance.md, "Update step".
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ _NOT_OPS = ("ThunkExecutor", "$", "PjitFunction", "SlinkyThreadPool", "Pjit", "E
 
 def load_model():
   from aepo_jax.model import load_pretrained, preset, init_params
+
   try:
     return (*load_pretrained("smollm2-135m-instruct"), "SmolLM2-135M-Instruct")
   except Exception as e:  # noqa: BLE001 - the package is optional: random weights of the same shapes
@@ -59,8 +61,9 @@ def wall_shares(events):
   """{event index: seconds of wall time}, each instant split evenly between the ops running in it; and the wall
   time in which at least one op ran. Control-flow ops (while, cond, call) span their bodies' ops: they get time only
   when none of those runs (loop bookkeeping, copies of the loop state), not a share of their children's."""
-  points = sorted([(e["ts"], 1, i) for i, e in enumerate(events)] + [(e["ts"] + e["dur"], -1, i)
-                                                                      for i, e in enumerate(events)])
+  points = sorted(
+    [(e["ts"], 1, i) for i, e in enumerate(events)] + [(e["ts"] + e["dur"], -1, i) for i, e in enumerate(events)]
+  )
   container = {i for i, e in enumerate(events) if _CONTAINER.match(e["name"])}
   share, active, last, busy = collections.defaultdict(float), set(), None, 0.0
   for t, kind, i in points:
@@ -80,8 +83,12 @@ def main():
   ap.add_argument("--len", type=int, default=256)
   ap.add_argument("--logit-fraction", type=float, default=0.5)
   ap.add_argument("--top", type=int, default=25)
-  ap.add_argument("--step", choices=("sft", "rl"), default="sft",
-                  help="sft: make_sft_step on SFT-like rows; rl: bench/train_step.py's PPO update step and batch")
+  ap.add_argument(
+    "--step",
+    choices=("sft", "rl"),
+    default="sft",
+    help="sft: make_sft_step on SFT-like rows; rl: bench/train_step.py's PPO update step and batch",
+  )
   args = ap.parse_args()
 
   cfg, params, what = load_model()
@@ -90,21 +97,27 @@ def main():
   if args.step == "rl":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from train_step import rl_batch  # the update-step benchmark's batch
+
     step = _step.make_update_step(cfg, loss_fn="ppo", optimizer=opt, micro_batches=1, logprob_chunk=128)
     batch = {k: jnp.asarray(v) for k, v in rl_batch(args.rows, args.len, cfg.vocab_size).items()}
   else:
-    step = _step.make_sft_step(cfg, optimizer=opt, micro_batches=1,
-                               logit_capacity=_step.logit_capacity(args.logit_fraction, args.rows, args.len))
+    step = _step.make_sft_step(
+      cfg, optimizer=opt, micro_batches=1, logit_capacity=_step.logit_capacity(args.logit_fraction, args.rows, args.len)
+    )
     rng = np.random.default_rng(0)
     examples = []
     for _ in range(args.rows):
       n = int(rng.integers(args.len // 3, args.len))
       examples.append((rng.integers(0, cfg.vocab_size, n).tolist(), [0] * (n // 4) + [1] * (n - n // 4)))
-    batch = {k: jnp.asarray(v) for k, v in _batch.sft_batch(examples, micro_batch_size=args.rows, pad_id=0,
-                                                            seq_len=args.len).items()}
+    batch = {
+      k: jnp.asarray(v)
+      for k, v in _batch.sft_batch(examples, micro_batch_size=args.rows, pad_id=0, seq_len=args.len).items()
+    }
   hlo = step.lower(params, opt_state, batch).compile().as_text()
-  names = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
-      r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?op_name=\"([^\"]+)\"", hlo, re.M)}
+  names = {
+    m.group(1): (m.group(2), m.group(3))
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*?op_name=\"([^\"]+)\"", hlo, re.M)
+  }
   t = time.perf_counter()
   params, opt_state, m = step(params, opt_state, batch)
   jax.block_until_ready(m)
@@ -117,8 +130,11 @@ def main():
       jax.block_until_ready(m)
       wall = time.perf_counter() - t
     trace = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
-  events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
-            if e.get("ph") == "X" and e.get("dur", 0) > 0 and not e["name"].startswith(_NOT_OPS)]
+  events = [
+    e
+    for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
+    if e.get("ph") == "X" and e.get("dur", 0) > 0 and not e["name"].startswith(_NOT_OPS)
+  ]
   share, busy = wall_shares(events)
   by_op, calls = collections.defaultdict(float), collections.Counter()
   for i, s in share.items():
@@ -141,7 +157,7 @@ def main():
     if s >= 0.01:
       print(f"{s:7.2f}  {c}")
   print(f"\n{'wall s':>7} {'calls':>5}  {'op':32s} {'output':36s} HLO op_name (end)")
-  for op, s in sorted(by_op.items(), key=lambda x: -x[1])[:args.top]:
+  for op, s in sorted(by_op.items(), key=lambda x: -x[1])[: args.top]:
     shape, op_name = names.get(op, ("?", "?"))
     print(f"{s:7.2f} {calls[op]:5d}  {op:32s} {shape:36s} {op_name[-70:]}")
 

@@ -14,6 +14,7 @@ in a decode step (alternating rounds, and the sampling step alone); the decode s
 against the same engine decoding with XLA's dots; the cost of a fork (copy_slots) against re-prefilling a
 512-token prefix. Where the time goes: docs/performance.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,18 +68,23 @@ def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
   or sampling. XLA's dot kernels (jitted) and numpy's BLAS on the same weights. This is the floor of any decode step
   built from these kernels; at small M they run far below the read bandwidth (docs/performance.md)."""
   import jax.numpy as jnp
+
   d = config.hidden_size
   layers = [jax.tree.map(lambda w: np.asarray(w[i]), params["layers"]) for i in range(config.num_layers)]
-  head = np.asarray(params["embed_tokens"]["embedding"] if config.tie_word_embeddings
-                    else params["lm_head"]["kernel"].T)
-  mats = [tuple(lp["self_attn"][n]["kernel"].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
-          + (lp["self_attn"]["o_proj"]["kernel"].reshape(-1, d),)
-          + tuple(lp["mlp"][n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj")) for lp in layers]
+  head = np.asarray(
+    params["embed_tokens"]["embedding"] if config.tie_word_embeddings else params["lm_head"]["kernel"].T
+  )
+  mats = [
+    tuple(lp["self_attn"][n]["kernel"].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
+    + (lp["self_attn"]["o_proj"]["kernel"].reshape(-1, d),)
+    + tuple(lp["mlp"][n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
+    for lp in layers
+  ]
   nbytes = sum(m.nbytes for ms in mats for m in ms) + head.nbytes
 
   def chain(x, mats, head, xp):
     for q, k, v, o, gate, up, down in mats:
-      a = (x @ q)[:, :o.shape[0]] + (x @ k).sum() + (x @ v).sum()
+      a = (x @ q)[:, : o.shape[0]] + (x @ k).sum() + (x @ v).sum()
       x = x + a @ o
       x = x + ((x @ gate) * (x @ up)) @ down
       x = x / (1.0 + xp.abs(x).max())  # keep values finite
@@ -93,6 +99,7 @@ def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
   chain(x0, mats, head, np)
   out["numpy"] = min(timed(lambda: chain(x0, mats, head, np)) for _ in range(repeats)) * 1000
   from aepo_jax.rollout import _cpu_matmul
+
   if _cpu_matmul.available():
     # The same chain through the small-M kernel, on stacked weights stored [L, N, K] and a layer index.
     stacked = [jax.device_put(np.stack([np.ascontiguousarray(ms[i].T) for ms in mats])) for i in range(7)]
@@ -103,10 +110,11 @@ def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
 
       def layer(x, li):
         q, k, v, o, gate, up, down = ws
-        a = mm(x, q, li)[:, :o.shape[2]] + mm(x, k, li).sum() + mm(x, v, li).sum()
+        a = mm(x, q, li)[:, : o.shape[2]] + mm(x, k, li).sum() + mm(x, v, li).sum()
         x = x + mm(a, o, li)
         x = x + mm(mm(x, gate, li) * mm(x, up, li), down, li)
         return x / (1.0 + jnp.abs(x).max()), None
+
       x, _ = jax.lax.scan(layer, x, jnp.arange(config.num_layers, dtype=jnp.int32))
       return mm(x, h, jnp.int32(0))
 
@@ -119,17 +127,21 @@ def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
 def load_models(threads: int):
   import torch
   import transformers
+
   torch.set_num_threads(threads)
   try:
     from aepo_jax.model import load_pretrained, pretrained_dir
+
     config, params = load_pretrained("smollm2-135m-instruct")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(pretrained_dir("smollm2-135m-instruct"),
-                                                            dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+      pretrained_dir("smollm2-135m-instruct"), dtype=torch.float32
+    ).eval()
     return config, params, hf, "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to float32)"
   except Exception as e:  # noqa: BLE001 - any missing piece falls back to random weights, said in the output
     config = preset("smollm2-135m")
     params = init_params(config, jax.random.PRNGKey(0))
     from aepo_jax.model import to_hf_config
+
     hf_cfg = to_hf_config(config)
     cfg = transformers.LlamaConfig(**{k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")})
     hf = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
@@ -145,13 +157,18 @@ def timed(fn, repeats: int = 1):
   return best
 
 
-def ours_tokens_per_s(config, params, prompts, new_tokens: int, with_entropy: bool = True,
-                      cpu_kernels=None) -> float:
+def ours_tokens_per_s(config, params, prompts, new_tokens: int, with_entropy: bool = True, cpu_kernels=None) -> float:
   """End to end (prefill + new_tokens decode steps), after a warm-up run of the same shapes (which also prepares
   the decode weights of the CPU kernel, once per parameter version)."""
   b = len(prompts)
-  eng = Engine(config, max_slots=b, max_len=len(prompts[0]) + new_tokens + 1, eos_ids=(),
-               sampling=SamplingParams(0.0), cpu_kernels=cpu_kernels)
+  eng = Engine(
+    config,
+    max_slots=b,
+    max_len=len(prompts[0]) + new_tokens + 1,
+    eos_ids=(),
+    sampling=SamplingParams(0.0),
+    cpu_kernels=cpu_kernels,
+  )
 
   def run():
     s = eng.add(params, eng.init_decode_state(), list(range(b)), prompts, list(range(b)), new_tokens)
@@ -165,12 +182,19 @@ def ours_tokens_per_s(config, params, prompts, new_tokens: int, with_entropy: bo
 
 def hf_tokens_per_s(hf, prompts, new_tokens: int) -> float:
   import torch
+
   ids = torch.tensor(prompts)
 
   def run():
     with torch.no_grad():
-      out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+      out = hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+      )
     assert out.shape[1] == ids.shape[1] + new_tokens
     return 0
 
@@ -183,6 +207,7 @@ def step_ms(config, params, batch: int, steps: int = 16, rounds: int = 4) -> dic
   alternating rounds, best of each (a VM's noise is larger than the difference); and the sampling step alone on
   the same logits shape, which isolates the cost."""
   from aepo_jax.rollout._sampling import sample_step
+
   eng = Engine(config, max_slots=batch, max_len=256, eos_ids=(), sampling=SamplingParams(1.0))
   s = eng.add(params, eng.init_decode_state(), list(range(batch)), [[1] * 32] * batch, list(range(batch)), 10_000)
   holder = {"s": s}
@@ -211,8 +236,9 @@ def fork_vs_prefill(config, params, prefix_len: int = 512):
   t_prefill = timed(lambda: eng.add(params, s, [1], [prefix], [0], 8).length)
   s = eng.add(params, eng.init_decode_state(), [0], [prefix], [0], 8)
   holder = {"s": eng.copy_slots(s, [0], [2], [1])}  # compile
-  t_fork = timed(lambda: holder.__setitem__("s", eng.copy_slots(holder["s"], [0], [2], [1])) or holder["s"].length,
-                 repeats=3)
+  t_fork = timed(
+    lambda: holder.__setitem__("s", eng.copy_slots(holder["s"], [0], [2], [1])) or holder["s"].length, repeats=3
+  )
   return t_fork, t_prefill
 
 
@@ -229,52 +255,75 @@ def main():
   weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   limit_steps, read_steps = bw * 1e9 / weight_bytes, rbw * 1e9 / weight_bytes
   print(f"model: {what}; weights {weight_bytes / 1e6:.0f} MB float32")
-  print(f"memory bandwidth (numpy 1 GiB copy, read+write counted): {bw:.1f} GB/s -> decode limit "
-        f"{limit_steps:.1f} steps/s ('limit' below)")
-  print(f"read bandwidth (jitted sum of 1 GiB): {rbw:.1f} GB/s -> decode limit {read_steps:.1f} steps/s "
-        f"('read limit' below: a decode step only reads the weights)")
+  print(
+    f"memory bandwidth (numpy 1 GiB copy, read+write counted): {bw:.1f} GB/s -> decode limit "
+    f"{limit_steps:.1f} steps/s ('limit' below)"
+  )
+  print(
+    f"read bandwidth (jitted sum of 1 GiB): {rbw:.1f} GB/s -> decode limit {read_steps:.1f} steps/s "
+    f"('read limit' below: a decode step only reads the weights)"
+  )
   rng = np.random.default_rng(0)
   print(f"\nprompt {args.prompt_len} tokens, {new_tokens} new tokens, greedy, tokens/s (prefill included):")
   from aepo_jax.rollout import _cpu_matmul
+
   kernel = _cpu_matmul.available()
-  print("'ours' decodes with the CPU small-M kernel (aepo_jax/rollout/_cpu_matmul.py); 'XLA dots' is the same engine "
-        "with cpu_kernels=False (the path used on accelerators)" if kernel else
-        f"CPU kernel unavailable ({_cpu_matmul.reason()}): 'ours' uses XLA dots")
-  print(f"{'batch':>5} {'ours':>9} {'XLA dots':>9} {'transformers':>13} {'ratio':>7} {'limit':>9} {'ours/limit':>10} "
-        f"{'read limit':>10} {'ours/read':>9}")
+  print(
+    "'ours' decodes with the CPU small-M kernel (aepo_jax/rollout/_cpu_matmul.py); 'XLA dots' is the same engine "
+    "with cpu_kernels=False (the path used on accelerators)"
+    if kernel
+    else f"CPU kernel unavailable ({_cpu_matmul.reason()}): 'ours' uses XLA dots"
+  )
+  print(
+    f"{'batch':>5} {'ours':>9} {'XLA dots':>9} {'transformers':>13} {'ratio':>7} {'limit':>9} {'ours/limit':>10} "
+    f"{'read limit':>10} {'ours/read':>9}"
+  )
   for b in batches:
     prompts = [[1] + [int(t) for t in rng.integers(3, config.vocab_size, args.prompt_len - 1)] for _ in range(b)]
     ours = ours_tokens_per_s(config, params, prompts, new_tokens)
     xla = ours_tokens_per_s(config, params, prompts, new_tokens, cpu_kernels=False) if kernel else float("nan")
     theirs = hf_tokens_per_s(hf, prompts, new_tokens)
     limit, rlimit = b * limit_steps, b * read_steps
-    print(f"{b:>5} {ours:>9.1f} {xla:>9.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x {limit:>9.1f} {ours / limit:>9.0%} "
-          f"{rlimit:>10.1f} {ours / rlimit:>8.0%}")
+    print(
+      f"{b:>5} {ours:>9.1f} {xla:>9.1f} {theirs:>13.1f} {ours / theirs:>6.2f}x {limit:>9.1f} {ours / limit:>9.0%} "
+      f"{rlimit:>10.1f} {ours / rlimit:>8.0%}"
+    )
   if kernel:
     from aepo_jax.rollout._engine import _decode_weights
+
     t_prep = timed(lambda: _decode_weights(config, params), repeats=3)
     print(f"preparing the kernel's decode weights (once per parameter version, cached): {1000 * t_prep:.0f} ms")
 
   ms = step_ms(config, params, 8)
   extra = ms["sample_with"] - ms["sample_without"]
-  print(f"\ndecode step, batch 8, sampling T=1 (best of 4 alternating rounds): {ms['with']:.1f} ms with entropy "
-        f"(exact + top-10 term), {ms['without']:.1f} ms without -> {100 * (ms['with'] - ms['without']) / ms['without']:+.1f}%")
-  print(f"  sampling step alone on [8, {config.vocab_size}] logits: {ms['sample_with']:.2f} ms with entropy, "
-        f"{ms['sample_without']:.2f} ms without -> entropy adds {extra:.2f} ms = "
-        f"{100 * extra / ms['without']:.1f}% of a decode step")
+  print(
+    f"\ndecode step, batch 8, sampling T=1 (best of 4 alternating rounds): {ms['with']:.1f} ms with entropy "
+    f"(exact + top-10 term), {ms['without']:.1f} ms without -> {100 * (ms['with'] - ms['without']) / ms['without']:+.1f}%"
+  )
+  print(
+    f"  sampling step alone on [8, {config.vocab_size}] logits: {ms['sample_with']:.2f} ms with entropy, "
+    f"{ms['sample_without']:.2f} ms without -> entropy adds {extra:.2f} ms = "
+    f"{100 * extra / ms['without']:.1f}% of a decode step"
+  )
   mm = matmul_chain_ms(config, params, 8)
   read_ms = mm["bytes"] / rbw / 1e6
-  line = (f"  the same step's weight matmuls alone at M=8 (chained; no attention, norms or sampling), read limit "
-          f"{read_ms:.1f} ms: XLA dots {mm['xla']:.1f} ms ({mm['bytes'] / mm['xla'] / 1e6:.1f} GB/s of weight reads, "
-          f"{read_ms / mm['xla']:.0%} of the limit), numpy/BLAS {mm['numpy']:.1f} ms "
-          f"({mm['bytes'] / mm['numpy'] / 1e6:.1f} GB/s)")
+  line = (
+    f"  the same step's weight matmuls alone at M=8 (chained; no attention, norms or sampling), read limit "
+    f"{read_ms:.1f} ms: XLA dots {mm['xla']:.1f} ms ({mm['bytes'] / mm['xla'] / 1e6:.1f} GB/s of weight reads, "
+    f"{read_ms / mm['xla']:.0%} of the limit), numpy/BLAS {mm['numpy']:.1f} ms "
+    f"({mm['bytes'] / mm['numpy'] / 1e6:.1f} GB/s)"
+  )
   if "kernel" in mm:
-    line += (f", our CPU kernel {mm['kernel']:.1f} ms ({mm['bytes'] / mm['kernel'] / 1e6:.1f} GB/s, "
-             f"{read_ms / mm['kernel']:.0%} of the limit)")
+    line += (
+      f", our CPU kernel {mm['kernel']:.1f} ms ({mm['bytes'] / mm['kernel'] / 1e6:.1f} GB/s, "
+      f"{read_ms / mm['kernel']:.0%} of the limit)"
+    )
   print(line + f"; our whole decode step reaches {read_ms / ms['with']:.0%} of the limit")
   t_fork, t_prefill = fork_vs_prefill(config, params)
-  print(f"fork (copy_slots, one 576-entry slot) {1000 * t_fork:.1f} ms vs re-prefilling a 512-token prefix "
-        f"{1000 * t_prefill:.1f} ms -> {100 * t_fork / t_prefill:.1f}%")
+  print(
+    f"fork (copy_slots, one 576-entry slot) {1000 * t_fork:.1f} ms vs re-prefilling a 512-token prefix "
+    f"{1000 * t_prefill:.1f} ms -> {100 * t_fork / t_prefill:.1f}%"
+  )
 
 
 if __name__ == "__main__":

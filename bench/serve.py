@@ -18,6 +18,7 @@ rounds alternate (`--repeats`) and the best of each is compared, so load from ot
 The server compiles every prefill variant before it is measured (`warmup(full=True)`), and every configuration
 runs once untimed first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,13 +31,24 @@ import sys
 import threading
 import time
 
-QUESTIONS = ["What is the capital of France?", "Explain photosynthesis in one paragraph.",
-             "Write a haiku about the sea.", "How many legs does a spider have?", "Name three prime numbers.",
-             "What is 12 times 34?", "Describe a cat to someone who has never seen one.",
-             "Why is the sky blue?", "Give me a recipe for pancakes.", "What does a compiler do?",
-             "Summarise the plot of Hamlet.", "List the planets of the solar system.",
-             "What is the boiling point of water?", "Translate 'good morning' into French.",
-             "How do vaccines work?", "What is a prime number?"]
+QUESTIONS = [
+  "What is the capital of France?",
+  "Explain photosynthesis in one paragraph.",
+  "Write a haiku about the sea.",
+  "How many legs does a spider have?",
+  "Name three prime numbers.",
+  "What is 12 times 34?",
+  "Describe a cat to someone who has never seen one.",
+  "Why is the sky blue?",
+  "Give me a recipe for pancakes.",
+  "What does a compiler do?",
+  "Summarise the plot of Hamlet.",
+  "List the planets of the solar system.",
+  "What is the boiling point of water?",
+  "Translate 'good morning' into French.",
+  "How do vaccines work?",
+  "What is a prime number?",
+]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -72,8 +84,14 @@ def client_main(args):
 
   def worker(k):
     for r in range(args.requests):
-      body = {"prompt": prompts[(k + r) % len(prompts)], "max_tokens": args.max_tokens, "temperature": 1.0,
-              "ignore_eos": True, "stream": True, "seed": k * 1000 + r}
+      body = {
+        "prompt": prompts[(k + r) % len(prompts)],
+        "max_tokens": args.max_tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "stream": True,
+        "seed": k * 1000 + r,
+      }
       try:
         first, tokens, _ = _stream_one(args.client, body)
       except Exception as e:  # noqa: BLE001 (reported)
@@ -95,8 +113,20 @@ def client_main(args):
 
 
 def run_clients(url: str, prompts, concurrency: int, requests: int, max_tokens: int) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--client", url, "--concurrency", str(concurrency),
-         "--requests", str(requests), "--max_tokens", str(max_tokens), "--prompts", json.dumps(prompts)]
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--client",
+    url,
+    "--concurrency",
+    str(concurrency),
+    "--requests",
+    str(requests),
+    "--max_tokens",
+    str(max_tokens),
+    "--prompts",
+    json.dumps(prompts),
+  ]
   res = subprocess.run(cmd, capture_output=True, text=True, check=True)
   out = json.loads(res.stdout.strip().splitlines()[-1])
   if out["errors"]:
@@ -109,14 +139,25 @@ def run_clients(url: str, prompts, concurrency: int, requests: int, max_tokens: 
 # ------------------------------------------------------------------------------------------------------
 def load(model: str):
   from aepo_jax.model import ModelConfig, Tokenizer, init_params, load_pretrained, pretrained_dir
+
   if model == "tiny":
     import tempfile
     import jax
     from aepo_jax.testing import tiny_tokenizer
+
     tok = Tokenizer.from_dir(tiny_tokenizer(tempfile.mkdtemp()))
-    cfg = ModelConfig(family="qwen3", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
-                      eos_token_ids=tuple(tok.eos_ids))
+    cfg = ModelConfig(
+      family="qwen3",
+      vocab_size=tok.vocab_size,
+      hidden_size=64,
+      intermediate_size=128,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=16,
+      qk_norm=True,
+      eos_token_ids=tuple(tok.eos_ids),
+    )
     return cfg, init_params(cfg, jax.random.PRNGKey(0)), tok
   cfg, params = load_pretrained(model)
   return cfg, params, Tokenizer.from_dir(pretrained_dir(model))
@@ -125,6 +166,7 @@ def load(model: str):
 def engine_batch(engine, params, prompts, max_tokens: int, steps: int) -> float:
   """Seconds for the engine to generate max_tokens for each prompt, all at once, prefill included."""
   import jax
+
   state = engine.init_decode_state()
   t0 = time.perf_counter()
   state = engine.add(params, state, list(range(len(prompts))), prompts, list(range(len(prompts))), max_tokens)
@@ -139,6 +181,7 @@ def engine_batch(engine, params, prompts, max_tokens: int, steps: int) -> float:
 def engine_first_token(engine, params, prompt) -> float:
   """Seconds from `add` of one prompt (idle engine) to its first token on the host."""
   import jax
+
   state = engine.init_decode_state()
   jax.block_until_ready(state.tokens)
   t0 = time.perf_counter()
@@ -169,6 +212,7 @@ def main():
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from aepo_jax.parallel import use_cpu_xla_flags
+
   use_cpu_xla_flags()
   import jax
   from aepo_jax.rollout import Engine, SamplingParams
@@ -177,9 +221,12 @@ def main():
   cfg, params, tok = load(args.model)
   texts = [tok.render_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
   ids = [tok.encode(t, add_bos=False) for t in texts]
-  print(f"model {args.model}, {jax.devices()[0].platform}, prompts {min(map(len, ids))}-{max(map(len, ids))} "
-        f"tokens, {args.max_tokens} new tokens per request, 16 slots x {args.max_len}, "
-        f"{args.steps_per_call} steps per call", flush=True)
+  print(
+    f"model {args.model}, {jax.devices()[0].platform}, prompts {min(map(len, ids))}-{max(map(len, ids))} "
+    f"tokens, {args.max_tokens} new tokens per request, 16 slots x {args.max_len}, "
+    f"{args.steps_per_call} steps per call",
+    flush=True,
+  )
 
   # The engine alone (same shape as the server's; shares its compiled functions). Engine and server rounds
   # alternate and the best of each counts, so a busy machine slows both sides alike.
@@ -187,16 +234,23 @@ def main():
   idle = Engine(cfg, max_slots=16, max_len=args.max_len, eos_ids=(), per_slot_sampling=True)
   engine_batch(engine, params, ids, args.max_tokens, args.steps_per_call)  # compile
   engine_first_token(idle, params, ids[0])
-  server = Server(cfg, params, tok, model_name=args.model, max_slots=16, max_len=args.max_len, port=0,
-                  steps_per_call=args.steps_per_call).start()
+  server = Server(
+    cfg,
+    params,
+    tok,
+    model_name=args.model,
+    max_slots=16,
+    max_len=args.max_len,
+    port=0,
+    steps_per_call=args.steps_per_call,
+  ).start()
   t0 = time.perf_counter()
   server.warmup(full=True)
   print(f"server warmup (every prefill variant): {time.perf_counter() - t0:.0f} s", flush=True)
   rows, pairs, firsts = {}, [], []
   try:
     for _ in range(6):  # time to first token at idle, engine and server alternately
-      firsts.append((engine_first_token(idle, params, ids[0]),
-                     run_clients(server.url, texts[:1], 1, 1, 4)["ttft"][0]))
+      firsts.append((engine_first_token(idle, params, ids[0]), run_clients(server.url, texts[:1], 1, 1, 4)["ttft"][0]))
     for c in (1, 4, 16):
       run_clients(server.url, texts, c, 1, min(args.max_tokens, 16))  # compile this concurrency's variants
     for _ in range(args.repeats):
@@ -209,8 +263,10 @@ def main():
     server.shutdown(5)
 
   engine_tps = max(e for e, _ in pairs)
-  print(f"\nengine, batch 16 at once (prefill included): best {engine_tps:.1f} tok/s of "
-        f"{', '.join(f'{e:.1f}' for e, _ in pairs)}")
+  print(
+    f"\nengine, batch 16 at once (prefill included): best {engine_tps:.1f} tok/s of "
+    f"{', '.join(f'{e:.1f}' for e, _ in pairs)}"
+  )
   print("| streaming clients | server tok/s (best) | of engine batch-16 (best) | rounds |")
   print("|---|---|---|---|")
   for c, tps in rows.items():
@@ -220,8 +276,10 @@ def main():
   eng_ms = statistics.median(e for e, _ in firsts[1:]) * 1e3
   srv_ms = statistics.median(s for _, s in firsts[1:]) * 1e3
   diff_ms = statistics.median((s - e) for e, s in firsts[1:]) * 1e3
-  print(f"\ntime to first token at idle (median of {len(firsts) - 1}): server {srv_ms:.1f} ms, engine (add + first "
-        f"step) {eng_ms:.1f} ms; server - engine, pair by pair: median {diff_ms:+.1f} ms")
+  print(
+    f"\ntime to first token at idle (median of {len(firsts) - 1}): server {srv_ms:.1f} ms, engine (add + first "
+    f"step) {eng_ms:.1f} ms; server - engine, pair by pair: median {diff_ms:+.1f} ms"
+  )
 
 
 if __name__ == "__main__":

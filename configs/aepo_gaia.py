@@ -32,6 +32,7 @@ Variants (configs/common.py), spec §2.6:
     (`algo.aggregation='verl'`): only the stop-gradient high clip and the consecutive-branch penalty of AEPO.
   'cold_start': the cold-start SFT (15,000-token cutoff, lr 7e-6, 3 epochs) from the base model first.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

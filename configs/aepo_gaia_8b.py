@@ -16,6 +16,7 @@ Expected: the AEPO README releases this model; its per-benchmark rows (AEPO main
 No AEPO script for 8B was released: ARPO_8B_Deepsearch_1node.sh's values (batch 128, mini-batch 16, n = 16,
 N0 = 8, L = 10,000, call limit 6, spec §1.7) with AEPO's switches (spec §2).
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

@@ -14,6 +14,7 @@ Expected: AEPO README (2025-12-20, spec §2.5): QwQ-32B-AEPO-DeepSearch GAIA 53.
   LLM-judge evaluation), against QwQ-32B-ARPO 51.5 / 11.2 (configs/arpo_gaia_qwq32b.py).
 No script for QwQ-32B was released: the 14B deep-search script's values (configs/common.py deep_search_14b).
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

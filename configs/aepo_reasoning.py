@@ -10,6 +10,7 @@ Time: 2 epochs x 79 steps of 128 prompts x 16 rollouts; about a day.
 Expected: the per-benchmark reasoning table of the AEPO paper could not be read (spec §2.5); the released
   Qwen2.5-7B-AEPO checkpoint is the reference. `eval/accuracy` on `valid` should rise over training.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

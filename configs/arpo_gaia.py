@@ -12,6 +12,7 @@ Expected: ARPO README: Qwen3-14B + ARPO Pass@5 GAIA 61.2, HLE 24.0 (LLM-judge ev
 ARPO = GRPO advantage + dual-clip PPO (ε = 0.2, c = 3, token-mean) + entropy-based adaptive branching
 (n = 12, N0 = 6, w = 0.2, τ = 0.5, Z = 2), spec §1 and §3.7. ARPO's tool retry count is 3 (AEPO: 4).
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

@@ -13,6 +13,7 @@ Expected: ARPO's 8B deep-search rows were not in the text available here (spec �
 ARPO_8B_Deepsearch_1node.sh (spec §1.7): batch 128, mini-batch 16, n = 16, N0 = 8, L = 10,000, prompt 2,000, call
 limit 6, w = 0.2, τ = 0.5, Z = 2, 5 epochs, lr 1e-6.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

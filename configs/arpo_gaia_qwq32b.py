@@ -6,6 +6,7 @@ Hardware, Needs, Time: those of configs/aepo_gaia_qwq32b.py (the same programs b
   its per-chip peaks). Expected: AEPO README (2025-12-20, spec §2.5): QwQ-32B-ARPO GAIA 51.5 / HLE 11.2
   (presumably Pass@1, LLM-judge evaluation); no QwQ script was released, the 14B deep-search one's values apply.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

@@ -20,6 +20,7 @@ Expected: the ARPO paper's per-benchmark reasoning rows (13 datasets) were not i
 The released script is the 7B one; the 3B and Llama-3.1-8B runs use its values (batch 128, mini-batch 16, n = 16,
 N0 = 8, L = 4,096, prompt 1,536, call limit 3, 2 epochs, lr 1e-6).
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

@@ -7,6 +7,7 @@ Expected: no per-baseline number is in the text available here (spec §2.5); run
 CISPO (MiniMax-M1): REINFORCE with a clipped, detached IS weight; no lower bound, ε_high 0.28 (AEPO's value is
 unknown), token-level mean, no KL.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

@@ -8,6 +8,7 @@ file. Variants are chosen after the file name, comma separated: `--config=config
   released    what the released scripts ran (`released` below)
   cold_start  start from the base model: the cold-start SFT on chat traces (sft.source), then RL
 """
+
 from aepo_jax.train import base_config
 
 VARIANTS = ("paper", "released", "cold_start")
@@ -21,8 +22,10 @@ def variants(arg, config_file: str, models=None):
   known = VARIANTS + tuple(models or ())
   bad = [p for p in parts if p not in known]
   if bad:
-    raise ValueError(f"{config_file}:{arg}: unknown variant {bad[0]!r}; use a comma-separated subset of {known} "
-                     "(e.g. ':released' or ':released,cold_start').")
+    raise ValueError(
+      f"{config_file}:{arg}: unknown variant {bad[0]!r}; use a comma-separated subset of {known} "
+      "(e.g. ':released' or ':released,cold_start')."
+    )
   chosen = [p for p in parts if p in tuple(models or ())]
   if len(chosen) > 1:
     raise ValueError(f"{config_file}:{arg}: name one model of {tuple(models)}, not {chosen}.")
@@ -31,8 +34,22 @@ def variants(arg, config_file: str, models=None):
   return out
 
 
-def _run(c, *, shape: str, checkpoint: str, prompts: int, mini: int, n: int, n0: int, prompt_len: int,
-         response_len: int, call_limit: int, epochs: int, micro: int, mesh=(1, -1, 4)):
+def _run(
+  c,
+  *,
+  shape: str,
+  checkpoint: str,
+  prompts: int,
+  mini: int,
+  n: int,
+  n0: int,
+  prompt_len: int,
+  response_len: int,
+  call_limit: int,
+  epochs: int,
+  micro: int,
+  mesh=(1, -1, 4),
+):
   """The values every ARPO/AEPO script shares (ppo_trainer*.yaml, spec §1.5, §1.7) plus the run's own."""
   c.model.name = checkpoint
   c.model.shape = shape  # the checkpoint's architecture, for launch/compile.py
@@ -101,8 +118,20 @@ def _sft(c):
 
 def deep_search_14b():
   """Qwen3-14B deep search: AEPO_Qwen3_14B_DeepResearch.sh / ARPO_14b_Deepsearch_1node.sh (ppo_trainer_dr.yaml)."""
-  c = _run(base_config(), shape="qwen3-14b", checkpoint="gs://YOUR_BUCKET/models/Qwen3-14B-SFT", prompts=64,
-           mini=8, n=12, n0=6, prompt_len=2000, response_len=6192, call_limit=6, epochs=5, micro=16)
+  c = _run(
+    base_config(),
+    shape="qwen3-14b",
+    checkpoint="gs://YOUR_BUCKET/models/Qwen3-14B-SFT",
+    prompts=64,
+    mini=8,
+    n=12,
+    n0=6,
+    prompt_len=2000,
+    response_len=6192,
+    call_limit=6,
+    epochs=5,
+    micro=16,
+  )
   c.data.train = "hard_search_1k"  # 1,071 prompts
   c.data.val = ("gaia_test", "hle_test")  # 103 + 100
   return c
@@ -110,8 +139,20 @@ def deep_search_14b():
 
 def deep_search_8b():
   """Qwen3-8B deep search: ARPO_8B_Deepsearch_1node.sh (ppo_trainer_dr.yaml): batch 128, n = 16, L = 10,000."""
-  c = _run(base_config(), shape="qwen3-8b", checkpoint="gs://YOUR_BUCKET/models/Qwen3-8B-SFT", prompts=128,
-           mini=16, n=16, n0=8, prompt_len=2000, response_len=10_000, call_limit=6, epochs=5, micro=16)
+  c = _run(
+    base_config(),
+    shape="qwen3-8b",
+    checkpoint="gs://YOUR_BUCKET/models/Qwen3-8B-SFT",
+    prompts=128,
+    mini=16,
+    n=16,
+    n0=8,
+    prompt_len=2000,
+    response_len=10_000,
+    call_limit=6,
+    epochs=5,
+    micro=16,
+  )
   c.data.train = "hard_search_1k"
   c.data.val = ("gaia_test", "hle_test")
   # 16 prompts x 16 trajectories per host of a v5p-64 would need 113 GB of KV cache per chip at 12,000 tokens:
@@ -133,16 +174,28 @@ def deep_search_qwq32b():
 
 
 REASONING_MODELS = {  # ARPO trains these on the reasoning setting; the released script is the 7B one
-    "qwen2.5-3b": "gs://YOUR_BUCKET/models/Qwen2.5-3B-Instruct",
-    "qwen2.5-7b": "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct",
-    "llama-3.1-8b": "gs://YOUR_BUCKET/models/Llama-3.1-8B-Instruct",
+  "qwen2.5-3b": "gs://YOUR_BUCKET/models/Qwen2.5-3B-Instruct",
+  "qwen2.5-7b": "gs://YOUR_BUCKET/models/Qwen2.5-7B-Instruct",
+  "llama-3.1-8b": "gs://YOUR_BUCKET/models/Llama-3.1-8B-Instruct",
 }
 
 
 def reasoning(model: str = "qwen2.5-7b"):
   """Reasoning + knowledge QA: ARPO_7B_Reasoning_1node.sh / AEPO_Qwen25_7B_DeepResearch.sh (ppo_trainer.yaml)."""
-  c = _run(base_config(), shape=model, checkpoint=REASONING_MODELS[model], prompts=128, mini=16, n=16, n0=8,
-           prompt_len=1536, response_len=4096, call_limit=3, epochs=2, micro=16)
+  c = _run(
+    base_config(),
+    shape=model,
+    checkpoint=REASONING_MODELS[model],
+    prompts=128,
+    mini=16,
+    n=16,
+    n0=8,
+    prompt_len=1536,
+    response_len=4096,
+    call_limit=3,
+    epochs=2,
+    micro=16,
+  )
   c.data.train = "train_10k"  # 5k math + 5k QA
   c.data.val = ("valid",)  # 180
   if model == "qwen2.5-3b":

@@ -22,6 +22,7 @@ Measured (2026-11-30, these settings; seeds = train.seed, sft.seed and data.seed
   (0.85 -> 0.825); rollout T=1.0 after 10 SFT steps broke the tag format in 25-56% of samples and RL at lr 3e-5
   collapsed to answering without tools (0.525 -> 0.0).
 """
+
 from aepo_jax.train import base_config
 
 

@@ -8,6 +8,7 @@ DAPO: clip-higher (ε_low 0.2, ε_high 0.28; verl recipe c = 10), dynamic sampli
 or all 1 are dropped and generation continues, up to 10 batches), overlong shaping with verl's test-script buffer
 of 512 tokens (the paper: 4,096 of 20,480), token-level mean, no KL.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

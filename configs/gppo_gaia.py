@@ -7,6 +7,7 @@ Expected: no per-baseline number is in the text available here (spec §2.5); run
 GPPO (Klear-Reasoner): both clip bounds gradient-preserving, ε_l 0.2 / ε_h 0.28 (reported from memory in the
 spec: verify), token-level mean.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

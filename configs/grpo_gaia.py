@@ -7,6 +7,7 @@ Expected: no per-baseline number is in the text available here (spec §2.5); run
 GRPO: group-normalised advantage (unbiased std), clipped surrogate ε = 0.2 with verl's dual clip c = 3, no KL
 (the ARPO fork's β = 0), token-mean.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

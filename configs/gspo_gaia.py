@@ -7,6 +7,7 @@ Expected: no per-baseline number is in the text available here (spec §2.5); run
 GSPO: sequence-level ratio (GSPO-token form, as verl), ε_l = 3e-4 / ε_h = 4e-4 (paper), no dual clip,
 seq-mean-token-mean; a large clipped fraction is by design.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

@@ -7,6 +7,7 @@ Expected: no per-baseline number is in the text available here (spec §2.5); run
 REINFORCE++-baseline: R minus the group mean, whitened over the batch's valid tokens; PPO clip 0.2; the KL
 enters the reward (k1, verl's default coefficient 0.001). Which variant and β AEPO ran is unknown.
 """
+
 from aepo_jax.train import load_sibling
 
 common = load_sibling(__file__, "common")

@@ -13,6 +13,7 @@ while the program runs), the shardings, compile times, and as its last line one 
   {"topology": ..., "chips": N, "hbm_gb": X, "programs": {"update": {"peak_gb": ...}, ...}, "fits": true|false}
 Exits with status 1 when a program does not fit, naming the config keys that would help.
 """
+
 import os
 import sys
 
@@ -21,8 +22,9 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True
+)
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p:4x4x2 (v5p-64), v6e:8x8, v5e:4x4, v4:2x2x2.")
 _PROGRAMS = flags.DEFINE_list("programs", ["update", "logprob", "prefill", "decode"], "Programs to compile.")
 
@@ -31,6 +33,7 @@ def run(config, topology: str, programs=("update", "logprob", "prefill", "decode
   """Compiles, prints the table and the JSON line; returns the exit status (0 fits, 1 does not)."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for TPU; run nothing on a local TPU, if any
   from aepo_jax.train import _compile, _config
+
   _config.validate(config)
   return _compile.check(config, topology, programs)
 
@@ -40,6 +43,7 @@ def main(argv):
   if not _TOPOLOGY.value:
     raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x2")
   from aepo_jax.train import _config
+
   config = _config.apply_model_overrides(_CONFIG.value, _MODEL_OVERRIDES)
   sys.exit(run(config, _TOPOLOGY.value, _PROGRAMS.value))
 
@@ -48,6 +52,7 @@ _MODEL_OVERRIDES: dict = {}
 
 if __name__ == "__main__":
   from aepo_jax.train._config import split_model_overrides
+
   sys.argv, _MODEL_OVERRIDES = split_model_overrides(sys.argv)
   flags.mark_flag_as_required("config")
   app.run(main)

@@ -23,6 +23,7 @@ that does not answer) fails before any model is loaded. See docs/evaluation.md; 
 Flags are absl flags (--name=value or --name value); the older spellings --search-backend, --no-progress and
 `--compare DIR DIR` still work.
 """
+
 import os
 import sys
 
@@ -36,70 +37,115 @@ FLAGS = flags.FlagValues()
 _F = {"flag_values": FLAGS}
 
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", None, "Orbax checkpoint (local or gs://), HF directory, or pretrained name.", **_F)
+  "checkpoint", None, "Orbax checkpoint (local or gs://), HF directory, or pretrained name.", **_F
+)
 _BENCHMARKS = flags.DEFINE_string(
-    "benchmarks", "math", "Benchmark names, families (math, qa, deep_search), 'all', or .jsonl / .parquet data "
-    "files (local or gs://), comma separated.", **_F)
+  "benchmarks",
+  "math",
+  "Benchmark names, families (math, qa, deep_search), 'all', or .jsonl / .parquet data "
+  "files (local or gs://), comma separated.",
+  **_F,
+)
 _K = flags.DEFINE_string("k", "1,5", "Pass@k values, e.g. '1,5' or '5' (Pass@1 is always reported).", **_F)
 _N = flags.DEFINE_integer("n", None, "Samples per question (default: the largest k).", **_F)
 _LIMIT = flags.DEFINE_integer("limit", None, "First N questions of each benchmark.", **_F)
 _OUTPUT = flags.DEFINE_string(
-    "output", None, "Run directory (JSONL per benchmark + summary); default eval_runs/<checkpoint name>. With "
-    "--compare: the output prefix.", **_F)
+  "output",
+  None,
+  "Run directory (JSONL per benchmark + summary); default eval_runs/<checkpoint name>. With "
+  "--compare: the output prefix.",
+  **_F,
+)
 _SEARCH_BACKEND = flags.DEFINE_string(
-    "search_backend", None, "retrieval | replay | local | serper | brave | bing | none (QA and deep-search "
-    "benchmarks need one).", **_F)
+  "search_backend",
+  None,
+  "retrieval | replay | local | serper | brave | bing | none (QA and deep-search benchmarks need one).",
+  **_F,
+)
 _SEARCH_URL = flags.DEFINE_string("search_url", None, "Retrieval server URL (--search_backend=retrieval).", **_F)
 _SEARCH_CACHE = flags.DEFINE_string("search_cache", None, "search_cache.json for replay (default: the ARPO one).", **_F)
 _SEARCH_CORPUS = flags.DEFINE_string("search_corpus", None, "Corpus JSONL for --search_backend=local.", **_F)
 _JUDGE_URL = flags.DEFINE_string("judge_url", None, "OpenAI-compatible base URL of the LLM judge.", **_F)
 _JUDGE_MODEL = flags.DEFINE_string("judge_model", None, "Model name served at --judge_url.", **_F)
 _JUDGE_QA = flags.DEFINE_bool(
-    "judge_qa", True, "With a judge, also judge the QA sets (the protocol); --nojudge_qa scores them by exact match.",
-    **_F)
+  "judge_qa",
+  True,
+  "With a judge, also judge the QA sets (the protocol); --nojudge_qa scores them by exact match.",
+  **_F,
+)
 _SEARCH_MODE = flags.DEFINE_enum(
-    "search_mode", "snippets", ["snippets", "browse"], "snippets: `Page i:` lines; browse: the SDS browser (the "
-    "hits' pages from --browse_pages, condensed by the LLM at --summarizer_url).", **_F)
+  "search_mode",
+  "snippets",
+  ["snippets", "browse"],
+  "snippets: `Page i:` lines; browse: the SDS browser (the "
+  "hits' pages from --browse_pages, condensed by the LLM at --summarizer_url).",
+  **_F,
+)
 _BROWSE_PAGES = flags.DEFINE_string(
-    "browse_pages", None, "Page store of --search_mode=browse: a directory of pages or a corpus JSONL (default: "
-    "--search_corpus).", **_F)
+  "browse_pages",
+  None,
+  "Page store of --search_mode=browse: a directory of pages or a corpus JSONL (default: --search_corpus).",
+  **_F,
+)
 _SUMMARIZER_URL = flags.DEFINE_string(
-    "summarizer_url", None, "OpenAI-compatible base URL of the browse summariser (--search_mode=browse).", **_F)
+  "summarizer_url", None, "OpenAI-compatible base URL of the browse summariser (--search_mode=browse).", **_F
+)
 _SUMMARIZER_MODEL = flags.DEFINE_string("summarizer_model", None, "Model name served at --summarizer_url.", **_F)
 _BROWSE_LIVE = flags.DEFINE_bool("browse_live", False, "Fetch http(s) pages the page store lacks.", **_F)
 _TOKENIZER = flags.DEFINE_string(
-    "tokenizer", None, "Tokenizer dir or pretrained name (overrides the checkpoint's).", **_F)
+  "tokenizer", None, "Tokenizer dir or pretrained name (overrides the checkpoint's).", **_F
+)
 _TEMPLATE = flags.DEFINE_string(
-    "template", None, "System prompt template (default: code_search; math without search).", **_F)
+  "template", None, "System prompt template (default: code_search; math without search).", **_F
+)
 _QUESTION_FIELD = flags.DEFINE_string("question_field", "question", "Question field of data-file records.", **_F)
 _ANSWER_FIELD = flags.DEFINE_string(
-    "answer_field", "answer", "Answer field of data-file records (a string, a number or a list of accepted "
-    "answers).", **_F)
+  "answer_field",
+  "answer",
+  "Answer field of data-file records (a string, a number or a list of accepted answers).",
+  **_F,
+)
 _SYSTEM_FIELD = flags.DEFINE_string(
-    "system_field", "system", "Optional field of data-file records with their own system prompt (replaces the "
-    "template's).", **_F)
+  "system_field",
+  "system",
+  "Optional field of data-file records with their own system prompt (replaces the template's).",
+  **_F,
+)
 _DATA_FAMILY = flags.DEFINE_enum(
-    "data_family", "qa", ["qa", "math"], "Scoring of data-file answers: qa (math equivalence or exact match) or "
-    "math (math equivalence only).", **_F)
+  "data_family",
+  "qa",
+  ["qa", "math"],
+  "Scoring of data-file answers: qa (math equivalence or exact match) or math (math equivalence only).",
+  **_F,
+)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature (0: greedy).", **_F)
 _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus sampling mass.", **_F)
 _TOP_K = flags.DEFINE_integer("top_k", 20, "Top-k sampling (0: off).", **_F)
 _MIN_P = flags.DEFINE_float("min_p", 0.0, "min-p sampling (0: off).", **_F)
 _REPETITION_PENALTY = flags.DEFINE_float(
-    "repetition_penalty", 1.1, "vLLM repetition penalty over the prompt and the response (1: off).", **_F)
+  "repetition_penalty", 1.1, "vLLM repetition penalty over the prompt and the response (1: off).", **_F
+)
 _MAX_TOKENS_PER_CALL = flags.DEFINE_integer(
-    "max_tokens_per_call", 4096, "Tokens one generation call may sample (vLLM max_tokens); a call that reaches it "
-    "ends the answer. 0: no cap.", **_F)
+  "max_tokens_per_call",
+  4096,
+  "Tokens one generation call may sample (vLLM max_tokens); a call that reaches it ends the answer. 0: no cap.",
+  **_F,
+)
 _MAX_RESPONSE_LEN = flags.DEFINE_integer(
-    "max_response_len", 8192, "Response tokens of a whole answer, tool results included (the engine's cache holds "
-    "batch_size x (max_prompt_len + this)).", **_F)
+  "max_response_len",
+  8192,
+  "Response tokens of a whole answer, tool results included (the engine's cache holds "
+  "batch_size x (max_prompt_len + this)).",
+  **_F,
+)
 _MAX_PROMPT_LEN = flags.DEFINE_integer("max_prompt_len", 2048, "Prompt tokens.", **_F)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Trajectories decoded together.", **_F)
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.", **_F)
 _ALLOW_UNSANDBOXED = flags.DEFINE_bool("allow_unsandboxed", False, "Run the python tool without bwrap/unshare.", **_F)
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars (--noprogress: off).", **_F)
 _COMPARE = flags.DEFINE_list(
-    "compare", None, "Compare evaluation run directories (comma separated) instead of evaluating.", **_F)
+  "compare", None, "Compare evaluation run directories (comma separated) instead of evaluating.", **_F
+)
 
 
 def _absl_spelling(argv):
@@ -126,8 +172,7 @@ def _absl_spelling(argv):
 
 
 def _usage() -> str:
-  return __doc__ + "\nFlags:\n" + FLAGS.module_help(FLAGS.find_module_defining_flag(
-      "checkpoint"))
+  return __doc__ + "\nFlags:\n" + FLAGS.module_help(FLAGS.find_module_defining_flag("checkpoint"))
 
 
 def parse(argv):
@@ -154,6 +199,7 @@ def main(argv=None) -> int:
     return 2
 
   from aepo_jax.parallel import use_cpu_xla_flags
+
   use_cpu_xla_flags()  # before JAX starts its backend
   from aepo_jax import eval as eval_lib
 
@@ -177,28 +223,54 @@ def main(argv=None) -> int:
   search_opts = {"url": _SEARCH_URL.value, "path": _SEARCH_CACHE.value, "corpus": _SEARCH_CORPUS.value}
   browse = None
   if _SEARCH_MODE.value == "browse":
-    browse = {"pages": _BROWSE_PAGES.value or _SEARCH_CORPUS.value, "summarizer_url": _SUMMARIZER_URL.value,
-              "summarizer_model": _SUMMARIZER_MODEL.value, "live": _BROWSE_LIVE.value}
-  data_opts = {"question_key": _QUESTION_FIELD.value, "answer_key": _ANSWER_FIELD.value,
-               "system_key": _SYSTEM_FIELD.value, "family": _DATA_FAMILY.value}
+    browse = {
+      "pages": _BROWSE_PAGES.value or _SEARCH_CORPUS.value,
+      "summarizer_url": _SUMMARIZER_URL.value,
+      "summarizer_model": _SUMMARIZER_MODEL.value,
+      "live": _BROWSE_LIVE.value,
+    }
+  data_opts = {
+    "question_key": _QUESTION_FIELD.value,
+    "answer_key": _ANSWER_FIELD.value,
+    "system_key": _SYSTEM_FIELD.value,
+    "family": _DATA_FAMILY.value,
+  }
   try:
-    plan = eval_lib.check_inputs(_CHECKPOINT.value, _BENCHMARKS.value, search_backend=_SEARCH_BACKEND.value,
-                                 search_options=search_opts, judge_url=_JUDGE_URL.value,
-                                 judge_model=_JUDGE_MODEL.value, tokenizer=_TOKENIZER.value,
-                                 allow_unsandboxed=_ALLOW_UNSANDBOXED.value, data_options=data_opts,
-                                 judge_qa=_JUDGE_QA.value, browse=browse)
+    plan = eval_lib.check_inputs(
+      _CHECKPOINT.value,
+      _BENCHMARKS.value,
+      search_backend=_SEARCH_BACKEND.value,
+      search_options=search_opts,
+      judge_url=_JUDGE_URL.value,
+      judge_model=_JUDGE_MODEL.value,
+      tokenizer=_TOKENIZER.value,
+      allow_unsandboxed=_ALLOW_UNSANDBOXED.value,
+      data_options=data_opts,
+      judge_qa=_JUDGE_QA.value,
+      browse=browse,
+    )
     template = _TEMPLATE.value or ("math" if plan.search_backend in (None, "none") else "code_search")
     try:
       settings = eval_lib.EvalSettings(
-          n=n, temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value, min_p=_MIN_P.value,
-          repetition_penalty=_REPETITION_PENALTY.value, max_tokens_per_call=_MAX_TOKENS_PER_CALL.value,
-          max_prompt_len=_MAX_PROMPT_LEN.value, max_response_len=_MAX_RESPONSE_LEN.value,
-          batch_size=_BATCH_SIZE.value, seed=_SEED.value, template=template)
+        n=n,
+        temperature=_TEMPERATURE.value,
+        top_p=_TOP_P.value,
+        top_k=_TOP_K.value,
+        min_p=_MIN_P.value,
+        repetition_penalty=_REPETITION_PENALTY.value,
+        max_tokens_per_call=_MAX_TOKENS_PER_CALL.value,
+        max_prompt_len=_MAX_PROMPT_LEN.value,
+        max_response_len=_MAX_RESPONSE_LEN.value,
+        batch_size=_BATCH_SIZE.value,
+        seed=_SEED.value,
+        template=template,
+      )
     except ValueError as e:
       raise eval_lib.EvalInputError(str(e)) from None
     output = _OUTPUT.value or os.path.join("eval_runs", os.path.basename(os.path.normpath(_CHECKPOINT.value)))
-    summary = eval_lib.run_evaluation(plan, output, settings=settings, ks=ks, limit=_LIMIT.value,
-                                      show_progress=_PROGRESS.value)
+    summary = eval_lib.run_evaluation(
+      plan, output, settings=settings, ks=ks, limit=_LIMIT.value, show_progress=_PROGRESS.value
+    )
   except (eval_lib.EvalInputError, eval_lib.CheckpointNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

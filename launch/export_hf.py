@@ -10,6 +10,7 @@ sharded with an index past --max_shard_mb), config.json, the tokenizer files and
 the run used (model.tokenizer, else the model's own: a bundled name, a local or a gs:// directory), and the base
 model's generation_config.json (its sampling defaults kept). The model comes from the checkpoint's own config.
 """
+
 import os
 import sys
 
@@ -19,10 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 _CKPT = flags.DEFINE_string("checkpoint", None, "Training workdir, phase dir or step dir (local or gs://).")
 _OUT = flags.DEFINE_string("output", None, "Output directory (local or gs://).")
-_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
-                           "Stored dtype; unset keeps the parameters' dtype.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer to ship (a directory, local or gs://, or a bundled "
-                                 "name); unset: the one the run used.")
+_DTYPE = flags.DEFINE_enum(
+  "dtype", None, ["float32", "bfloat16", "float16"], "Stored dtype; unset keeps the parameters' dtype."
+)
+_TOKENIZER = flags.DEFINE_string(
+  "tokenizer", None, "Tokenizer to ship (a directory, local or gs://, or a bundled name); unset: the one the run used."
+)
 _MAX_SHARD_MB = flags.DEFINE_float("max_shard_mb", 2048.0, "Largest safetensors shard, in MiB.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --output (its old weights are removed).")
 
@@ -34,12 +37,14 @@ class ExportError(ValueError):
 def _tokenizer_dir(source: str) -> str:
   """A bundled name's converted directory; a local or gs:// directory as it is."""
   from aepo_jax import model as model_lib
+
   return model_lib.pretrained_dir(source) if source in model_lib.PRETRAINED else source
 
 
 def _sources(config, tokenizer=None):
   """(tokenizer directory or None, base model directory or None) of the run that wrote the checkpoint."""
   from aepo_jax import model as model_lib
+
   mc = config.model
   base = None
   if mc.init == "pretrained":
@@ -53,6 +58,7 @@ def _generation_config(base):
   import json
 
   from etils import epath
+
   if not base or not (epath.Path(base) / "generation_config.json").exists():
     return None
   return json.loads((epath.Path(base) / "generation_config.json").read_text())
@@ -60,6 +66,7 @@ def _generation_config(base):
 
 def _prepare_output(output: str, overwrite: bool):
   from etils import epath
+
   out = epath.Path(output)
   if out.exists() and any(out.iterdir()):
     if not overwrite:
@@ -69,8 +76,9 @@ def _prepare_output(output: str, overwrite: bool):
         f.unlink()
 
 
-def export(checkpoint: str, output: str, *, dtype=None, tokenizer=None, max_shard_bytes: int = 2 << 30,
-           overwrite: bool = False) -> dict:
+def export(
+  checkpoint: str, output: str, *, dtype=None, tokenizer=None, max_shard_bytes: int = 2 << 30, overwrite: bool = False
+) -> dict:
   """Writes the HF directory; returns {'output', 'checkpoint', 'step', 'tokenizer', 'generation_config'}."""
   import jax
 
@@ -83,8 +91,10 @@ def export(checkpoint: str, output: str, *, dtype=None, tokenizer=None, max_shar
   except CheckpointNotFoundError as e:
     raise ExportError(str(e).replace("--checkpoint ", "--checkpoint=")) from None
   if ref.kind != "orbax":
-    raise ExportError(f"--checkpoint={checkpoint!r} is already a Hugging Face model ({ref.kind}); give a training "
-                      "workdir, .../checkpoints/rl or .../checkpoints/rl/<step>.")
+    raise ExportError(
+      f"--checkpoint={checkpoint!r} is already a Hugging Face model ({ref.kind}); give a training "
+      "workdir, .../checkpoints/rl or .../checkpoints/rl/<step>."
+    )
   ckpt = _checkpoint.Checkpointer(ref.directory, async_save=False)
   try:
     step = ckpt.latest_step() if ref.step is None else ref.step
@@ -92,25 +102,35 @@ def export(checkpoint: str, output: str, *, dtype=None, tokenizer=None, max_shar
       raise ExportError(f"no committed checkpoint in {ref.directory!r} (an interrupted save?).")
     meta = ckpt.restore_meta(step)
     if "model_config" not in meta or "config" not in meta:
-      raise ExportError(f"checkpoint {ref.directory}/{step} holds no model_config/config in its meta; was it "
-                        "written by aepo_jax.train?")
+      raise ExportError(
+        f"checkpoint {ref.directory}/{step} holds no model_config/config in its meta; was it written by aepo_jax.train?"
+      )
     model_cfg = _checkpoint.model_config_from_json(meta["model_config"])
     tok_dir, base = _sources(_config.from_json(meta["config"]), tokenizer)
     from etils import epath
+
     if tok_dir and not (epath.Path(tok_dir) / "tokenizer.json").exists():
-      raise ExportError(f"the run's tokenizer {tok_dir!r} has no tokenizer.json (moved or deleted?); pass "
-                        "--tokenizer=DIR (local or gs://) or a bundled name.")
+      raise ExportError(
+        f"the run's tokenizer {tok_dir!r} has no tokenizer.json (moved or deleted?); pass "
+        "--tokenizer=DIR (local or gs://) or a bundled name."
+      )
     _prepare_output(output, overwrite)
     params = jax.device_get(ckpt.restore_params(step, model_lib.param_shapes(model_cfg)))
   finally:
     ckpt.close()
   generation = _generation_config(base)
-  model_lib.save_hf(model_cfg, params, output, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                    generation_config=generation)
+  model_lib.save_hf(
+    model_cfg, params, output, dtype=dtype, max_shard_bytes=max_shard_bytes, generation_config=generation
+  )
   if tok_dir:
     model_lib.copy_tokenizer_files(tok_dir, output)
-  return {"output": output, "checkpoint": f"{ref.directory}/{step}", "step": step, "tokenizer": tok_dir,
-          "generation_config": f"{base}/generation_config.json" if generation else None}
+  return {
+    "output": output,
+    "checkpoint": f"{ref.directory}/{step}",
+    "step": step,
+    "tokenizer": tok_dir,
+    "generation_config": f"{base}/generation_config.json" if generation else None,
+  }
 
 
 def main(argv):
@@ -119,14 +139,23 @@ def main(argv):
   if not _CKPT.value or not _OUT.value:
     raise app.UsageError("--checkpoint and --output are required.")
   try:
-    info = export(_CKPT.value, _OUT.value, dtype=_DTYPE.value, tokenizer=_TOKENIZER.value,
-                  max_shard_bytes=int(_MAX_SHARD_MB.value * (1 << 20)), overwrite=_OVERWRITE.value)
+    info = export(
+      _CKPT.value,
+      _OUT.value,
+      dtype=_DTYPE.value,
+      tokenizer=_TOKENIZER.value,
+      max_shard_bytes=int(_MAX_SHARD_MB.value * (1 << 20)),
+      overwrite=_OVERWRITE.value,
+    )
   except ExportError as e:
     sys.exit(f"error: {e}")
   print(f"exported {info['checkpoint']} to {info['output']}")
   if not info["tokenizer"]:
-    print("warning: the run had no tokenizer (random init without model.tokenizer); AutoTokenizer will not load "
-          "this directory until you export again with --tokenizer=DIR.", file=sys.stderr)
+    print(
+      "warning: the run had no tokenizer (random init without model.tokenizer); AutoTokenizer will not load "
+      "this directory until you export again with --tokenizer=DIR.",
+      file=sys.stderr,
+    )
   if not info["generation_config"]:
     print("note: no base model generation_config.json; wrote one with the token ids only.", file=sys.stderr)
 

@@ -6,6 +6,7 @@ r"""Render a run's curves to PNG: reward, accuracy, entropy, clip fractions, KL,
 Reads `metrics.jsonl` (and `histograms.jsonl` for the entropy distribution); panels whose metrics the run
 did not log are left out.
 """
+
 import os
 import re
 import sys
@@ -19,25 +20,38 @@ _OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/plots
 
 # panel name -> regexes of the metric names it shows
 PANELS = {
-    "reward": [r"^reward/mean$", r"^reward/format_errors$"],
-    "accuracy": [r"^eval/.*accuracy$"],
-    "entropy": [r"^actor/entropy_mean$", r"^rollout/sampler_entropy_mean$", r"^rollout/entropy_(initial|after_tool)$"],
-    "clip_fractions": [r"^actor/.*clipfrac.*$"],
-    "kl": [r"^actor/ppo_kl$", r"^actor/kl_loss$", r"^mismatch/logprob_abs_diff_mean$"],
-    "grad_norm": [r"^train/grad_norm$", r"^sft/grad_norm$"],
-    "branches": [r"^rollout/branches_per_prompt$", r"^rollout/top3_branch_share$", r"^rollout/tree_depth_mean$"],
-    "tool_calls": [r"^rollout/tool_calls.*$", r"^tools/.*(calls|timeouts|failures|errors).*$",
-                   r"^rollout/tool_failures$"],
-    "sft_nll": [r"^sft/nll$"],
-    "throughput": [r"^perf/tokens_per_s$"],
-    "time": [r"^perf/(rollout|reward|logprob|update|step)_s$"],
+  "reward": [r"^reward/mean$", r"^reward/format_errors$"],
+  "accuracy": [r"^eval/.*accuracy$"],
+  "entropy": [r"^actor/entropy_mean$", r"^rollout/sampler_entropy_mean$", r"^rollout/entropy_(initial|after_tool)$"],
+  "clip_fractions": [r"^actor/.*clipfrac.*$"],
+  "kl": [r"^actor/ppo_kl$", r"^actor/kl_loss$", r"^mismatch/logprob_abs_diff_mean$"],
+  "grad_norm": [r"^train/grad_norm$", r"^sft/grad_norm$"],
+  "branches": [r"^rollout/branches_per_prompt$", r"^rollout/top3_branch_share$", r"^rollout/tree_depth_mean$"],
+  "tool_calls": [
+    r"^rollout/tool_calls.*$",
+    r"^tools/.*(calls|timeouts|failures|errors).*$",
+    r"^rollout/tool_failures$",
+  ],
+  "sft_nll": [r"^sft/nll$"],
+  "throughput": [r"^perf/tokens_per_s$"],
+  "time": [r"^perf/(rollout|reward|logprob|update|step)_s$"],
 }
 
 
 # y-axis label of each panel
-UNITS = {"reward": "reward", "accuracy": "accuracy", "entropy": "nats", "clip_fractions": "fraction of tokens",
-         "kl": "nats", "grad_norm": "L2 norm", "branches": "count", "tool_calls": "calls", "sft_nll": "nats per token",
-         "throughput": "tokens / s", "time": "seconds per step"}
+UNITS = {
+  "reward": "reward",
+  "accuracy": "accuracy",
+  "entropy": "nats",
+  "clip_fractions": "fraction of tokens",
+  "kl": "nats",
+  "grad_norm": "L2 norm",
+  "branches": "count",
+  "tool_calls": "calls",
+  "sft_nll": "nats per token",
+  "throughput": "tokens / s",
+  "time": "seconds per step",
+}
 
 
 def _is_sft(record) -> bool:
@@ -68,13 +82,15 @@ def _phase_marker(ax, records, xs_all):
   if sft and len(sft) < len(records):
     ax.axvline(max(sft) + 0.5, color="grey", ls="--", lw=0.8)
     ax.text(max(sft) + 0.5, 1.0, " RL", transform=ax.get_xaxis_transform(), fontsize=7, va="top", color="grey")
-    ax.text(max(sft) + 0.5, 1.0, "SFT ", transform=ax.get_xaxis_transform(), fontsize=7, va="top", ha="right",
-            color="grey")
+    ax.text(
+      max(sft) + 0.5, 1.0, "SFT ", transform=ax.get_xaxis_transform(), fontsize=7, va="top", ha="right", color="grey"
+    )
 
 
 def plot_run(workdir: str, out: str) -> list[str]:
   """Write one PNG per panel with data, plus overview.png; returns the written paths."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from aepo_jax.train._metrics import HISTOGRAMS_FILE, read_metrics
@@ -121,7 +137,7 @@ def plot_run(workdir: str, out: str) -> list[str]:
       ax.set_ylabel(UNITS.get(panel, ""), fontsize=7)
       ax.legend(fontsize=6)
       ax.grid(alpha=0.3)
-    for ax in axes.ravel()[len(panels):]:
+    for ax in axes.ravel()[len(panels) :]:
       ax.axis("off")
     fig.tight_layout()
     path = os.path.join(out, "overview.png")

@@ -11,6 +11,7 @@ r"""Serve a checkpoint behind an OpenAI-compatible HTTP API (docs/serving.md).
 training checkpoint (its model config and tokenizer come from the checkpoint). SIGTERM or Ctrl-C stops taking
 requests, lets running ones finish for --drain_seconds, then exits.
 """
+
 import logging
 import os
 import signal
@@ -34,8 +35,12 @@ _DRAIN = flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, how long running
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Parameter and compute dtype (float32, bfloat16).")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "KV-cache dtype (default: the model's).")
 _PLATFORM = flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, tpu, gpu).")
-_WARMUP = flags.DEFINE_enum("warmup", "full", ["full", "quick", "none"], "Compile before taking requests: every "
-                            "prefill and decode variant (full), the decode step only (quick), or nothing.")
+_WARMUP = flags.DEFINE_enum(
+  "warmup",
+  "full",
+  ["full", "quick", "none"],
+  "Compile before taking requests: every prefill and decode variant (full), the decode step only (quick), or nothing.",
+)
 
 
 def main(argv):
@@ -44,21 +49,34 @@ def main(argv):
   if not _CKPT.value:
     raise app.UsageError("--checkpoint is required (a bundled name, an HF directory or a training checkpoint).")
   from aepo_jax.parallel import use_cpu_xla_flags
+
   use_cpu_xla_flags()  # before JAX starts its backend
   import jax
+
   if _PLATFORM.value:
     jax.config.update("jax_platforms", _PLATFORM.value)
 
   from aepo_jax.eval import CheckpointNotFoundError, load_policy
   from aepo_jax.serve import Server
+
   try:
     policy = load_policy(_CKPT.value, tokenizer=_TOKENIZER.value, dtype=_DTYPE.value)
   except CheckpointNotFoundError as e:
     raise SystemExit(f"error: {e}")
   name = _NAME.value or _CKPT.value  # vLLM's default: the model argument as given
-  server = Server(policy.config, policy.params, policy.tokenizer, model_name=name, max_slots=_SLOTS.value,
-                  max_len=_LEN.value, host=_HOST.value, port=_PORT.value, steps_per_call=_STEPS.value,
-                  max_queue=_QUEUE.value, cache_dtype=_CACHE_DTYPE.value)
+  server = Server(
+    policy.config,
+    policy.params,
+    policy.tokenizer,
+    model_name=name,
+    max_slots=_SLOTS.value,
+    max_len=_LEN.value,
+    host=_HOST.value,
+    port=_PORT.value,
+    steps_per_call=_STEPS.value,
+    max_queue=_QUEUE.value,
+    cache_dtype=_CACHE_DTYPE.value,
+  )
 
   def stop(signum, frame):
     del frame
@@ -70,8 +88,7 @@ def main(argv):
   server.scheduler.start()
   if _WARMUP.value != "none":
     server.warmup(full=_WARMUP.value == "full")
-  logging.info("serve: %s (%s) at %s, %d slots x %d tokens", name, policy.source, server.url, _SLOTS.value,
-               _LEN.value)
+  logging.info("serve: %s (%s) at %s, %d slots x %d tokens", name, policy.source, server.url, _SLOTS.value, _LEN.value)
   print(f"serving {name} at {server.url}", flush=True)
   server.serve_forever()
   logging.info("serve: stopped")

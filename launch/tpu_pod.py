@@ -13,6 +13,7 @@ r"""Train on a TPU pod, a single accelerator host, or CPU processes: cold-start 
 Any config key can be overridden: `--config.rollout.n=8 --config.train.steps=100`. The config is validated
 before any device is claimed; rerunning the same command resumes from the latest checkpoint in the workdir.
 """
+
 import logging
 import os
 import sys
@@ -22,18 +23,27 @@ from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/*.py[:arg]).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True
+)
 _MODE = flags.DEFINE_enum("mode", None, ["sft", "rl", "both"], "Override config.mode.")
 _COORD = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process CPU/GPU).")
 _NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process CPU/GPU).")
 _PID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process CPU/GPU).")
 _CPU_COLLECTIVES = flags.DEFINE_string("cpu_collectives", "gloo", "CPU collectives for multi-process CPU runs.")
 _PLATFORM = flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, tpu, gpu).")
-_TOPOLOGY = flags.DEFINE_string("topology", None, "With --dry_run: also compile the RL step for this TPU slice "
-                                "(e.g. v5p:4x4x2) and check it fits (launch/compile.py; needs libtpu).")
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config and check its files, model, tokenizer, backends "
-                             "and URLs (no device), print it as JSON and exit.")
+_TOPOLOGY = flags.DEFINE_string(
+  "topology",
+  None,
+  "With --dry_run: also compile the RL step for this TPU slice "
+  "(e.g. v5p:4x4x2) and check it fits (launch/compile.py; needs libtpu).",
+)
+_DRY_RUN = flags.DEFINE_bool(
+  "dry_run",
+  False,
+  "Validate the config and check its files, model, tokenizer, backends "
+  "and URLs (no device), print it as JSON and exit.",
+)
 
 
 class _QuietOrbax(logging.Filter):
@@ -49,6 +59,7 @@ def main(argv):
   for handler in logging.getLogger().handlers:
     handler.addFilter(_QuietOrbax())
   from aepo_jax.train import _config
+
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config=configs/<experiment>.py is required.")
@@ -58,6 +69,7 @@ def main(argv):
   _config.validate(config)  # before any device is claimed; the mesh is checked once devices are known
   if _DRY_RUN.value:  # also check files, names, backends and URLs; still claim no device
     from aepo_jax.train import _preflight
+
     problems = _preflight.preflight(config)
     if problems:
       sys.exit("error: the config cannot run here:\n  " + "\n  ".join(problems))
@@ -65,26 +77,40 @@ def main(argv):
     if _TOPOLOGY.value:
       os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the slice; claim no local device
       from aepo_jax.train import _compile
+
       sys.exit(_compile.check(config, _TOPOLOGY.value))
     return
 
   if _PLATFORM.value:
     os.environ["JAX_PLATFORMS"] = _PLATFORM.value
   from aepo_jax import parallel
+
   parallel.use_cpu_xla_flags()  # XLA:CPU flags on the CPU only, before JAX starts its backend
   import jax
+
   # Every Cloud TPU VM / GKE TPU host joins jax.distributed by itself (coordinator from the TPU metadata); CPU and
   # GPU processes need --coordinator_address/--num_processes/--process_id (or JAX_COORDINATOR_ADDRESS, ...).
   parallel.initialize_distributed(_COORD.value, _NPROC.value, _PID.value, cpu_collectives=_CPU_COLLECTIVES.value)
-  logging.info("process %d/%d, %d devices (%d local)", jax.process_index(), jax.process_count(),
-               jax.device_count(), jax.local_device_count())
+  logging.info(
+    "process %d/%d, %d devices (%d local)",
+    jax.process_index(),
+    jax.process_count(),
+    jax.device_count(),
+    jax.local_device_count(),
+  )
 
   from aepo_jax.tools import SandboxUnavailableError
   from aepo_jax.train import CheckpointError, ConfigError, run
   from aepo_jax.train._preflight import PreflightError
+
   try:
     summary = run(config)
-  except (CheckpointError, ConfigError, PreflightError, SandboxUnavailableError) as e:  # one paragraph that names the input and the fix; no traceback
+  except (
+    CheckpointError,
+    ConfigError,
+    PreflightError,
+    SandboxUnavailableError,
+  ) as e:  # one paragraph that names the input and the fix; no traceback
     logging.error("%s", e)
     sys.exit(f"error: {e}")
   if jax.process_index() == 0:
@@ -94,20 +120,24 @@ def main(argv):
 def _check_override_keys(argv) -> None:
   """absl reports an unknown `--config.a.b` as a bare KeyError; name the key and the closest one instead."""
   from aepo_jax.train import _config
+
   known = _config._flatten(_config.base_config())
   for arg in argv[1:]:
     if not arg.startswith("--config.") or arg.startswith("--config.model.overrides."):
       continue
-    key = arg[len("--config."):].split("=", 1)[0]
+    key = arg[len("--config.") :].split("=", 1)[0]
     if key not in known:
-      sys.exit(f"error: config key {key!r} (from {arg!r}) does not exist"
-               + _config.did_you_mean(key, known, otherwise=_config._SEE_BASE))
+      sys.exit(
+        f"error: config key {key!r} (from {arg!r}) does not exist"
+        + _config.did_you_mean(key, known, otherwise=_config._SEE_BASE)
+      )
 
 
 _MODEL_OVERRIDES: dict = {}
 
 if __name__ == "__main__":
   from aepo_jax.train._config import split_model_overrides
+
   sys.argv, _MODEL_OVERRIDES = split_model_overrides(sys.argv)  # absl cannot add keys to model.overrides
   flags.mark_flag_as_required("config")
   _check_override_keys(sys.argv)

@@ -1,4 +1,5 @@
 """Test-wide settings: 8 fake CPU devices for mesh tests, float32 matmuls, offline hubs."""
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -22,6 +23,7 @@ def pytest_collection_modifyitems(config, items):
   of running alone at the end. The order within a file is kept."""
   import json
   import pathlib
+
   path = pathlib.Path(__file__).with_name("durations.json")
   seconds = json.loads(path.read_text()) if path.exists() else {}
   items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))

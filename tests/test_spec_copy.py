@@ -1,5 +1,6 @@
 """docs/spec.md is the specification every "spec §x" in the code cites; it must be the project's shared copy, and
 every § it is cited with must exist in it."""
+
 import os
 import re
 

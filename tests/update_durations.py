@@ -6,6 +6,7 @@
 tests/conftest.py starts the longest files first, so that under `-n 2 --dist loadfile` a long file does not run
 alone at the end while the other worker idles. Files missing from durations.json run after the known ones.
 """
+
 import collections
 import json
 import pathlib

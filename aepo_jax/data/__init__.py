@@ -15,31 +15,65 @@ tensorflow_datasets load only when `make_loader` / `build_arpo_tfds` are first u
   build_arpo_tfds(data_dir, arpo_root=None), ArpoRl, example_from_tfds(record)
   tasks: generate_suite(seed, n_train, n_heldout, corpus_dir=None, difficulty=1) -> TaskSuite
 """
+
 from aepo_jax.data import prompts
 from aepo_jax.data._files import data_file_exists, is_data_file, iter_rows, load_records
 from aepo_jax.data._traces import Trace, read_traces, trace_from_record
 from aepo_jax.data._traces import segments as trace_segments
 from aepo_jax.data._records import FAMILIES, Example, RecordError
-from aepo_jax.data._sources import (ARPO_RL_FILES, BENCHMARKS, Benchmark, arpo_data_root,
-                                    load_arpo_parquet, load_benchmark, read_jsonl)
+from aepo_jax.data._sources import (
+  ARPO_RL_FILES,
+  BENCHMARKS,
+  Benchmark,
+  arpo_data_root,
+  load_arpo_parquet,
+  load_benchmark,
+  read_jsonl,
+)
 from aepo_jax.data.prompts import TEMPLATES, build_messages, has_backspace_bug, system_prompt
 
-_LAZY = {"make_loader": "aepo_jax.data._pipeline", "build_arpo_tfds": "aepo_jax.data._tfds_builder",
-         "ArpoRl": "aepo_jax.data._tfds_builder", "example_from_tfds": "aepo_jax.data._tfds_builder",
-         "generate_suite": "aepo_jax.data.tasks", "TaskSuite": "aepo_jax.data.tasks",
-         "Demo": "aepo_jax.data.tasks"}
+_LAZY = {
+  "make_loader": "aepo_jax.data._pipeline",
+  "build_arpo_tfds": "aepo_jax.data._tfds_builder",
+  "ArpoRl": "aepo_jax.data._tfds_builder",
+  "example_from_tfds": "aepo_jax.data._tfds_builder",
+  "generate_suite": "aepo_jax.data.tasks",
+  "TaskSuite": "aepo_jax.data.tasks",
+  "Demo": "aepo_jax.data.tasks",
+}
 
 
 def __getattr__(name):  # PEP 562: heavy optional parts load on first use
-    if name in _LAZY:
-        import importlib
+  if name in _LAZY:
+    import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'aepo_jax.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'aepo_jax.data' has no attribute {name!r}")
 
 
-__all__ = ["prompts", "FAMILIES", "Example", "RecordError", "ARPO_RL_FILES", "BENCHMARKS", "Benchmark",
-           "arpo_data_root", "load_arpo_parquet", "load_benchmark", "read_jsonl", "load_records", "is_data_file", "iter_rows",
-           "Trace", "read_traces", "trace_from_record", "trace_segments",
-           "data_file_exists", "TEMPLATES",
-           "build_messages", "has_backspace_bug", "system_prompt", *_LAZY]
+__all__ = [
+  "prompts",
+  "FAMILIES",
+  "Example",
+  "RecordError",
+  "ARPO_RL_FILES",
+  "BENCHMARKS",
+  "Benchmark",
+  "arpo_data_root",
+  "load_arpo_parquet",
+  "load_benchmark",
+  "read_jsonl",
+  "load_records",
+  "is_data_file",
+  "iter_rows",
+  "Trace",
+  "read_traces",
+  "trace_from_record",
+  "trace_segments",
+  "data_file_exists",
+  "TEMPLATES",
+  "build_messages",
+  "has_backspace_bug",
+  "system_prompt",
+  *_LAZY,
+]

@@ -7,91 +7,96 @@ same words (search-only or python-only), `base` asks for the answer format witho
 `compact` is a short prompt for the small CPU model (SmolLM2-135M), whose context and step budget
 cannot afford the long one.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
-_ANSWER = ("<answer> The final answer is \\[ \\boxed{answer here} \\] </answer>. In the last part "
-           "of the answer, the final exact answer is enclosed within \\boxed{} with latex format.")
+_ANSWER = (
+  "<answer> The final answer is \\[ \\boxed{answer here} \\] </answer>. In the last part "
+  "of the answer, the final exact answer is enclosed within \\boxed{} with latex format."
+)
 
 CODE_SEARCH = (
-    "You are a helpful assistant that can solve the given question step by step with the help of "
-    "the wikipedia search tool and python interpreter tool. Given a question, you need to first "
-    "think about the reasoning process in the mind and then provide the answer. During thinking, "
-    "you can invoke the wikipedia search tool to search and python interpreter tool to calculate "
-    "the math problem for fact information about specific topics if needed. The reasoning process "
-    "and answer are enclosed within <think> </think> and <answer> </answer> tags respectively, and "
-    "the search query and result are enclosed within <search> </search> and <result> </result> "
-    "tags respectively. For example, <think> This is the reasoning process. </think> <search> "
-    "search query here </search> <result> search result here </result> <think> This is the "
-    "reasoning process. </think> <python> python code here </python> <result> python interpreter "
-    "result here </result> <think> This is the reasoning process. </think> " + _ANSWER)
+  "You are a helpful assistant that can solve the given question step by step with the help of "
+  "the wikipedia search tool and python interpreter tool. Given a question, you need to first "
+  "think about the reasoning process in the mind and then provide the answer. During thinking, "
+  "you can invoke the wikipedia search tool to search and python interpreter tool to calculate "
+  "the math problem for fact information about specific topics if needed. The reasoning process "
+  "and answer are enclosed within <think> </think> and <answer> </answer> tags respectively, and "
+  "the search query and result are enclosed within <search> </search> and <result> </result> "
+  "tags respectively. For example, <think> This is the reasoning process. </think> <search> "
+  "search query here </search> <result> search result here </result> <think> This is the "
+  "reasoning process. </think> <python> python code here </python> <result> python interpreter "
+  "result here </result> <think> This is the reasoning process. </think> " + _ANSWER
+)
 
 SEARCH = (
-    "You are a helpful assistant that can solve the given question step by step with the help of "
-    "the wikipedia search tool. Given a question, you need to first think about the reasoning "
-    "process in the mind and then provide the answer. During thinking, you can invoke the "
-    "wikipedia search tool to search for fact information about specific topics if needed. The "
-    "reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags "
-    "respectively, and the search query and result are enclosed within <search> </search> and "
-    "<result> </result> tags respectively. For example, <think> This is the reasoning process. "
-    "</think> <search> search query here </search> <result> search result here </result> <think> "
-    "This is the reasoning process. </think> " + _ANSWER)
+  "You are a helpful assistant that can solve the given question step by step with the help of "
+  "the wikipedia search tool. Given a question, you need to first think about the reasoning "
+  "process in the mind and then provide the answer. During thinking, you can invoke the "
+  "wikipedia search tool to search for fact information about specific topics if needed. The "
+  "reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags "
+  "respectively, and the search query and result are enclosed within <search> </search> and "
+  "<result> </result> tags respectively. For example, <think> This is the reasoning process. "
+  "</think> <search> search query here </search> <result> search result here </result> <think> "
+  "This is the reasoning process. </think> " + _ANSWER
+)
 
 MATH = (
-    "You are a helpful assistant that can solve the given question step by step with the help of "
-    "the python interpreter tool. Given a question, you need to first think about the reasoning "
-    "process in the mind and then provide the answer. During thinking, you can invoke the python "
-    "interpreter tool to calculate the math problem if needed. The reasoning process and answer "
-    "are enclosed within <think> </think> and <answer> </answer> tags respectively. For example, "
-    "<think> This is the reasoning process. </think> <python> python code here </python> <result> "
-    "python interpreter result here </result> <think> This is the reasoning process. </think> "
-    + _ANSWER)
+  "You are a helpful assistant that can solve the given question step by step with the help of "
+  "the python interpreter tool. Given a question, you need to first think about the reasoning "
+  "process in the mind and then provide the answer. During thinking, you can invoke the python "
+  "interpreter tool to calculate the math problem if needed. The reasoning process and answer "
+  "are enclosed within <think> </think> and <answer> </answer> tags respectively. For example, "
+  "<think> This is the reasoning process. </think> <python> python code here </python> <result> "
+  "python interpreter result here </result> <think> This is the reasoning process. </think> " + _ANSWER
+)
 
 BASE = (
-    "You are a helpful assistant. Given a question, you need to first think about the reasoning "
-    "process in the mind and then provide the answer. The reasoning process and answer are "
-    "enclosed within <think> </think> and <answer> </answer> tags respectively. For example, "
-    "<think> This is the reasoning process. </think> " + _ANSWER)
+  "You are a helpful assistant. Given a question, you need to first think about the reasoning "
+  "process in the mind and then provide the answer. The reasoning process and answer are "
+  "enclosed within <think> </think> and <answer> </answer> tags respectively. For example, "
+  "<think> This is the reasoning process. </think> " + _ANSWER
+)
 
 COMPACT = (
-    "Answer with tools. Think in <think> </think>. Compute with <python> code </python> or look "
-    "facts up with <search> query </search>; the result comes back in <result> </result>. End "
-    "with <answer> \\boxed{answer} </answer>.")
+  "Answer with tools. Think in <think> </think>. Compute with <python> code </python> or look "
+  "facts up with <search> query </search>; the result comes back in <result> </result>. End "
+  "with <answer> \\boxed{answer} </answer>."
+)
 
-TEMPLATES = {"code_search": CODE_SEARCH, "search": SEARCH, "math": MATH, "base": BASE,
-             "compact": COMPACT}
+TEMPLATES = {"code_search": CODE_SEARCH, "search": SEARCH, "math": MATH, "base": BASE, "compact": COMPACT}
 
 
 def system_prompt(template: str) -> str:
-    try:
-        return TEMPLATES[template]
-    except KeyError:
-        raise ValueError(f"unknown prompt template {template!r}; choose from {sorted(TEMPLATES)}") from None
+  try:
+    return TEMPLATES[template]
+  except KeyError:
+    raise ValueError(f"unknown prompt template {template!r}; choose from {sorted(TEMPLATES)}") from None
 
 
 def has_backspace_bug(text: str) -> bool:
-    """True when `text` holds the ARPO data bug: `\\b` of `\\boxed` stored as U+0008."""
-    return "\x08" in text
+  """True when `text` holds the ARPO data bug: `\\b` of `\\boxed` stored as U+0008."""
+  return "\x08" in text
 
 
 def fix_backspace_bug(text: str) -> str:
-    return text.replace("\x08", "\\b")
+  return text.replace("\x08", "\\b")
 
 
 def build_messages(example: Any, template: str = "code_search") -> list[dict[str, str]]:
-    """[{role: system, content}, {role: user, content: question}] for a chat template.
+  """[{role: system, content}, {role: user, content: question}] for a chat template.
 
-    `example` is an `Example`, a dict with a 'question' key (and optionally 'system_prompt'), or the question
-    string itself. A record's own system prompt (Example.metadata['system_prompt'], from a data file that
-    carries one) replaces the template's.
-    """
-    own = None
-    if isinstance(example, str):
-        question = example
-    elif isinstance(example, dict):
-        question, own = example["question"], example.get("system_prompt")
-    else:
-        question, own = example.question, (example.metadata or {}).get("system_prompt")
-    return [{"role": "system", "content": own if own else system_prompt(template)},
-            {"role": "user", "content": question}]
+  `example` is an `Example`, a dict with a 'question' key (and optionally 'system_prompt'), or the question
+  string itself. A record's own system prompt (Example.metadata['system_prompt'], from a data file that
+  carries one) replaces the template's.
+  """
+  own = None
+  if isinstance(example, str):
+    question = example
+  elif isinstance(example, dict):
+    question, own = example["question"], example.get("system_prompt")
+  else:
+    question, own = example.question, (example.metadata or {}).get("system_prompt")
+  return [{"role": "system", "content": own if own else system_prompt(template)}, {"role": "user", "content": question}]

@@ -16,21 +16,67 @@ Pieces
   summarize_records(records, ks), write_summary(...), compare(run_dirs, out_prefix) -> (markdown, png)
   pass_at_k(n, c, k), mean_pass_at_k, best_of_k, bootstrap_ci, summarize
 """
+
 from aepo_jax.eval._api import EvalInputError, EvalPlan, build_tools, check_inputs, evaluate, run_evaluation
-from aepo_jax.eval._benchmarks import (SCORER_OF_FAMILY, family_of, load_examples, needs_judge, needs_search,
-                                       requirements_error, select_benchmarks)
-from aepo_jax.eval._checkpoint_io import (CheckpointDamagedError, CheckpointNotFoundError, CheckpointRef, Policy, load_policy,
-                                          load_tokenizer, resolve_checkpoint)
+from aepo_jax.eval._benchmarks import (
+  SCORER_OF_FAMILY,
+  family_of,
+  load_examples,
+  needs_judge,
+  needs_search,
+  requirements_error,
+  select_benchmarks,
+)
+from aepo_jax.eval._checkpoint_io import (
+  CheckpointDamagedError,
+  CheckpointNotFoundError,
+  CheckpointRef,
+  Policy,
+  load_policy,
+  load_tokenizer,
+  resolve_checkpoint,
+)
 from aepo_jax.eval._passk import best_of_k, bootstrap_ci, mean_pass_at_k, pass_at_k, summarize
 from aepo_jax.eval._report import compare, load_summary, summarize_records, summary_markdown, write_summary
 from aepo_jax.eval._runner import EvalSettings, Evaluator, read_records, tool_calls_from_text
 from aepo_jax.eval._scoring import JudgeUnavailableError, Scorer, probe_judge
 
 __all__ = [
-    "EvalInputError", "EvalPlan", "build_tools", "check_inputs", "evaluate", "run_evaluation", "SCORER_OF_FAMILY",
-    "family_of", "load_examples", "needs_judge", "needs_search", "requirements_error", "select_benchmarks",
-    "CheckpointDamagedError", "CheckpointNotFoundError", "CheckpointRef", "Policy", "load_policy", "load_tokenizer", "resolve_checkpoint",
-    "best_of_k", "bootstrap_ci", "mean_pass_at_k", "pass_at_k", "summarize", "compare", "load_summary",
-    "summarize_records", "summary_markdown", "write_summary", "EvalSettings", "Evaluator", "read_records",
-    "tool_calls_from_text", "JudgeUnavailableError", "Scorer", "probe_judge",
+  "EvalInputError",
+  "EvalPlan",
+  "build_tools",
+  "check_inputs",
+  "evaluate",
+  "run_evaluation",
+  "SCORER_OF_FAMILY",
+  "family_of",
+  "load_examples",
+  "needs_judge",
+  "needs_search",
+  "requirements_error",
+  "select_benchmarks",
+  "CheckpointDamagedError",
+  "CheckpointNotFoundError",
+  "CheckpointRef",
+  "Policy",
+  "load_policy",
+  "load_tokenizer",
+  "resolve_checkpoint",
+  "best_of_k",
+  "bootstrap_ci",
+  "mean_pass_at_k",
+  "pass_at_k",
+  "summarize",
+  "compare",
+  "load_summary",
+  "summarize_records",
+  "summary_markdown",
+  "write_summary",
+  "EvalSettings",
+  "Evaluator",
+  "read_records",
+  "tool_calls_from_text",
+  "JudgeUnavailableError",
+  "Scorer",
+  "probe_judge",
 ]

@@ -9,6 +9,7 @@ path that does not exist; benchmarks whose search backend or judge is not config
 its summariser or page store; a judge or summariser endpoint that does not answer a health probe; a retrieval
 server that does not answer GET /health.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,7 @@ class EvalInputError(ValueError):
 class EvalPlan:
   checkpoint: _checkpoint_io.CheckpointRef
   benchmarks: list
-  search_backend: Optional[str] = None      # None: not given; 'none': explicitly no search
+  search_backend: Optional[str] = None  # None: not given; 'none': explicitly no search
   search_options: dict = dataclasses.field(default_factory=dict)
   judge_url: Optional[str] = None
   judge_model: Optional[str] = None
@@ -38,32 +39,46 @@ class EvalPlan:
   allow_unsandboxed: bool = False
   python_timeout_s: float = 120.0
   data_options: dict = dataclasses.field(default_factory=dict)  # load_records keywords for data files
-  judge_qa: bool = True                     # with a judge, QA sets are judged too (the protocol)
+  judge_qa: bool = True  # with a judge, QA sets are judged too (the protocol)
   # The SDS browse form of search (spec §2.5): {pages, summarizer_url, summarizer_model, live}; None = snippets.
   browse: Optional[dict] = None
 
 
 def _probe_retrieval(url: str) -> None:
   from aepo_jax.tools import JsonClient
+
   try:
     JsonClient(timeout_s=5.0, retries=0).request("GET", url.rstrip("/") + "/health")
   except Exception as e:  # noqa: BLE001 -- any failure means the server is not usable
-    raise EvalInputError(f"the retrieval server at {url} did not answer GET /health ({e}); start it with "
-                         "`python launch/retrieval_server.py ...` or fix --search_url.") from e
+    raise EvalInputError(
+      f"the retrieval server at {url} did not answer GET /health ({e}); start it with "
+      "`python launch/retrieval_server.py ...` or fix --search_url."
+    ) from e
 
 
 def _probe_summarizer(url: str, model: str) -> None:
   from aepo_jax.tools import ChatClient
+
   try:
     ChatClient(url, model, timeout_s=10.0, retries=0, max_tokens=4).complete("Say OK.")
   except (RuntimeError, OSError, ValueError) as e:
-    raise EvalInputError(f"the summariser at {url} (model {model!r}) did not answer a health probe ({e}); start the "
-                         "server, or fix --summarizer_url / --summarizer_model.") from None
+    raise EvalInputError(
+      f"the summariser at {url} (model {model!r}) did not answer a health probe ({e}); start the "
+      "server, or fix --summarizer_url / --summarizer_model."
+    ) from None
 
 
-def check_inputs(checkpoint: str, benchmarks, *, search_backend: Optional[str] = None,
-                 search_options: Optional[dict] = None, judge_url: Optional[str] = None,
-                 judge_model: Optional[str] = None, probe: bool = True, **kwargs) -> EvalPlan:
+def check_inputs(
+  checkpoint: str,
+  benchmarks,
+  *,
+  search_backend: Optional[str] = None,
+  search_options: Optional[dict] = None,
+  judge_url: Optional[str] = None,
+  judge_model: Optional[str] = None,
+  probe: bool = True,
+  **kwargs,
+) -> EvalPlan:
   """Every check that can fail before weights are read (see the module docstring)."""
   try:
     names = _benchmarks.select_benchmarks(benchmarks)
@@ -74,6 +89,7 @@ def check_inputs(checkpoint: str, benchmarks, *, search_backend: Optional[str] =
   except FileNotFoundError as e:
     raise EvalInputError(str(e)) from None
   from aepo_jax.data import data_file_exists, is_data_file
+
   for name in names:
     if is_data_file(name) and not data_file_exists(name):
       raise EvalInputError(f"data file {name!r} (in --benchmarks) does not exist; check the path (local or gs://).")
@@ -90,17 +106,22 @@ def check_inputs(checkpoint: str, benchmarks, *, search_backend: Optional[str] =
   browse = kwargs.get("browse")
   if browse is not None:
     if search_backend in (None, "none"):
-      raise EvalInputError("--search_mode=browse needs a search backend (--search_backend=...): the browser reads "
-                           "the pages of its hits.")
+      raise EvalInputError(
+        "--search_mode=browse needs a search backend (--search_backend=...): the browser reads the pages of its hits."
+      )
     if not browse.get("summarizer_url") or not browse.get("summarizer_model"):
-      raise EvalInputError("--search_mode=browse needs --summarizer_url (an OpenAI-compatible base URL, e.g. "
-                           "http://127.0.0.1:8001/v1) and --summarizer_model.")
+      raise EvalInputError(
+        "--search_mode=browse needs --summarizer_url (an OpenAI-compatible base URL, e.g. "
+        "http://127.0.0.1:8001/v1) and --summarizer_model."
+      )
     pages = browse.get("pages")
     if pages and not os.path.exists(pages):
       raise EvalInputError(f"--browse_pages={pages!r} does not exist; give a directory of pages or a corpus JSONL.")
     if not pages and not browse.get("live"):
-      raise EvalInputError("--search_mode=browse needs a page store: --browse_pages=DIR_OR_JSONL (or "
-                           "--search_corpus), or --browse_live to fetch pages.")
+      raise EvalInputError(
+        "--search_mode=browse needs a page store: --browse_pages=DIR_OR_JSONL (or "
+        "--search_corpus), or --browse_live to fetch pages."
+      )
   if probe and judge_url:
     try:
       probe_judge(judge_url, judge_model)
@@ -116,11 +137,13 @@ def check_inputs(checkpoint: str, benchmarks, *, search_backend: Optional[str] =
 def build_tools(plan: EvalPlan, settings: EvalSettings):
   """The evaluation ToolSet: python always; search through the plan's backend (spec §2.5 limits)."""
   from aepo_jax import tools as tools_lib
+
   tools = {"python": tools_lib.PythonTool(timeout_s=plan.python_timeout_s, allow_unsandboxed=plan.allow_unsandboxed)}
   if plan.search_backend not in (None, "none"):
     opts = dict(plan.search_options)
     if plan.search_backend == "replay":
       from aepo_jax.data import arpo_data_root
+
       opts.setdefault("path", str(arpo_data_root() / "search_cache.json"))
       opts.setdefault("on_miss", "empty")  # eval questions mostly miss the training cache; say so, don't crash
     try:
@@ -130,33 +153,49 @@ def build_tools(plan: EvalPlan, settings: EvalSettings):
     if plan.browse is not None:  # the SDS browser of the deep-search evaluation (spec §2.5)
       b = plan.browse
       tools["search"] = tools_lib.BrowseTool(
-          backend, tools_lib.ChatClient(b["summarizer_url"], b["summarizer_model"]),
-          pages=tools_lib.PageStore(b["pages"]) if b.get("pages") else None, topk=10, live=bool(b.get("live")))
+        backend,
+        tools_lib.ChatClient(b["summarizer_url"], b["summarizer_model"]),
+        pages=tools_lib.PageStore(b["pages"]) if b.get("pages") else None,
+        topk=10,
+        live=bool(b.get("live")),
+      )
     else:
       tools["search"] = tools_lib.SearchTool(backend, topk=10)
-  return tools_lib.ToolSet(tools, mode="eval", eval_limits={"python": settings.python_limit,
-                                                            "search": settings.search_limit},
-                           timeout_s=plan.python_timeout_s + 30.0)
+  return tools_lib.ToolSet(
+    tools,
+    mode="eval",
+    eval_limits={"python": settings.python_limit, "search": settings.search_limit},
+    timeout_s=plan.python_timeout_s + 30.0,
+  )
 
 
 def make_judge(plan: EvalPlan):
   if not plan.judge_url:
     return None
   from aepo_jax.rewards import OpenAICompatibleJudge
+
   return OpenAICompatibleJudge(plan.judge_url, plan.judge_model)
 
 
-def run_evaluation(plan: EvalPlan, output: str, *, settings: EvalSettings = EvalSettings(),
-                   ks: Sequence[int] = (1, 5), limit: Optional[int] = None, show_progress: bool = True,
-                   policy=None) -> dict:
+def run_evaluation(
+  plan: EvalPlan,
+  output: str,
+  *,
+  settings: EvalSettings = EvalSettings(),
+  ks: Sequence[int] = (1, 5),
+  limit: Optional[int] = None,
+  show_progress: bool = True,
+  policy=None,
+) -> dict:
   """Evaluates every benchmark of the plan into `output/<benchmark>.jsonl` and writes the summary."""
   ks = sorted({int(k) for k in ks})
   if ks and ks[-1] > settings.n:
     raise EvalInputError(f"--k={ks[-1]} needs at least that many samples per question; set --n >= {ks[-1]}.")
   os.makedirs(output, exist_ok=True)
   try:  # data errors (a missing file, a malformed record) come before the model too
-    examples = {name: _benchmarks.load_examples(name, limit, data_options=plan.data_options)
-                for name in plan.benchmarks}
+    examples = {
+      name: _benchmarks.load_examples(name, limit, data_options=plan.data_options) for name in plan.benchmarks
+    }
   except (ValueError, FileNotFoundError) as e:
     raise EvalInputError(str(e)) from None
   _check_run_dir(output, plan, settings)
@@ -164,18 +203,29 @@ def run_evaluation(plan: EvalPlan, output: str, *, settings: EvalSettings = Eval
   try:
     if policy is None:
       policy = _checkpoint_io.load_policy(plan.checkpoint, tokenizer=plan.tokenizer)
-    evaluator = Evaluator(policy, tools, Scorer(make_judge(plan), judge_qa=plan.judge_qa), settings,
-                          show_progress=show_progress)
+    evaluator = Evaluator(
+      policy, tools, Scorer(make_judge(plan), judge_qa=plan.judge_qa), settings, show_progress=show_progress
+    )
     results, t0 = {}, time.monotonic()
     for name in plan.benchmarks:
       shown = _benchmarks.display_name(name)
       results[shown] = evaluator.run(shown, examples[name], os.path.join(output, f"{shown}.jsonl"))
-    meta = {"checkpoint": plan.checkpoint.path, "source": policy.source, "settings": dataclasses.asdict(settings),
-            "limit": limit, "search_backend": plan.search_backend, "judge_model": plan.judge_model,
-            "judge_qa": plan.judge_qa, "browse": plan.browse,
-            "tool_metrics": tools.metrics(), "seconds": time.monotonic() - t0}
-    families = {_benchmarks.display_name(n): _benchmarks.family_of(n, plan.data_options.get("family", "qa"))
-                for n in plan.benchmarks}
+    meta = {
+      "checkpoint": plan.checkpoint.path,
+      "source": policy.source,
+      "settings": dataclasses.asdict(settings),
+      "limit": limit,
+      "search_backend": plan.search_backend,
+      "judge_model": plan.judge_model,
+      "judge_qa": plan.judge_qa,
+      "browse": plan.browse,
+      "tool_metrics": tools.metrics(),
+      "seconds": time.monotonic() - t0,
+    }
+    families = {
+      _benchmarks.display_name(n): _benchmarks.family_of(n, plan.data_options.get("family", "qa"))
+      for n in plan.benchmarks
+    }
     return _report.write_summary(output, results, ks=ks, families=families, meta=meta)
   finally:
     tools.shutdown()
@@ -187,18 +237,25 @@ _RUN_FILE = "run.json"
 def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
   """A resumed run must use the settings of the run it continues (else its JSONL mixes two protocols)."""
   path = os.path.join(output, _RUN_FILE)
-  mine = {"checkpoint": plan.checkpoint.path, "settings": {k: v for k, v in dataclasses.asdict(settings).items()
-                                                           if k not in ("n", "batch_size", "chunk_steps")}}
+  mine = {
+    "checkpoint": plan.checkpoint.path,
+    "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("n", "batch_size", "chunk_steps")},
+  }
   if os.path.exists(path):
     with open(path) as f:
       theirs = json.load(f)
     if theirs != mine:
-      diff = [k for k in set(theirs["settings"]) | set(mine["settings"])
-              if theirs["settings"].get(k) != mine["settings"].get(k)]
+      diff = [
+        k
+        for k in set(theirs["settings"]) | set(mine["settings"])
+        if theirs["settings"].get(k) != mine["settings"].get(k)
+      ]
       if theirs["checkpoint"] != mine["checkpoint"]:
         diff.insert(0, "checkpoint")
-      raise EvalInputError(f"--output {output!r} holds a run with different {diff}; resume with the same settings "
-                           "or choose another --output.")
+      raise EvalInputError(
+        f"--output {output!r} holds a run with different {diff}; resume with the same settings "
+        "or choose another --output."
+      )
   else:
     with open(path, "w") as f:
       json.dump(mine, f, indent=2, sort_keys=True)
@@ -216,17 +273,28 @@ def evaluate(evaluator: Evaluator, sources: Mapping[str, Sequence], *, reward_ti
   import jax
   import numpy as np
   from aepo_jax import rewards as rewards_lib
+
   p, n = jax.process_index(), jax.process_count()
   out = {}
   for name, examples in sources.items():
     records = evaluator.run(name, list(examples)[p::n])
-    reward = rewards_lib.shared_pool().map(  # bounded time per answer, as in training; 0 past it
-        rewards_lib.deep_research, [(r["response"], r["answers"]) for r in records], timeout_s=reward_timeout_s,
-        default=0.0) if records else []
-    sums = np.asarray([len(records), sum(r["score"] for r in records), sum(reward),
-                       sum(r.get("num_tool_calls", 0) for r in records)], np.float64)
+    reward = (
+      rewards_lib.shared_pool().map(  # bounded time per answer, as in training; 0 past it
+        rewards_lib.deep_research,
+        [(r["response"], r["answers"]) for r in records],
+        timeout_s=reward_timeout_s,
+        default=0.0,
+      )
+      if records
+      else []
+    )
+    sums = np.asarray(
+      [len(records), sum(r["score"] for r in records), sum(reward), sum(r.get("num_tool_calls", 0) for r in records)],
+      np.float64,
+    )
     if n > 1:
       from jax.experimental import multihost_utils
+
       sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(n, -1).sum(0)
     count = max(sums[0], 1.0)
     out[f"eval/{name}/accuracy"] = float(sums[1] / count)

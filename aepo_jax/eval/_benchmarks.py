@@ -7,14 +7,14 @@ the family its records get (`data_options['family']`, default qa). The checks in
 any model is loaded: bad input fails before compute. Data files have no fixed protocol, so they require no
 search backend or judge.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 from typing import Iterable, Optional, Sequence
 
-from aepo_jax.data import (BENCHMARKS, FAMILIES, Example, arpo_data_root, is_data_file, load_benchmark,
-                           load_records)
+from aepo_jax.data import BENCHMARKS, FAMILIES, Example, arpo_data_root, is_data_file, load_benchmark, load_records
 
 # Spec §2.5: math sets are scored by math equivalence; QA sets by EM/F1 over aliases; deep-search sets by an
 # LLM judge OR'ed with math equivalence. QA and deep search are evaluated with the search tool.
@@ -45,8 +45,9 @@ def select_benchmarks(spec: str | Sequence[str]) -> list[str]:
   items = spec.split(",") if isinstance(spec, str) else list(spec)
   items = [s.strip() for s in items if s and s.strip()]
   if not items:
-    raise ValueError("--benchmarks is empty; give names like gsm8k,math500, a family "
-                     f"({', '.join(FAMILIES)}) or 'all'.")
+    raise ValueError(
+      f"--benchmarks is empty; give names like gsm8k,math500, a family ({', '.join(FAMILIES)}) or 'all'."
+    )
   out: list[str] = []
   for item in items:
     key = item.lower()
@@ -61,9 +62,11 @@ def select_benchmarks(spec: str | Sequence[str]) -> list[str]:
     elif key in BENCHMARKS:
       out.append(key)
     else:
-      raise ValueError(f"unknown benchmark {item!r}; known benchmarks: {', '.join(sorted(BENCHMARKS))}; "
-                       f"families: {', '.join(FAMILIES)}; 'all'; 'MATH' for the full MATH test set; or a .jsonl / "
-                       ".parquet file.")
+      raise ValueError(
+        f"unknown benchmark {item!r}; known benchmarks: {', '.join(sorted(BENCHMARKS))}; "
+        f"families: {', '.join(FAMILIES)}; 'all'; 'MATH' for the full MATH test set; or a .jsonl / "
+        ".parquet file."
+      )
   out = list(dict.fromkeys(out))
   shown: dict = {}
   for name in out:
@@ -92,19 +95,26 @@ def requirements_error(names: Iterable[str], *, search_backend: Optional[str], j
   deep = [n for n in names if needs_judge(n)]
   qa = [n for n in names if not is_data_file(n) and family_of(n) == "qa"]
   if deep and search_backend in (None, "none"):
-    problems.append(f"deep-search benchmarks {deep} need a search backend: pass --search_backend="
-                    "retrieval|replay|local|serper|brave|bing (with its --search_* options).")
+    problems.append(
+      f"deep-search benchmarks {deep} need a search backend: pass --search_backend="
+      "retrieval|replay|local|serper|brave|bing (with its --search_* options)."
+    )
   if deep and not judge:
-    problems.append(f"deep-search benchmarks {deep} are scored by an LLM judge (spec §2.5): pass --judge_url=URL "
-                    "--judge_model=NAME (an OpenAI-compatible endpoint).")
+    problems.append(
+      f"deep-search benchmarks {deep} are scored by an LLM judge (spec §2.5): pass --judge_url=URL "
+      "--judge_model=NAME (an OpenAI-compatible endpoint)."
+    )
   if qa and search_backend is None:
-    problems.append(f"QA benchmarks {qa} are evaluated with the search tool: pass --search_backend="
-                    "retrieval|replay|local|..., or --search_backend=none to evaluate them without search.")
+    problems.append(
+      f"QA benchmarks {qa} are evaluated with the search tool: pass --search_backend="
+      "retrieval|replay|local|..., or --search_backend=none to evaluate them without search."
+    )
   return "\n".join(problems) or None
 
 
-def load_examples(name: str, limit: Optional[int] = None, root=None, data_options: Optional[dict] = None
-                  ) -> list[Example]:
+def load_examples(
+  name: str, limit: Optional[int] = None, root=None, data_options: Optional[dict] = None
+) -> list[Example]:
   """The first `limit` examples of a benchmark or data file (file order, so runs with the same limit compare).
 
   data_options: `load_records` keywords for data files (question_key, answer_key, system_key, family)."""
@@ -123,5 +133,7 @@ class BenchmarkInfo:
 
 
 def describe(names: Iterable[str], data_family: str = "qa") -> list[BenchmarkInfo]:
-  return [BenchmarkInfo(display_name(n), family_of(n, data_family), SCORER_OF_FAMILY[family_of(n, data_family)])
-          for n in names]
+  return [
+    BenchmarkInfo(display_name(n), family_of(n, data_family), SCORER_OF_FAMILY[family_of(n, data_family)])
+    for n in names
+  ]

@@ -5,6 +5,7 @@ the trainer's own `Checkpointer`, and the ModelConfig and tokenizer from the che
   resolve_checkpoint(path) -> CheckpointRef     cheap: existence and kind, no arrays read (runs before compute)
   load_policy(path_or_ref, tokenizer=None) -> Policy(config, params, tokenizer, source)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +27,7 @@ class CheckpointDamagedError(CheckpointNotFoundError):
 @dataclasses.dataclass(frozen=True)
 class CheckpointRef:
   """kind: 'pretrained' | 'hf' | 'orbax'. For orbax: `directory` (the phase dir) and `step`."""
+
   path: str
   kind: str
   directory: str = ""
@@ -34,14 +36,15 @@ class CheckpointRef:
 
 @dataclasses.dataclass
 class Policy:
-  config: Any       # aepo_jax.model.ModelConfig
+  config: Any  # aepo_jax.model.ModelConfig
   params: Any
-  tokenizer: Any    # aepo_jax.model.Tokenizer
-  source: str       # description for the report
+  tokenizer: Any  # aepo_jax.model.Tokenizer
+  source: str  # description for the report
 
 
 def _epath(path: str):
   from etils import epath
+
   return epath.Path(path)
 
 
@@ -56,10 +59,12 @@ def _has_steps(p) -> bool:
 def resolve_checkpoint(path: str) -> CheckpointRef:
   """What `path` is, checked without reading weights. Raises CheckpointNotFoundError with the fix."""
   from aepo_jax.model import PRETRAINED
+
   if path in PRETRAINED:
     return CheckpointRef(path, "pretrained")
   if str(path).startswith("gs://"):  # fail in seconds, not after gcsfs's minute of retries
     from aepo_jax.train import _checkpoint
+
     try:
       _checkpoint.check_remote(path)
     except _checkpoint.CheckpointError as e:
@@ -67,9 +72,10 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
   p = _epath(path)
   if not p.exists():
     raise CheckpointNotFoundError(
-        f"--checkpoint {path!r} does not exist. Give an Orbax checkpoint (a step dir like .../checkpoints/rl/6, "
-        f"a phase dir .../checkpoints/rl, or a training workdir), an HF directory with config.json, or a "
-        f"pretrained name ({', '.join(sorted(PRETRAINED))}).")
+      f"--checkpoint {path!r} does not exist. Give an Orbax checkpoint (a step dir like .../checkpoints/rl/6, "
+      f"a phase dir .../checkpoints/rl, or a training workdir), an HF directory with config.json, or a "
+      f"pretrained name ({', '.join(sorted(PRETRAINED))})."
+    )
   # A training workdir also holds a config.json (the experiment's); its checkpoints/ dir decides.
   if (p / "config.json").exists() and not (p / "checkpoints").exists():
     return CheckpointRef(path, "hf")
@@ -79,8 +85,9 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
     if cand.exists() and _has_steps(cand):
       return CheckpointRef(path, "orbax", str(cand), None)
   raise CheckpointNotFoundError(
-      f"--checkpoint {path!r} exists but holds neither config.json (HF) nor numbered Orbax step directories "
-      "(nor checkpoints/rl or checkpoints/sft below it).")
+    f"--checkpoint {path!r} exists but holds neither config.json (HF) nor numbered Orbax step directories "
+    "(nor checkpoints/rl or checkpoints/sft below it)."
+  )
 
 
 @contextlib.contextmanager
@@ -101,6 +108,7 @@ def _local_dir(path: str):
 def load_tokenizer(path_or_name: str):
   """Tokenizer of a pretrained name or an HF directory (local or gs://)."""
   from aepo_jax.model import PRETRAINED, Tokenizer, pretrained_dir
+
   if path_or_name in PRETRAINED:
     return Tokenizer.from_dir(pretrained_dir(path_or_name))
   with _local_dir(path_or_name) as local:
@@ -110,6 +118,7 @@ def load_tokenizer(path_or_name: str):
 def _orbax_tokenizer_source(meta: dict) -> Optional[str]:
   """model.tokenizer, else model.name (a pretrained name or HF dir) of the training config saved in meta."""
   import json
+
   cfg = meta.get("config")
   if isinstance(cfg, str):
     cfg = json.loads(cfg)
@@ -126,6 +135,7 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
   import jax
 
   from aepo_jax import model as model_lib
+
   ref = resolve_checkpoint(ref) if isinstance(ref, str) else ref
   if ref.kind == "pretrained":
     cfg, params = model_lib.load_pretrained(ref.path, dtype=dtype)
@@ -140,6 +150,7 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
         raise CheckpointNotFoundError(f"{e} Or pass --tokenizer=DIR_OR_NAME.") from e
     return Policy(cfg, params, tok, f"hf {ref.path}")
   from aepo_jax.train import _checkpoint
+
   ckpt = _checkpoint.Checkpointer(ref.directory, async_save=False)
   try:
     step = ckpt.latest_step() if ref.step is None else ref.step
@@ -147,8 +158,9 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
       raise CheckpointNotFoundError(f"no committed checkpoint in {ref.directory!r} (an interrupted save?).")
     meta = ckpt.restore_meta(step)
     if "model_config" not in meta:
-      raise CheckpointNotFoundError(f"checkpoint {ref.directory}/{step} holds no model_config in its meta; "
-                                    "was it written by aepo_jax.train?")
+      raise CheckpointNotFoundError(
+        f"checkpoint {ref.directory}/{step} holds no model_config in its meta; was it written by aepo_jax.train?"
+      )
     cfg = _checkpoint.model_config_from_json(meta["model_config"])
     if dtype:
       cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
@@ -158,18 +170,25 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
       params = jax.tree.map(lambda x: x.astype(dtype), params)
   except _checkpoint.CheckpointCorruptError as e:
     others = [s for s in ckpt.all_steps() if s != e.step]
-    hint = (f"evaluate another step (--checkpoint={ref.directory}/<step>, committed: {', '.join(map(str, others))}) "
-            "or restore the named files." if others else "restore the named files.")
+    hint = (
+      f"evaluate another step (--checkpoint={ref.directory}/<step>, committed: {', '.join(map(str, others))}) "
+      "or restore the named files."
+      if others
+      else "restore the named files."
+    )
     raise CheckpointDamagedError(f"{e} It cannot be evaluated; {hint}") from None
   finally:
     ckpt.close()
   source = tokenizer or _orbax_tokenizer_source(meta)
   if not source:
-    raise CheckpointNotFoundError(f"checkpoint {ref.directory}/{step} names no tokenizer (config.model.tokenizer "
-                                  "or model.name); pass --tokenizer=DIR_OR_NAME.")
+    raise CheckpointNotFoundError(
+      f"checkpoint {ref.directory}/{step} names no tokenizer (config.model.tokenizer "
+      "or model.name); pass --tokenizer=DIR_OR_NAME."
+    )
   try:
     tok = load_tokenizer(source)
   except (FileNotFoundError, ValueError) as e:
-    raise CheckpointNotFoundError(f"tokenizer {source!r} of checkpoint {ref.directory}/{step} cannot be loaded "
-                                  f"({e}); pass --tokenizer=DIR_OR_NAME.") from e
+    raise CheckpointNotFoundError(
+      f"tokenizer {source!r} of checkpoint {ref.directory}/{step} cannot be loaded ({e}); pass --tokenizer=DIR_OR_NAME."
+    ) from e
   return Policy(cfg, params, tok, f"orbax {ref.directory} step {step}")

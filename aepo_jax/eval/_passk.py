@@ -5,6 +5,7 @@
 * `best_of_k(scores)`: the papers' form ("Pass@5 = 5 independent runs"): per question, the best score over
   exactly k runs. With binary scores and n = k it equals `pass_at_k(k, c, k)`.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -41,8 +42,14 @@ def best_of_k(scores: Sequence[Sequence[float]], k: int) -> float:
   return float(np.mean(rows))
 
 
-def bootstrap_ci(per_question: Sequence[float], *, stat: Callable[[np.ndarray], float] = np.mean,
-                 num_resamples: int = 2000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float]:
+def bootstrap_ci(
+  per_question: Sequence[float],
+  *,
+  stat: Callable[[np.ndarray], float] = np.mean,
+  num_resamples: int = 2000,
+  alpha: float = 0.05,
+  seed: int = 0,
+) -> tuple[float, float]:
   """Percentile bootstrap CI of `stat` over questions (resampled with replacement)."""
   x = np.asarray(per_question, dtype=np.float64)
   if x.size == 0:
@@ -57,8 +64,14 @@ def bootstrap_ci(per_question: Sequence[float], *, stat: Callable[[np.ndarray], 
   return float(lo), float(hi)
 
 
-def summarize(correct: Sequence[Sequence[bool]], ks: Sequence[int], *, scores: Optional[Sequence[Sequence[float]]] = None,
-              num_resamples: int = 2000, seed: int = 0) -> dict:
+def summarize(
+  correct: Sequence[Sequence[bool]],
+  ks: Sequence[int],
+  *,
+  scores: Optional[Sequence[Sequence[float]]] = None,
+  num_resamples: int = 2000,
+  seed: int = 0,
+) -> dict:
   """Pass@k (unbiased) with 95% bootstrap CIs for every k ≤ the smallest sample count, plus best-of-k."""
   n_min = min(len(s) for s in correct)
   out = {"num_questions": len(correct), "samples_per_question": n_min}

@@ -4,6 +4,7 @@ Per benchmark: Pass@k by the unbiased estimator for every k <= n (with 95% boots
 papers' best-of-k ("Pass@5 = best of 5 independent runs", named `best_of_k`), mean EM/F1 for QA sets, which
 scorers decided, judge failures, tool calls and response lengths.
 """
+
 from __future__ import annotations
 
 import collections
@@ -49,13 +50,19 @@ def _fmt(x: Optional[float]) -> str:
 def summary_markdown(summary: dict) -> str:
   """One row per benchmark: Pass@1, Pass@k (unbiased, with CI), best-of-k, EM/F1, judge failures."""
   benches = summary["benchmarks"]
-  ks = sorted({int(k.split("@")[1]) for b in benches.values() for k in b if k.startswith("pass@")
-               and not k.endswith("_ci95")})
+  ks = sorted(
+    {int(k.split("@")[1]) for b in benches.values() for k in b if k.startswith("pass@") and not k.endswith("_ci95")}
+  )
   head = ["benchmark", "family", "questions", "n"] + [f"pass@{k} (95% CI)" for k in ks]
   head += [f"best_of_{k}" for k in ks if k > 1] + ["EM", "F1", "judge fail", "tool calls"]
-  lines = [f"# Evaluation of {summary.get('checkpoint', '?')}", "",
-           f"settings: `{json.dumps(summary.get('settings', {}), sort_keys=True)}`", "",
-           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  lines = [
+    f"# Evaluation of {summary.get('checkpoint', '?')}",
+    "",
+    f"settings: `{json.dumps(summary.get('settings', {}), sort_keys=True)}`",
+    "",
+    "| " + " | ".join(head) + " |",
+    "|" + "---|" * len(head),
+  ]
   for name, b in benches.items():
     row = [name, b.get("family", ""), str(b["num_questions"]), str(b["samples_per_question"])]
     for k in ks:
@@ -97,8 +104,9 @@ def compare(run_dirs: Sequence[str], out_prefix: Optional[str] = None, metric: s
     raise ValueError("compare: give at least one run directory.")
   runs = [(os.path.basename(os.path.normpath(d)) or d, load_summary(d)) for d in run_dirs]
   names = list(dict.fromkeys(b for _, s in runs for b in s["benchmarks"]))
-  metrics = [m for m in ("pass@1", "pass@5", "best_of_5") if any(m in s["benchmarks"].get(b, {})
-                                                                  for _, s in runs for b in names)]
+  metrics = [
+    m for m in ("pass@1", "pass@5", "best_of_5") if any(m in s["benchmarks"].get(b, {}) for _, s in runs for b in names)
+  ]
   if metric not in metrics:
     metrics.insert(0, metric)
   head = ["benchmark"] + [f"{label} {m}" for m in metrics for label, _ in runs]
@@ -118,8 +126,10 @@ def compare(run_dirs: Sequence[str], out_prefix: Optional[str] = None, metric: s
 
 def _bar_chart(runs, names, metric: str, path: str) -> None:
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+
   width = 0.8 / len(runs)
   x = np.arange(len(names))
   fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names) * max(1, len(runs) / 2)), 4))

@@ -15,6 +15,7 @@ exactly once. Sampled runs draw from seeds derived from `seed` and the
 batch index, so a resumed sampled run is a valid sample but not bit-identical to an uninterrupted one; greedy
 runs (temperature 0) are.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,8 @@ _log = logging.getLogger("aepo_jax.eval")
 @dataclasses.dataclass(frozen=True)
 class EvalSettings:
   """Defaults are the official evaluation's (spec §2.5)."""
-  n: int = 5                      # samples per question (Pass@k needs n >= k)
+
+  n: int = 5  # samples per question (Pass@k needs n >= k)
   temperature: float = 0.6
   top_p: float = 0.95
   top_k: int = 20
@@ -43,13 +45,13 @@ class EvalSettings:
   repetition_penalty: float = 1.1
   max_prompt_len: int = 2048
   max_tokens_per_call: int = 4096  # tokens one generation call may sample (0: only max_response_len bounds it)
-  max_response_len: int = 8192    # response tokens including tool results (the KV cache holds prompt + this)
+  max_response_len: int = 8192  # response tokens including tool results (the KV cache holds prompt + this)
   python_limit: int = 5
   search_limit: int = 10
-  batch_size: int = 8             # trajectories decoded together (engine slots)
+  batch_size: int = 8  # trajectories decoded together (engine slots)
   chunk_steps: int = 16
   seed: int = 0
-  template: str = "code_search"   # system prompt (aepo_jax.data.TEMPLATES)
+  template: str = "code_search"  # system prompt (aepo_jax.data.TEMPLATES)
 
   def __post_init__(self):
     for key in ("n", "max_prompt_len", "max_response_len", "batch_size", "chunk_steps"):
@@ -58,12 +60,17 @@ class EvalSettings:
     if self.max_tokens_per_call < 0:
       raise ValueError(f"EvalSettings.max_tokens_per_call={self.max_tokens_per_call} must be >= 0 (0: no cap).")
     if not 0.0 <= self.min_p <= 1.0 or not self.repetition_penalty > 0:
-      raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 = off) and repetition_penalty="
-                       f"{self.repetition_penalty} > 0 (1 = off).")
+      raise ValueError(
+        f"min_p={self.min_p} must be in [0, 1] (0 = off) and repetition_penalty="
+        f"{self.repetition_penalty} > 0 (1 = off)."
+      )
     if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-      raise ValueError(f"sampling temperature={self.temperature} (>= 0, 0 = greedy), top_p={self.top_p} (in (0, 1]) "
-                       f"and top_k={self.top_k} (>= 0, 0 = off) are out of range.")
+      raise ValueError(
+        f"sampling temperature={self.temperature} (>= 0, 0 = greedy), top_p={self.top_p} (in (0, 1]) "
+        f"and top_k={self.top_k} (>= 0, 0 = off) are out of range."
+      )
     from aepo_jax.data import TEMPLATES
+
     if self.template not in TEMPLATES:
       raise ValueError(f"template {self.template!r} is unknown; choose one of {sorted(TEMPLATES)}.")
 
@@ -115,8 +122,13 @@ def read_records(path: str, *, repair: bool = True) -> list[dict]:
       bad.append((number, line))
   if bad:
     where = ", ".join(str(n) for n, _ in bad[:10]) + (f" (and {len(bad) - 10} more)" if len(bad) > 10 else "")
-    _log.warning("%s: skipped %d unparsable line(s) (line %s)%s; their examples are evaluated again.", path,
-                 len(bad), where, f", moved to {path}.bad" if repair else "")
+    _log.warning(
+      "%s: skipped %d unparsable line(s) (line %s)%s; their examples are evaluated again.",
+      path,
+      len(bad),
+      where,
+      f", moved to {path}.bad" if repair else "",
+    )
   if repair and (bad or torn):
     if bad:
       with open(path + ".bad", "ab") as f:
@@ -144,8 +156,18 @@ class Evaluator:
   then give only n, batch_size, max_prompt_len, template and seed.
   """
 
-  def __init__(self, policy, tools, scorer: Scorer, settings: EvalSettings = EvalSettings(), *,
-               mesh=None, show_progress: bool = True, loop=None, rollout_policy=None):
+  def __init__(
+    self,
+    policy,
+    tools,
+    scorer: Scorer,
+    settings: EvalSettings = EvalSettings(),
+    *,
+    mesh=None,
+    show_progress: bool = True,
+    loop=None,
+    rollout_policy=None,
+  ):
     from aepo_jax.rollout.policies import rollout_policy as make_policy
 
     self.policy, self.tools, self.scorer, self.settings = policy, tools, scorer, settings
@@ -155,21 +177,35 @@ class Evaluator:
 
   def _protocol_loop(self, mesh):
     from aepo_jax.rollout import AgentConfig, AgentLoop, SamplingParams, make_engine
+
     s, tok, tools = self.settings, self.policy.tokenizer, self.tools
     tags = tuple(tools.tags)
-    engine = make_engine(self.policy.config, max_slots=s.batch_size, max_len=s.max_prompt_len + s.max_response_len,
-                         tokenizer=tok, stop_strings=[f"</{t}>" for t in tags], tokenizer_eos=True,
-                         sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty),
-                         mesh=mesh)
+    engine = make_engine(
+      self.policy.config,
+      max_slots=s.batch_size,
+      max_len=s.max_prompt_len + s.max_response_len,
+      tokenizer=tok,
+      stop_strings=[f"</{t}>" for t in tags],
+      tokenizer_eos=True,
+      sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty),
+      mesh=mesh,
+    )
     # Evaluation: the per-tool limits live in the ToolSet (refusal text, the model continues); the loop's own
     # total-call cap, which ends a trajectory, is set out of reach (a refused call still costs tokens).
-    agent_cfg = AgentConfig(max_response_len=s.max_response_len, max_tool_calls=10 ** 6, chunk_steps=s.chunk_steps,
-                            tool_tags=tags, result_mode="eval", max_tokens_per_call=s.max_tokens_per_call)
+    agent_cfg = AgentConfig(
+      max_response_len=s.max_response_len,
+      max_tool_calls=10**6,
+      chunk_steps=s.chunk_steps,
+      tool_tags=tags,
+      result_mode="eval",
+      max_tokens_per_call=s.max_tokens_per_call,
+    )
     return AgentLoop(engine, _ContinuationTokenizer(tok), tools, agent_cfg, pad_id=getattr(tok, "pad_id", None))
 
   def prompt_tokens(self, example: Example) -> list[int]:
-    return self.policy.tokenizer.apply_chat_template(build_messages(example, self.settings.template),
-                                                     add_generation_prompt=True)
+    return self.policy.tokenizer.apply_chat_template(
+      build_messages(example, self.settings.template), add_generation_prompt=True
+    )
 
   def run(self, name: str, examples: Sequence[Example], path: Optional[str] = None) -> list[dict]:
     """Evaluates the missing (example, sample) pairs of one benchmark; returns all its records (path None: kept in
@@ -196,7 +232,7 @@ class Evaluator:
     bar = self._bar(name, len(examples) * s.n, len(unique), unique)
     with open(path, "a") if path is not None else contextlib.nullcontext() as f:
       for b in range(0, len(todo), s.batch_size):
-        batch = todo[b:b + s.batch_size]
+        batch = todo[b : b + s.batch_size]
         for rec in self._run_batch(name, batch, seed=s.seed * 1_000_003 + len(unique) + b):
           if f is not None:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -215,6 +251,7 @@ class Evaluator:
     if not self.show_progress:
       return None
     from tqdm import tqdm
+
     bar = tqdm(total=total, initial=done, desc=name, unit="ans", dynamic_ncols=True)
     if records:
       bar.set_postfix(acc=f"{_mean(r['score'] for r in records):.3f}")
@@ -236,14 +273,30 @@ class Evaluator:
       dt = (time.monotonic() - t0) / len(prompts)
       for row, i in enumerate(runnable):
         ex, k = batch[i]
-        out[i] = self._record(name, ex, k, traj.response_text[row], stop_reason=traj.stop_reason_b[row],
-                              prompt_len=int(traj.prompt_len_b[row]), response_len=int(traj.response_len_b[row]),
-                              num_tool_calls=int(traj.num_tool_calls_b[row]), seconds=dt)
+        out[i] = self._record(
+          name,
+          ex,
+          k,
+          traj.response_text[row],
+          stop_reason=traj.stop_reason_b[row],
+          prompt_len=int(traj.prompt_len_b[row]),
+          response_len=int(traj.response_len_b[row]),
+          num_tool_calls=int(traj.num_tool_calls_b[row]),
+          seconds=dt,
+        )
     return [out[i] for i in range(len(batch))]
 
   def _record(self, name, ex: Example, k: int, response: str, **extra) -> dict:
-    rec = {"benchmark": name, "id": ex.id, "sample": k, "family": ex.family, "question": ex.question,
-           "answers": list(ex.answers), "response": response, "tool_calls": tool_calls_from_text(response)}
+    rec = {
+      "benchmark": name,
+      "id": ex.id,
+      "sample": k,
+      "family": ex.family,
+      "question": ex.question,
+      "answers": list(ex.answers),
+      "response": response,
+      "tool_calls": tool_calls_from_text(response),
+    }
     rec.update(extra)
     rec.update(self.scorer.score(ex, response))
     return rec

@@ -17,6 +17,7 @@ reason in `score_error`.
 `judge_qa=False` scores the QA sets by EM even when a judge is given (offline, the numbers the QA literature
 reports), a deliberate difference from the official evaluation.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ import urllib.error
 from typing import Optional
 
 from aepo_jax.data import Example
-from aepo_jax.rewards import (JudgeClient, JudgeError, OpenAICompatibleJudge, RewardPool, answer_checks,
-                              extract_answer, shared_pool)
+from aepo_jax.rewards import (
+  JudgeClient,
+  JudgeError,
+  OpenAICompatibleJudge,
+  RewardPool,
+  answer_checks,
+  extract_answer,
+  shared_pool,
+)
 
 
 class JudgeUnavailableError(RuntimeError):
@@ -43,8 +51,9 @@ def probe_judge(base_url: str, model: str, *, timeout_s: float = 10.0) -> None:
     probe.judge("What is 1 + 1?", "2", "2")
   except (JudgeError, urllib.error.URLError, OSError, json.JSONDecodeError) as e:
     raise JudgeUnavailableError(
-        f"the judge at {base_url} (model {model!r}) did not answer a health probe ({e}); start the server, or fix "
-        "--judge-url / --judge-model (the URL is the OpenAI base, e.g. http://127.0.0.1:8000/v1).") from e
+      f"the judge at {base_url} (model {model!r}) did not answer a health probe ({e}); start the server, or fix "
+      "--judge-url / --judge-model (the URL is the OpenAI base, e.g. http://127.0.0.1:8000/v1)."
+    ) from e
 
 
 class Scorer:
@@ -55,8 +64,15 @@ class Scorer:
   example, all its retries together.
   """
 
-  def __init__(self, judge: Optional[JudgeClient] = None, *, judge_qa: bool = True,
-               pool: Optional[RewardPool] = None, timeout_s: float = 10.0, judge_timeout_s: float = 300.0):
+  def __init__(
+    self,
+    judge: Optional[JudgeClient] = None,
+    *,
+    judge_qa: bool = True,
+    pool: Optional[RewardPool] = None,
+    timeout_s: float = 10.0,
+    judge_timeout_s: float = 300.0,
+  ):
     self.judge, self.judge_qa = judge, judge_qa
     self._pool, self.timeout_s, self.judge_timeout_s = pool, timeout_s, judge_timeout_s
 
@@ -88,9 +104,17 @@ class Scorer:
   def score(self, example: Example, response_text: str) -> dict:
     answers = list(example.answers)
     checks, error = self._checks(response_text, answers)
-    out = {"extracted": checks["extracted"] if checks else extract_answer(response_text), "score": 0.0,
-           "correct": False, "scorer": "", "em": None, "f1": None, "judge": None, "judge_error": None,
-           "score_error": error}
+    out = {
+      "extracted": checks["extracted"] if checks else extract_answer(response_text),
+      "score": 0.0,
+      "correct": False,
+      "scorer": "",
+      "em": None,
+      "f1": None,
+      "judge": None,
+      "judge_error": None,
+      "score_error": error,
+    }
     if checks is None:  # the answer took over timeout_s to check (or crashed its worker): wrong, and said why
       out.update(scorer="timeout" if error.startswith("timeout") else "score_failed")
       return out
@@ -100,8 +124,9 @@ class Scorer:
       out.update(correct=math_ok, scorer="math_verify")
     elif fam == "qa" and not (self.judge_qa and self.judge is not None):
       em = checks["em"]
-      out.update(em=float(em), f1=checks["f1"], correct=em or math_ok,
-                 scorer="em" if em or not math_ok else "math_equal")
+      out.update(
+        em=float(em), f1=checks["f1"], correct=em or math_ok, scorer="em" if em or not math_ok else "math_equal"
+      )
     else:  # deep search (and QA with judge_qa): judge OR math equivalence
       if fam == "qa":
         out.update(em=float(checks["em"]), f1=checks["f1"])

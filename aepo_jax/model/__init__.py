@@ -20,11 +20,22 @@ Public API:
   Tokenizer.from_dir(path)                      encode/decode, chat template, eos/pad ids
   copy_tokenizer_files(src, dst)                the tokenizer files (chat template included), local or gs://
 """
+
 from aepo_jax.model._cpu_attention import resolve as resolve_attention_impl
 from aepo_jax.model._config import FAMILIES, PRESETS, ModelConfig, preset
-from aepo_jax.model._functional import (CACHE_LOGICAL_AXES, default_positions, fill_cache_rows, forward,
-                                        forward_cached, forward_hidden, init_cache, init_params, param_logical_axes, unembed,
-                                        unembed_matrix)
+from aepo_jax.model._functional import (
+  CACHE_LOGICAL_AXES,
+  default_positions,
+  fill_cache_rows,
+  forward,
+  forward_cached,
+  forward_hidden,
+  init_cache,
+  init_params,
+  param_logical_axes,
+  unembed,
+  unembed_matrix,
+)
 from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
 from aepo_jax.model._hf_io import load_hf, read_hf_config, save_hf
 from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir

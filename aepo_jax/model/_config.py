@@ -2,6 +2,7 @@
 
 `ModelConfig` is a frozen (hashable) dataclass so it can be a static argument of `jax.jit`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,15 +49,18 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.family={self.family!r} is not supported; choose one of {FAMILIES}.")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"ModelConfig: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
+        f"ModelConfig: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}."
+      )
     if not 1 <= self.scan_unroll:
       raise ValueError(f"ModelConfig.scan_unroll={self.scan_unroll}: must be >= 1 (num_layers unrolls fully).")
     if self.attention_impl not in ("auto", "xla", "cpu_kernel"):
       raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}: use 'auto', 'xla' or 'cpu_kernel'.")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16", "float64"):
-        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}: use 'float32', 'bfloat16' or 'float16' "
-                         "('float64' is a reference mode for numerics checks; it needs jax.enable_x64).")
+        raise ValueError(
+          f"ModelConfig.{name}={getattr(self, name)!r}: use 'float32', 'bfloat16' or 'float16' "
+          "('float64' is a reference mode for numerics checks; it needs jax.enable_x64)."
+        )
 
   @property
   def rope_scaling_dict(self) -> Optional[dict]:
@@ -85,75 +89,228 @@ def _scaling(**kw) -> tuple:
 # Published sizes (values from the checkpoints' config.json files; eos ids from the instruct models'
 # generation_config.json). tests/model/test_config.py checks them against those files' contents.
 PRESETS = {
-    "smollm2-135m": ModelConfig(
-        family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
-        pad_token_id=2),
-    "llama-3.1-8b": ModelConfig(
-        family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
-        rope_scaling=_scaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8192),
-        max_position_embeddings=131072, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
-    "qwen2.5-0.5b": ModelConfig(
-        family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-        num_heads=14, num_kv_heads=2, head_dim=64, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, attention_bias=True, max_position_embeddings=32768,
-        eos_token_ids=(151645, 151643), pad_token_id=151643),
-    "qwen2.5-3b": ModelConfig(
-        family="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36,
-        num_heads=16, num_kv_heads=2, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, attention_bias=True, max_position_embeddings=32768,
-        eos_token_ids=(151645, 151643), pad_token_id=151643),
-    "qwen2.5-7b": ModelConfig(
-        family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        attention_bias=True, max_position_embeddings=32768, eos_token_ids=(151645, 151643),
-        pad_token_id=151643),
-    "qwen2.5-14b": ModelConfig(
-        family="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
-        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
-        attention_bias=True, max_position_embeddings=32768, eos_token_ids=(151645, 151643),
-        pad_token_id=151643),
-    # QwQ-32B has the Qwen2.5-32B architecture (Qwen/QwQ-32B config.json).
-    "qwq-32b": ModelConfig(
-        family="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
-        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-5,
-        attention_bias=True, max_position_embeddings=40960, eos_token_ids=(151645, 151643),
-        pad_token_id=151643),
-    "llama-3.2-1b": ModelConfig(
-        family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5,
-        rope_scaling=_scaling(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8192),
-        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009)),
-    "llama-3.2-3b": ModelConfig(
-        family="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
-        num_heads=24, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5,
-        rope_scaling=_scaling(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8192),
-        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009)),
-    "qwen3-4b": ModelConfig(
-        family="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, qk_norm=True, max_position_embeddings=40960,
-        eos_token_ids=(151645, 151643), pad_token_id=151643),
-    "qwen3-0.6b": ModelConfig(
-        family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
-        num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, qk_norm=True, max_position_embeddings=40960,
-        eos_token_ids=(151645, 151643), pad_token_id=151643),
-    "qwen3-8b": ModelConfig(
-        family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        qk_norm=True, max_position_embeddings=40960, eos_token_ids=(151645, 151643), pad_token_id=151643),
-    "qwen3-14b": ModelConfig(
-        family="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=40,
-        num_heads=40, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        qk_norm=True, max_position_embeddings=40960, eos_token_ids=(151645, 151643), pad_token_id=151643),
+  "smollm2-135m": ModelConfig(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=2,
+  ),
+  "llama-3.1-8b": ModelConfig(
+    family="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    rope_scaling=_scaling(
+      rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    ),
+    max_position_embeddings=131072,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+  ),
+  "qwen2.5-0.5b": ModelConfig(
+    family="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    max_position_embeddings=32768,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "qwen2.5-3b": ModelConfig(
+    family="qwen2",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_layers=36,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    max_position_embeddings=32768,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "qwen2.5-7b": ModelConfig(
+    family="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    attention_bias=True,
+    max_position_embeddings=32768,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "qwen2.5-14b": ModelConfig(
+    family="qwen2",
+    vocab_size=152064,
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_layers=48,
+    num_heads=40,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    max_position_embeddings=32768,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  # QwQ-32B has the Qwen2.5-32B architecture (Qwen/QwQ-32B config.json).
+  "qwq-32b": ModelConfig(
+    family="qwen2",
+    vocab_size=152064,
+    hidden_size=5120,
+    intermediate_size=27648,
+    num_layers=64,
+    num_heads=40,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-5,
+    attention_bias=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "llama-3.2-1b": ModelConfig(
+    family="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    rope_scaling=_scaling(
+      rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    ),
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+  ),
+  "llama-3.2-3b": ModelConfig(
+    family="llama",
+    vocab_size=128256,
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_layers=28,
+    num_heads=24,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    rope_scaling=_scaling(
+      rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    ),
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    bos_token_id=128000,
+    eos_token_ids=(128001, 128008, 128009),
+  ),
+  "qwen3-4b": ModelConfig(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "qwen3-0.6b": ModelConfig(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "qwen3-8b": ModelConfig(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "qwen3-14b": ModelConfig(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_layers=40,
+    num_heads=40,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
 }
 
 

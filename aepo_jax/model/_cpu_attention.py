@@ -15,6 +15,7 @@ grad-of-grad (Hessian-vector products) needs `attention_impl='xla'`. Used by the
 `ModelConfig.attention_impl == 'cpu_kernel'`, which the training steps select on a single CPU device (`resolve`).
 Build and fallback rules: `aepo_jax.parallel._native`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,12 @@ from aepo_jax.parallel import _native
 
 _SRC = Path(__file__).parent / "csrc" / "train_attention.cc"
 _FWD, _BWD = "aepo_train_attention_fwd", "aepo_train_attention_bwd"
-_LIB = _native.Library(_SRC, {_FWD: "AepoTrainAttentionFwd", _BWD: "AepoTrainAttentionBwd"},
-                       "CPU training-attention kernel", "using XLA's attention")
+_LIB = _native.Library(
+  _SRC,
+  {_FWD: "AepoTrainAttentionFwd", _BWD: "AepoTrainAttentionBwd"},
+  "CPU training-attention kernel",
+  "using XLA's attention",
+)
 available = _LIB.available  # True when the kernel is built, loaded and registered (builds it on the first call)
 reason = _LIB.reason  # why the kernel is unavailable ('' when it is available)
 
@@ -60,26 +65,42 @@ def resolve(config, mesh=None):
 
 def _check(q, k, v, mask):
   if not available():
-    raise RuntimeError(f"aepo_jax CPU training-attention kernel unavailable: {reason()} (use "
-                       "ModelConfig.attention_impl='xla' or 'auto')")
-  if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
-      or q.shape[2] % k.shape[2] or mask.shape != (q.shape[0], q.shape[1], k.shape[1]):
-    raise ValueError(f"attention: q [B,T,H,D], k = v [B,S,KH,D] with H % KH == 0, mask [B,T,S]; got q {q.shape}, "
-                     f"k {k.shape}, v {v.shape}, mask {mask.shape}")
+    raise RuntimeError(
+      f"aepo_jax CPU training-attention kernel unavailable: {reason()} (use ModelConfig.attention_impl='xla' or 'auto')"
+    )
+  if (
+    q.ndim != 4
+    or k.ndim != 4
+    or v.shape != k.shape
+    or q.shape[0] != k.shape[0]
+    or q.shape[3] != k.shape[3]
+    or q.shape[2] % k.shape[2]
+    or mask.shape != (q.shape[0], q.shape[1], k.shape[1])
+  ):
+    raise ValueError(
+      f"attention: q [B,T,H,D], k = v [B,S,KH,D] with H % KH == 0, mask [B,T,S]; got q {q.shape}, "
+      f"k {k.shape}, v {v.shape}, mask {mask.shape}"
+    )
   if q.shape[3] % 16 or q.shape[2] // k.shape[2] > 64:
-    raise ValueError(f"attention: head_dim % 16 == 0 and at most 64 query heads per KV head (q {q.shape}, "
-                     f"k {k.shape})")
+    raise ValueError(f"attention: head_dim % 16 == 0 and at most 64 query heads per KV head (q {q.shape}, k {k.shape})")
   if not all(x.dtype == jnp.float32 for x in (q, k, v)):
-    raise TypeError(f"attention: float32 only (q {q.dtype}, k {k.dtype}, v {v.dtype}); use "
-                    "ModelConfig.attention_impl='xla' for other dtypes")
+    raise TypeError(
+      f"attention: float32 only (q {q.dtype}, k {k.dtype}, v {v.dtype}); use "
+      "ModelConfig.attention_impl='xla' for other dtypes"
+    )
 
 
 def _fwd_call(q, k, v, mask):
   _check(q, k, v, mask)
   b, t, h, d = q.shape
-  call = jax.ffi.ffi_call(_FWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                                 jax.ShapeDtypeStruct((b, k.shape[2], t, h // k.shape[2]), jnp.float32)),
-                          vmap_method="sequential")
+  call = jax.ffi.ffi_call(
+    _FWD,
+    (
+      jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      jax.ShapeDtypeStruct((b, k.shape[2], t, h // k.shape[2]), jnp.float32),
+    ),
+    vmap_method="sequential",
+  )
   return call(q, k, v, mask, parts=np.int64(0))
 
 
@@ -98,9 +119,15 @@ def _attention_fwd(q, k, v, mask):
 
 def _attention_bwd(res, dout):
   q, k, v, mask, out, lse = res
-  call = jax.ffi.ffi_call(_BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                                 jax.ShapeDtypeStruct(k.shape, jnp.float32),
-                                 jax.ShapeDtypeStruct(v.shape, jnp.float32)), vmap_method="sequential")
+  call = jax.ffi.ffi_call(
+    _BWD,
+    (
+      jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      jax.ShapeDtypeStruct(k.shape, jnp.float32),
+      jax.ShapeDtypeStruct(v.shape, jnp.float32),
+    ),
+    vmap_method="sequential",
+  )
   dq, dk, dv = call(q, k, v, mask, out, lse, dout.astype(jnp.float32), parts=np.int64(0))
   return dq, dk, dv, None
 

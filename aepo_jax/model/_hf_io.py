@@ -7,6 +7,7 @@ Our layout (flax DenseGeneral) vs HF (torch Linear, weight [out, in]):
   q/k/v bias   [L, N, hd]    <- bias [N*hd];                   mlp kernels [L, in, out] <- weight.T
   lm_head kernel [D, V] <- lm_head.weight.T;  embedding [V, D] and norm scales as they are.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,25 +29,25 @@ _INDEX = "model.safetensors.index.json"
 
 # Our path below the root (layer params below 'layers') -> (HF name, kind). '{i}' is the layer index.
 _LAYER = {
-    ("self_attn", "q_proj", "kernel"): ("model.layers.{i}.self_attn.q_proj.weight", "in_heads"),
-    ("self_attn", "k_proj", "kernel"): ("model.layers.{i}.self_attn.k_proj.weight", "in_heads"),
-    ("self_attn", "v_proj", "kernel"): ("model.layers.{i}.self_attn.v_proj.weight", "in_heads"),
-    ("self_attn", "q_proj", "bias"): ("model.layers.{i}.self_attn.q_proj.bias", "reshape"),
-    ("self_attn", "k_proj", "bias"): ("model.layers.{i}.self_attn.k_proj.bias", "reshape"),
-    ("self_attn", "v_proj", "bias"): ("model.layers.{i}.self_attn.v_proj.bias", "reshape"),
-    ("self_attn", "o_proj", "kernel"): ("model.layers.{i}.self_attn.o_proj.weight", "transpose"),
-    ("self_attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", "same"),
-    ("self_attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", "same"),
-    ("mlp", "gate_proj", "kernel"): ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
-    ("mlp", "up_proj", "kernel"): ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
-    ("mlp", "down_proj", "kernel"): ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
-    ("input_layernorm", "scale"): ("model.layers.{i}.input_layernorm.weight", "same"),
-    ("post_attention_layernorm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", "same"),
+  ("self_attn", "q_proj", "kernel"): ("model.layers.{i}.self_attn.q_proj.weight", "in_heads"),
+  ("self_attn", "k_proj", "kernel"): ("model.layers.{i}.self_attn.k_proj.weight", "in_heads"),
+  ("self_attn", "v_proj", "kernel"): ("model.layers.{i}.self_attn.v_proj.weight", "in_heads"),
+  ("self_attn", "q_proj", "bias"): ("model.layers.{i}.self_attn.q_proj.bias", "reshape"),
+  ("self_attn", "k_proj", "bias"): ("model.layers.{i}.self_attn.k_proj.bias", "reshape"),
+  ("self_attn", "v_proj", "bias"): ("model.layers.{i}.self_attn.v_proj.bias", "reshape"),
+  ("self_attn", "o_proj", "kernel"): ("model.layers.{i}.self_attn.o_proj.weight", "transpose"),
+  ("self_attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", "same"),
+  ("self_attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", "same"),
+  ("mlp", "gate_proj", "kernel"): ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
+  ("mlp", "up_proj", "kernel"): ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
+  ("mlp", "down_proj", "kernel"): ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
+  ("input_layernorm", "scale"): ("model.layers.{i}.input_layernorm.weight", "same"),
+  ("post_attention_layernorm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", "same"),
 }
 _TOP = {
-    ("embed_tokens", "embedding"): ("model.embed_tokens.weight", "same"),
-    ("norm", "scale"): ("model.norm.weight", "same"),
-    ("lm_head", "kernel"): ("lm_head.weight", "transpose"),
+  ("embed_tokens", "embedding"): ("model.embed_tokens.weight", "same"),
+  ("norm", "scale"): ("model.norm.weight", "same"),
+  ("lm_head", "kernel"): ("lm_head.weight", "transpose"),
 }
 
 
@@ -131,8 +132,9 @@ def _weight_files(path: str) -> dict:
     return files
   names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
   if not names:
-    raise FileNotFoundError(f"load_hf: no *.safetensors weights in {path} (expected model.safetensors or "
-                            f"shards with {_INDEX}).")
+    raise FileNotFoundError(
+      f"load_hf: no *.safetensors weights in {path} (expected model.safetensors or shards with {_INDEX})."
+    )
   files = {}
   for fname in names:
     with _open(os.path.join(path, fname)) as f:
@@ -144,8 +146,9 @@ def _open(fname: str):
   try:
     return safe_open(fname, framework="numpy")
   except (SafetensorError, OSError) as e:
-    raise ValueError(f"load_hf: {fname} is not a readable safetensors file ({e}); re-download or re-export it.") \
-        from None
+    raise ValueError(
+      f"load_hf: {fname} is not a readable safetensors file ({e}); re-download or re-export it."
+    ) from None
 
 
 class _Reader:
@@ -157,8 +160,10 @@ class _Reader:
   def _handle(self, name: str):
     if name not in self.files:
       where = os.path.join(self.path, _INDEX) if os.path.isfile(os.path.join(self.path, _INDEX)) else self.path
-      raise KeyError(f"load_hf: tensor {name!r} is missing from the checkpoint ({where}); the checkpoint is "
-                     "partial or does not match config.json.")
+      raise KeyError(
+        f"load_hf: tensor {name!r} is missing from the checkpoint ({where}); the checkpoint is "
+        "partial or does not match config.json."
+      )
     fname = self.files[name]
     if fname not in self._open:
       self._open[fname] = _open(fname).__enter__()
@@ -171,8 +176,9 @@ class _Reader:
     except SafetensorError as e:
       raise KeyError(f"load_hf: tensor {name!r} is missing from {fname} ({e}).") from None
     if found != tuple(expected):
-      raise ValueError(f"load_hf: tensor {name!r} in {fname} has shape {list(found)} but config.json implies "
-                       f"{list(expected)}.")
+      raise ValueError(
+        f"load_hf: tensor {name!r} in {fname} has shape {list(found)} but config.json implies {list(expected)}."
+      )
 
   def close(self):
     for handle in self._open.values():
@@ -184,8 +190,7 @@ class _Reader:
     try:
       return handle.get_tensor(name)
     except SafetensorError as e:
-      raise ValueError(f"load_hf: could not read tensor {name!r} from {fname} ({e}); the file is corrupt.") \
-          from None
+      raise ValueError(f"load_hf: could not read tensor {name!r} from {fname} ({e}); the file is corrupt.") from None
 
 
 def load_hf(path: str, dtype: str = "float32", mesh=None, rules=None):
@@ -252,7 +257,8 @@ def _place(tensors, full_shape, stacked, np_dtype, sharding):
       else:
         buf[...] = w[index]
   return jax.make_array_from_callback(
-      full_shape, sharding, lambda index: buffers[tuple((s.start, s.stop) for s in index)][1])
+    full_shape, sharding, lambda index: buffers[tuple((s.start, s.stop) for s in index)][1]
+  )
 
 
 def _slice_shape(shape, index):
@@ -285,8 +291,15 @@ def _write_text(out, name: str, text: str):
   (out / name).write_text(text)
 
 
-def save_hf(config: ModelConfig, params, path: str, *, max_shard_bytes: int = 2 * 1024 ** 3,
-            dtype: Optional[str] = None, generation_config: Optional[dict] = None):
+def save_hf(
+  config: ModelConfig,
+  params,
+  path: str,
+  *,
+  max_shard_bytes: int = 2 * 1024**3,
+  dtype: Optional[str] = None,
+  generation_config: Optional[dict] = None,
+):
   """Write `path/config.json`, `generation_config.json` and safetensors shards (+ index when more than one).
 
   `path` is local or gs://; shards are written one at a time (a gs:// shard through a local temporary file), so
@@ -305,8 +318,10 @@ def save_hf(config: ModelConfig, params, path: str, *, max_shard_bytes: int = 2 
   leaves = {tuple(k.key for k in p): v for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
   expected = {e[0] for e in _entries(config, shapes)}
   if set(leaves) != expected:
-    raise ValueError(f"save_hf: params do not match config (missing {sorted(expected - set(leaves))}, "
-                     f"unexpected {sorted(set(leaves) - expected)}).")
+    raise ValueError(
+      f"save_hf: params do not match config (missing {sorted(expected - set(leaves))}, "
+      f"unexpected {sorted(set(leaves) - expected)})."
+    )
   out_dtype = jnp.dtype(dtype or jax.tree.leaves(params)[0].dtype)
   out = epath.Path(path)
   out.mkdir(parents=True, exist_ok=True)
@@ -332,12 +347,16 @@ def save_hf(config: ModelConfig, params, path: str, *, max_shard_bytes: int = 2 
           shutil.copyfileobj(src, dst, 16 << 20)
         os.remove(local)
   if len(shards) > 1:
-    _write_text(out, _INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2,
-                                        sort_keys=True))
+    _write_text(
+      out, _INDEX, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    )
   _write_text(out, "config.json", json.dumps(to_hf_config(config, torch_dtype=str(out_dtype)), indent=2))
   generation = dict(generation_config or {})
-  for key, value in (("bos_token_id", config.bos_token_id), ("pad_token_id", config.pad_token_id),
-                     ("eos_token_id", list(config.eos_token_ids) or None)):
+  for key, value in (
+    ("bos_token_id", config.bos_token_id),
+    ("pad_token_id", config.pad_token_id),
+    ("eos_token_id", list(config.eos_token_ids) or None),
+  ):
     if generation.get(key) is None and value is not None:
       generation[key] = value
   _write_text(out, "generation_config.json", json.dumps(generation, indent=2))

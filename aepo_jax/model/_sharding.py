@@ -1,4 +1,5 @@
 """Shardings of a model's parameters on a mesh (logical axes of the decoder + a rules table)."""
+
 from __future__ import annotations
 
 from aepo_jax.model._config import ModelConfig

@@ -4,6 +4,7 @@ Rendering follows transformers' `apply_chat_template` (sandboxed jinja2, trim_bl
 loopcontrols, `raise_exception`, `tojson`, `strftime_now`), without importing transformers (slow to import).
 Multi-turn rollouts append tokens (`encode_continuation`); they never re-encode earlier turns.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -41,7 +42,8 @@ class Tokenizer:
     self.chat_template: Optional[str] = config.get("chat_template")
     self.add_bos_token = bool(config.get("add_bos_token", False))
     self.bos_token, self.eos_token, self.pad_token = (
-        _content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token"))
+      _content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")
+    )
     self.bos_id = self.token_id(self.bos_token)
     self.eos_id = self.token_id(self.eos_token)
     pad = self.token_id(self.pad_token)
@@ -108,8 +110,12 @@ class Tokenizer:
     if not self.chat_template:
       raise ValueError("Tokenizer: this checkpoint has no chat_template in tokenizer_config.json.")
     return _template(self.chat_template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-        eos_token=self.eos_token or "", **kwargs)
+      messages=list(messages),
+      add_generation_prompt=add_generation_prompt,
+      bos_token=self.bos_token or "",
+      eos_token=self.eos_token or "",
+      **kwargs,
+    )
 
   def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
     """Token ids of the templated conversation (the template writes any BOS itself)."""
@@ -121,8 +127,17 @@ def _content(token):
 
 
 # Everything transformers' AutoTokenizer reads from a checkpoint directory (chat template included).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "vocab.json",
+  "merges.txt",
+  "tokenizer.model",
+  "chat_template.jinja",
+  "chat_template.json",
+)
 
 
 def copy_tokenizer_files(src: str, dst: str) -> list[str]:

@@ -16,36 +16,106 @@ DAPO extras    `dynamic_sampling_keep`, `overlong_reward_penalty`.
 Logits         `token_logprobs_and_entropy` (chunked over T), `entropy_from_logits`.
 See docs/objectives.md for formulas, defaults and where the official code differs.
 """
-from aepo_jax.objectives._aggregate import (AGG_MODES, aggregate, dynamic_bsz_scale, loss_normalizer,
-                                            masked_mean, masked_var, masked_whiten, num_sequences)
-from aepo_jax.objectives._registry import (advantage, advantage_defaults, kl, list_advantages,
-                                           list_kl_estimators, list_policy_losses, policy_loss,
-                                           policy_loss_defaults, register_advantage, register_kl,
-                                           register_policy_loss)
+
+from aepo_jax.objectives._aggregate import (
+  AGG_MODES,
+  aggregate,
+  dynamic_bsz_scale,
+  loss_normalizer,
+  masked_mean,
+  masked_var,
+  masked_whiten,
+  num_sequences,
+)
+from aepo_jax.objectives._registry import (
+  advantage,
+  advantage_defaults,
+  kl,
+  list_advantages,
+  list_kl_estimators,
+  list_policy_losses,
+  policy_loss,
+  policy_loss_defaults,
+  register_advantage,
+  register_kl,
+  register_policy_loss,
+)
+
 # Importing these modules registers their functions.
-from aepo_jax.objectives._clipped_losses import (aepo_loss, clipped_token_loss, dapo_loss,
-                                                 entropy_advantage_factor, entropy_stats, gppo_loss,
-                                                 ppo_loss)
+from aepo_jax.objectives._clipped_losses import (
+  aepo_loss,
+  clipped_token_loss,
+  dapo_loss,
+  entropy_advantage_factor,
+  entropy_stats,
+  gppo_loss,
+  ppo_loss,
+)
 from aepo_jax.objectives._pg_losses import cispo_loss, gspo_loss, reinforce_loss
-from aepo_jax.objectives._advantages import (ATTRIBUTIONS, discounted_returns, grpo_advantage, group_stats,
-                                             hard_attribution, outcome_token_rewards, reinforce_pp_advantage,
-                                             reinforce_pp_baseline_advantage, rloo_advantage,
-                                             shared_prefix_owner)
+from aepo_jax.objectives._advantages import (
+  ATTRIBUTIONS,
+  discounted_returns,
+  grpo_advantage,
+  group_stats,
+  hard_attribution,
+  outcome_token_rewards,
+  reinforce_pp_advantage,
+  reinforce_pp_baseline_advantage,
+  rloo_advantage,
+  shared_prefix_owner,
+)
 from aepo_jax.objectives._kl import k1, k2, k3, kl_abs, kl_loss, kl_reward_penalty
 from aepo_jax.objectives._dapo import dynamic_sampling_keep, overlong_reward_penalty
 from aepo_jax.objectives._logits import entropy_from_logits, token_logprobs_and_entropy
 
 __all__ = [
-    "AGG_MODES", "aggregate", "dynamic_bsz_scale", "loss_normalizer", "masked_mean", "masked_var",
-    "masked_whiten", "num_sequences",
-    "advantage", "advantage_defaults", "kl", "list_advantages", "list_kl_estimators",
-    "list_policy_losses", "policy_loss", "policy_loss_defaults", "register_advantage",
-    "register_kl", "register_policy_loss",
-    "aepo_loss", "clipped_token_loss", "dapo_loss", "entropy_advantage_factor", "entropy_stats",
-    "gppo_loss", "ppo_loss", "cispo_loss", "gspo_loss", "reinforce_loss",
-    "ATTRIBUTIONS", "hard_attribution", "shared_prefix_owner", "discounted_returns", "grpo_advantage", "group_stats", "outcome_token_rewards",
-    "reinforce_pp_advantage", "reinforce_pp_baseline_advantage", "rloo_advantage",
-    "k1", "k2", "k3", "kl_abs", "kl_loss", "kl_reward_penalty",
-    "dynamic_sampling_keep", "overlong_reward_penalty",
-    "entropy_from_logits", "token_logprobs_and_entropy",
+  "AGG_MODES",
+  "aggregate",
+  "dynamic_bsz_scale",
+  "loss_normalizer",
+  "masked_mean",
+  "masked_var",
+  "masked_whiten",
+  "num_sequences",
+  "advantage",
+  "advantage_defaults",
+  "kl",
+  "list_advantages",
+  "list_kl_estimators",
+  "list_policy_losses",
+  "policy_loss",
+  "policy_loss_defaults",
+  "register_advantage",
+  "register_kl",
+  "register_policy_loss",
+  "aepo_loss",
+  "clipped_token_loss",
+  "dapo_loss",
+  "entropy_advantage_factor",
+  "entropy_stats",
+  "gppo_loss",
+  "ppo_loss",
+  "cispo_loss",
+  "gspo_loss",
+  "reinforce_loss",
+  "ATTRIBUTIONS",
+  "hard_attribution",
+  "shared_prefix_owner",
+  "discounted_returns",
+  "grpo_advantage",
+  "group_stats",
+  "outcome_token_rewards",
+  "reinforce_pp_advantage",
+  "reinforce_pp_baseline_advantage",
+  "rloo_advantage",
+  "k1",
+  "k2",
+  "k3",
+  "kl_abs",
+  "kl_loss",
+  "kl_reward_penalty",
+  "dynamic_sampling_keep",
+  "overlong_reward_penalty",
+  "entropy_from_logits",
+  "token_logprobs_and_entropy",
 ]

@@ -4,6 +4,7 @@ Each is `fn(rewards_b, group_ids_b, mask_bt, **hp) -> advantages_bt`, zero where
 `group_ids_b` are integers, equal for all n trajectories of one prompt (ARPO/AEPO branches included,
 spec §1.4). Groups are found with a [B, B] same-id matrix, so any integer ids work under jit and vmap.
 """
+
 from __future__ import annotations
 
 import jax
@@ -87,6 +88,7 @@ def discounted_returns(token_rewards_bt, mask_bt, gamma=1.0, reset_at_mask=True)
   return: tokens before the hole do not see rewards after it (spec §3.4). `reset_at_mask=False` lets
   the return flow through holes instead.
   """
+
   def step(running_b, xs):
     r_b, m_b = xs
     running_b = r_b + gamma * running_b
@@ -101,8 +103,7 @@ def discounted_returns(token_rewards_bt, mask_bt, gamma=1.0, reset_at_mask=True)
 
 
 @register_advantage("reinforce_pp")
-def reinforce_pp_advantage(rewards, group_ids, mask, *, gamma=1.0, token_rewards=None,
-                           reset_at_mask=True):
+def reinforce_pp_advantage(rewards, group_ids, mask, *, gamma=1.0, token_rewards=None, reset_at_mask=True):
   """REINFORCE++ (spec §3.4, verl `compute_reinforce_plus_plus_outcome_advantage`).
 
   Token rewards = R at the last valid token (+ `token_rewards`, e.g. −β·KL from `kl_reward_penalty`),
@@ -113,8 +114,7 @@ def reinforce_pp_advantage(rewards, group_ids, mask, *, gamma=1.0, token_rewards
   token_r = outcome_token_rewards(r, m)
   if token_rewards is not None:
     if jnp.shape(token_rewards) != m.shape:
-      raise ValueError(f"reinforce_pp: token_rewards shape {jnp.shape(token_rewards)} must be "
-                       f"{m.shape}")
+      raise ValueError(f"reinforce_pp: token_rewards shape {jnp.shape(token_rewards)} must be {m.shape}")
     token_r = token_r + jnp.where(m > 0, jnp.asarray(token_rewards, jnp.float32), 0.0)
   returns = discounted_returns(token_r, m, gamma, reset_at_mask)
   return masked_whiten(returns, m) * m
@@ -175,8 +175,10 @@ def hard_attribution(advantages_bt, mask_bt, parent_b, fork_pos_b):
     raise ValueError(f"hard_attribution: advantages {adv.shape} and mask {m.shape} must both be [B, T]")
   b, t = adv.shape
   if jnp.shape(parent_b) != (b,) or jnp.shape(fork_pos_b) != (b,):
-    raise ValueError(f"hard_attribution: parent_b {jnp.shape(parent_b)} and fork_pos_b {jnp.shape(fork_pos_b)} "
-                     f"must be [B] with B = {b} (Trajectories.parent_b / fork_pos_b)")
+    raise ValueError(
+      f"hard_attribution: parent_b {jnp.shape(parent_b)} and fork_pos_b {jnp.shape(fork_pos_b)} "
+      f"must be [B] with B = {b} (Trajectories.parent_b / fork_pos_b)"
+    )
   owner_bt = shared_prefix_owner(parent_b, fork_pos_b, t)
   key = (owner_bt * t + jnp.arange(t, dtype=jnp.int32)[None, :]).reshape(-1)
   valid = (m > 0).reshape(-1).astype(jnp.float32)

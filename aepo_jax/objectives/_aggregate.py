@@ -16,6 +16,7 @@ the accumulated loss and gradient equal those of the whole mini-batch in one pie
 verl instead takes each micro-batch's own token-mean and weights it by its share of sequences,
 `Σ_k aggregate(ℓ_k, m_k, mode) · dynamic_bsz_scale(m_k, S)`; `dynamic_bsz_scale` reproduces that.
 """
+
 from __future__ import annotations
 
 import jax

@@ -4,6 +4,7 @@ Each is `fn(log_prob_bt, ref_log_prob_bt) -> kl_bt`. Use one as a loss term (`kl
 `use_kl_loss`) or as a reward penalty (`kl_reward_penalty`, verl `use_kl_in_reward`). ARPO/AEPO run
 `low_var_kl` with coefficient 0, i.e. no KL at all (spec §1.5).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -37,8 +38,7 @@ def k3(log_prob, ref_log_prob):
   return jnp.clip(jnp.exp(delta) - delta - 1.0, -10.0, 10.0)
 
 
-def kl_loss(log_prob, ref_log_prob, mask, *, estimator="low_var_kl", agg="token-mean",
-            normalizer=None):
+def kl_loss(log_prob, ref_log_prob, mask, *, estimator="low_var_kl", agg="token-mean", normalizer=None):
   """Aggregated KL loss term; multiply by the coefficient (verl `kl_loss_coef`) in the trainer."""
   m = as_mask(mask)
   valid = m > 0

@@ -7,6 +7,7 @@ Given the unembedding matrix, one custom VJP covers all chunks (`_head_logprobs`
 chunk's logits (or, within `max_saved_logits`, reuses the forward's) and forms both gradients from row-major
 operands. Given a function h -> logits, each chunk is a `jax.checkpoint`-ed `lax.map` body differentiated by JAX.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,19 +31,29 @@ def _check_matrix(unembed, d: int, layout: str):
   if callable(unembed):
     return None
   if layout not in ("vd", "dv"):
-    raise ValueError(f"layout={layout!r} must be 'vd' ([V, D], a tied embedding) or 'dv' ([D, V], an lm_head "
-                     "kernel)")
+    raise ValueError(f"layout={layout!r} must be 'vd' ([V, D], a tied embedding) or 'dv' ([D, V], an lm_head kernel)")
   w = jnp.asarray(unembed)
   if w.ndim != 2 or w.shape[layout.index("d")] != d:
     want = f"[V, D={d}]" if layout == "vd" else f"[D={d}, V]"
-    raise ValueError(f"unembed matrix must be {want} (layout={layout!r}); got {w.shape}. Pass "
-                     "layout='dv' for a [D, V] lm_head kernel, or a function h -> logits.")
+    raise ValueError(
+      f"unembed matrix must be {want} (layout={layout!r}); got {w.shape}. Pass "
+      "layout='dv' for a [D, V] lm_head kernel, or a function h -> logits."
+    )
   return w
 
 
-def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], targets_bt,
-                               temperature: float = 1.0, chunk_size: int = 128, *, where_bt=None,
-                               capacity: int = 0, layout: str = "vd", max_saved_logits: int = 0):
+def token_logprobs_and_entropy(
+  hidden_btd,
+  unembed: Union[Callable, jax.Array],
+  targets_bt,
+  temperature: float = 1.0,
+  chunk_size: int = 128,
+  *,
+  where_bt=None,
+  capacity: int = 0,
+  layout: str = "vd",
+  max_saved_logits: int = 0,
+):
   """(log π(targets) [B, T], entropy [B, T]) from final hidden states, T processed in chunks.
 
   hidden_btd: final-norm hidden states whose logits at t predict targets_bt[:, t] (already shifted).
@@ -65,8 +76,9 @@ def token_logprobs_and_entropy(hidden_btd, unembed: Union[Callable, jax.Array], 
   hidden_btd = jnp.asarray(hidden_btd)
   targets_bt = jnp.asarray(targets_bt)
   if hidden_btd.ndim != 3 or targets_bt.shape != hidden_btd.shape[:2]:
-    raise ValueError(f"hidden_btd must be [B, T, D] and targets_bt [B, T]; got {hidden_btd.shape} "
-                     f"and {targets_bt.shape}")
+    raise ValueError(
+      f"hidden_btd must be [B, T, D] and targets_bt [B, T]; got {hidden_btd.shape} and {targets_bt.shape}"
+    )
   if chunk_size < 1:
     raise ValueError(f"chunk_size={chunk_size} must be >= 1")
   if not temperature > 0:
@@ -214,8 +226,9 @@ def _head_bwd(inv_temp, c, layout, save_logits, res, cts):
       z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
     p_bcv = jnp.exp(z_bcv - lse_bc[..., None])
     onehot = jnp.arange(v, dtype=jnp.int32)[None, None, :] == tgt_bc[..., None].astype(jnp.int32)
-    dz_bcv = (jnp.where(onehot, glp_bc[..., None], 0.0)
-              - p_bcv * (glp_bc[..., None] + gent_bc[..., None] * (z_bcv - (lse_bc - ent_bc)[..., None])))
+    dz_bcv = jnp.where(onehot, glp_bc[..., None], 0.0) - p_bcv * (
+      glp_bc[..., None] + gent_bc[..., None] * (z_bcv - (lse_bc - ent_bc)[..., None])
+    )
     if inv_temp != 1.0:
       dz_bcv = dz_bcv * inv_temp
     dz_nv = dz_bcv.reshape(-1, v).astype(dt)
@@ -224,8 +237,15 @@ def _head_bwd(inv_temp, c, layout, save_logits, res, cts):
     dw_dv = dw_dv + jnp.dot(_t(h_nd), dz_nv, preferred_element_type=jnp.float32)
     return dw_dv, dh_bcd.astype(dt)
 
-  xs = (_split(h_btd, c), _split(tgt_bt, c), lse_nbc, ent_nbc,
-        _split(g_logp_bt.astype(jnp.float32), c), _split(g_ent_bt.astype(jnp.float32), c), z_nbcv)
+  xs = (
+    _split(h_btd, c),
+    _split(tgt_bt, c),
+    lse_nbc,
+    ent_nbc,
+    _split(g_logp_bt.astype(jnp.float32), c),
+    _split(g_ent_bt.astype(jnp.float32), c),
+    z_nbcv,
+  )
   dw_dv, dh_nbcd = jax.lax.scan(one, jnp.zeros((d, v), jnp.float32), xs)
   # The barrier keeps XLA from folding this transpose into the dW dot (as a dot contracting dz's first axis, which
   # XLA:CPU runs on Eigen: seen when the loop has one chunk).

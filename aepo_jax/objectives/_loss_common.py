@@ -1,4 +1,5 @@
 """Pieces shared by the policy losses: input checks, the importance ratio, common metrics."""
+
 from __future__ import annotations
 
 import jax
@@ -24,8 +25,10 @@ def prepare(log_prob, old_log_prob, advantages, mask, entropy=None, loss_name="p
     raise ValueError(f"{loss_name}: log_prob must be [B, T], got shape {shapes['log_prob']}")
   bad = {k: s for k, s in shapes.items() if s != shapes["log_prob"]}
   if bad:
-    raise ValueError(f"{loss_name}: every input must have log_prob's shape {shapes['log_prob']}; "
-                     f"got {bad} (broadcast per-sequence advantages to [B, T] first)")
+    raise ValueError(
+      f"{loss_name}: every input must have log_prob's shape {shapes['log_prob']}; "
+      f"got {bad} (broadcast per-sequence advantages to [B, T] first)"
+    )
   m = as_mask(mask)
   valid = m > 0
   log_prob = jnp.where(valid, jnp.asarray(log_prob, jnp.float32), 0.0)
@@ -44,17 +47,19 @@ def check_clip(loss_name, clip_low, clip_high, clip_c=None):
   if clip_high < 0.0:
     raise ValueError(f"{loss_name}: clip_high={clip_high} must be >= 0 (upper bound is 1 + clip_high)")
   if clip_c is not None and clip_c <= 1.0:
-    raise ValueError(f"{loss_name}: dual-clip clip_c={clip_c} must be > 1 (verl asserts the same); "
-                     "use clip_c=None to turn the dual clip off")
+    raise ValueError(
+      f"{loss_name}: dual-clip clip_c={clip_c} must be > 1 (verl asserts the same); "
+      "use clip_c=None to turn the dual clip off"
+    )
 
 
 def ratio_metrics(ratio, log_ratio, m):
   """Metrics every ratio-based loss reports: approx KL (old − new) and the ratio distribution."""
   return {
-      "actor/ppo_kl": masked_mean(-log_ratio, m),
-      "actor/ratio_mean": masked_mean(ratio, m),
-      "actor/ratio_max": masked_max(ratio, m),
-      "actor/ratio_min": masked_min(ratio, m),
+    "actor/ppo_kl": masked_mean(-log_ratio, m),
+    "actor/ratio_mean": masked_mean(ratio, m),
+    "actor/ratio_max": masked_max(ratio, m),
+    "actor/ratio_min": masked_min(ratio, m),
   }
 
 

@@ -3,6 +3,7 @@
 A config names its algorithm with a string (`policy_loss="aepo"`); the trainer looks the function up
 here. New variants register themselves with a decorator, so adding one never edits the trainer.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,8 +29,8 @@ class Registry:
         known = self._fns.get(name)
         if known is not None and known is not fn:
           raise ValueError(
-              f"{self.kind} {name!r} is already registered to {known.__module__}.{known.__name__}; "
-              "pick another name")
+            f"{self.kind} {name!r} is already registered to {known.__module__}.{known.__name__}; pick another name"
+          )
         self._fns[name] = fn
       return fn
 
@@ -47,8 +48,7 @@ class Registry:
   def defaults(self, name: str) -> dict:
     """Keyword-only hyperparameters of `name` and their defaults (what a config may override)."""
     sig = inspect.signature(self.get(name))
-    return {p.name: p.default for p in sig.parameters.values()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return {p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 POLICY_LOSSES = Registry("policy loss")

@@ -1,18 +1,33 @@
 """Mesh (data, fsdp, tensor), the logical-axis rules table, and multi-host start-up.
 
-  make_mesh(shape, devices=None)                         a Mesh over the axes MESH_AXES (physical TPU topology order)
-  local_mesh(shape=(1, 1, -1))                           a Mesh over this process's own devices (its rollouts)
-  DEFAULT_RULES                                          logical axis -> mesh axis table
-  logical_sharding(logical_specs, shapes, mesh, rules)   NamedShardings for a pytree
-  shard_params(params, logical_axes, mesh, rules)        device_put a pytree onto those shardings
-  sharding_context(mesh, rules) / constrain(x, axes)     activation constraints by logical axis, active while tracing
-  to_host_local(tree, local_shardings, dtype=None)       every host's own copy of global arrays (rollout weights)
-  on_tpu_vm() / platform_is_cpu()                        what a launcher is about to run on (before JAX starts)
-  initialize_distributed(...) -> (process_index, process_count)   jax.distributed for multi-host; no-op on one
-  use_cpu_xla_flags()                                    the XLA:CPU flags this code is tuned for (before JAX starts)
+make_mesh(shape, devices=None)                         a Mesh over the axes MESH_AXES (physical TPU topology order)
+local_mesh(shape=(1, 1, -1))                           a Mesh over this process's own devices (its rollouts)
+DEFAULT_RULES                                          logical axis -> mesh axis table
+logical_sharding(logical_specs, shapes, mesh, rules)   NamedShardings for a pytree
+shard_params(params, logical_axes, mesh, rules)        device_put a pytree onto those shardings
+sharding_context(mesh, rules) / constrain(x, axes)     activation constraints by logical axis, active while tracing
+to_host_local(tree, local_shardings, dtype=None)       every host's own copy of global arrays (rollout weights)
+on_tpu_vm() / platform_is_cpu()                        what a launcher is about to run on (before JAX starts)
+initialize_distributed(...) -> (process_index, process_count)   jax.distributed for multi-host; no-op on one
+use_cpu_xla_flags()                                    the XLA:CPU flags this code is tuned for (before JAX starts)
 """
-from aepo_jax.parallel._distributed import (hosts_mesh, initialize_distributed, on_tpu_vm, platform_is_cpu,
-                                            shard_params, to_host_local)
-from aepo_jax.parallel._mesh import (DEFAULT_RULES, MESH_AXES, constrain, local_mesh, logical_sharding, logical_to_mesh,
-                                     make_mesh, sharding_context)
+
+from aepo_jax.parallel._distributed import (
+  hosts_mesh,
+  initialize_distributed,
+  on_tpu_vm,
+  platform_is_cpu,
+  shard_params,
+  to_host_local,
+)
+from aepo_jax.parallel._mesh import (
+  DEFAULT_RULES,
+  MESH_AXES,
+  constrain,
+  local_mesh,
+  logical_sharding,
+  logical_to_mesh,
+  make_mesh,
+  sharding_context,
+)
 from aepo_jax.parallel._xla_flags import CPU_XLA_FLAGS, use_cpu_xla_flags

@@ -1,4 +1,5 @@
 """Multi-host start-up, the platform a launcher is about to use, and moving parameters between meshes."""
+
 from __future__ import annotations
 
 import glob
@@ -12,8 +13,13 @@ import numpy as np
 from aepo_jax.parallel._mesh import DEFAULT_RULES, MESH_AXES, local_mesh, logical_sharding
 
 # Environment markers of a Cloud TPU VM (single or multi-host) or a TPU pod on GKE.
-_TPU_ENV = ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TPU_ACCELERATOR_TYPE", "CLOUD_TPU_TASK_ID",
-            "MEGASCALE_COORDINATOR_ADDRESS")
+_TPU_ENV = (
+  "TPU_WORKER_HOSTNAMES",
+  "TPU_WORKER_ID",
+  "TPU_ACCELERATOR_TYPE",
+  "CLOUD_TPU_TASK_ID",
+  "MEGASCALE_COORDINATOR_ADDRESS",
+)
 
 
 def _forced_platform() -> str:
@@ -50,9 +56,14 @@ def _cluster_detected() -> bool:
   return False
 
 
-def initialize_distributed(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None, *, cpu_collectives: str = "gloo",
-                           **kwargs) -> tuple[int, int]:
+def initialize_distributed(
+  coordinator_address: Optional[str] = None,
+  num_processes: Optional[int] = None,
+  process_id: Optional[int] = None,
+  *,
+  cpu_collectives: str = "gloo",
+  **kwargs,
+) -> tuple[int, int]:
   """Starts `jax.distributed` when this is (or may be) a multi-process run; a no-op on a plain single host.
 
   Explicit arguments (or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) start it as given (CPU
@@ -71,8 +82,9 @@ def initialize_distributed(coordinator_address: Optional[str] = None, num_proces
   if explicit:
     if platform_is_cpu():  # CPU collectives across processes go through gloo
       jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id, **kwargs)
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id, **kwargs
+    )
   elif _cluster_detected():
     jax.distributed.initialize(**kwargs)
   else:
@@ -100,8 +112,10 @@ def hosts_mesh(shape=(1, 1, -1)):
     by_process.setdefault(d.process_index, []).append(d)
   rows = [local_mesh(shape, sorted(devs, key=lambda d: d.id)).devices for _, devs in sorted(by_process.items())]
   if len({r.shape for r in rows}) != 1:
-    raise ValueError(f"hosts_mesh: processes have different local meshes {[r.shape for r in rows]}; every host "
-                     "needs the same number of devices.")
+    raise ValueError(
+      f"hosts_mesh: processes have different local meshes {[r.shape for r in rows]}; every host "
+      "needs the same number of devices."
+    )
   return jax.sharding.Mesh(np.stack(rows), ("hosts",) + MESH_AXES)
 
 
@@ -115,24 +129,28 @@ def to_host_local(tree, local_shardings, dtype=None):
   tree already has those shardings and dtype."""
   leaves, treedef = jax.tree.flatten(tree)
   shardings = treedef.flatten_up_to(local_shardings)
-  dtypes = [np.dtype(dtype) if dtype is not None and np.issubdtype(x.dtype, np.floating) else x.dtype
-            for x in leaves]
+  dtypes = [np.dtype(dtype) if dtype is not None and np.issubdtype(x.dtype, np.floating) else x.dtype for x in leaves]
 
   def cast(*xs):
     return [x.astype(dt) for x, dt in zip(xs, dtypes)]
 
   if jax.process_count() == 1:
-    if all(isinstance(x, jax.Array) and x.dtype == dt and x.sharding.is_equivalent_to(s, x.ndim)
-           for x, s, dt in zip(leaves, shardings, dtypes)):
+    if all(
+      isinstance(x, jax.Array) and x.dtype == dt and x.sharding.is_equivalent_to(s, x.ndim)
+      for x, s, dt in zip(leaves, shardings, dtypes)
+    ):
       return tree
     # Cast where the arrays are, then move them (the rollout devices may be a subset of the training mesh's).
-    return treedef.unflatten([jax.device_put(x.astype(dt) if x.dtype != dt else x, s)
-                              for x, s, dt in zip(leaves, shardings, dtypes)])
+    return treedef.unflatten(
+      [jax.device_put(x.astype(dt) if x.dtype != dt else x, s) for x, s, dt in zip(leaves, shardings, dtypes)]
+    )
   mesh = shardings[0].mesh
   shape = tuple(mesh.shape[a] for a in MESH_AXES)
   everywhere = hosts_mesh(shape)
   global_sh = [jax.sharding.NamedSharding(everywhere, s.spec) for s in shardings]
   copies = jax.jit(cast, out_shardings=global_sh)(*leaves)
-  out = [jax.make_array_from_single_device_arrays(x.shape, s, [shard.data for shard in x.addressable_shards])
-         for x, s in zip(copies, shardings)]
+  out = [
+    jax.make_array_from_single_device_arrays(x.shape, s, [shard.data for shard in x.addressable_shards])
+    for x, s in zip(copies, shardings)
+  ]
   return treedef.unflatten(out)

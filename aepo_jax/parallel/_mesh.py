@@ -1,4 +1,5 @@
 """Mesh construction and the logical-axis rules table (sharding is data, not model code)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,24 +16,24 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axis (or tuple of axes, or None = replicated). One table for model, cache and batch.
 DEFAULT_RULES = (
-    ("activation_batch", ("data", "fsdp")),
-    ("activation_length", None),
-    ("activation_embed", None),
-    ("activation_heads", "tensor"),
-    ("activation_kv_heads", "tensor"),
-    ("activation_mlp", "tensor"),
-    ("activation_vocab", "tensor"),
-    ("batch", ("data", "fsdp")),
-    ("embed", "fsdp"),
-    ("vocab", "tensor"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("cache_batch", ("data", "fsdp")),
-    ("cache_length", None),
-    ("cache_kv_heads", "tensor"),
+  ("activation_batch", ("data", "fsdp")),
+  ("activation_length", None),
+  ("activation_embed", None),
+  ("activation_heads", "tensor"),
+  ("activation_kv_heads", "tensor"),
+  ("activation_mlp", "tensor"),
+  ("activation_vocab", "tensor"),
+  ("batch", ("data", "fsdp")),
+  ("embed", "fsdp"),
+  ("vocab", "tensor"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("layers", None),
+  ("cache_batch", ("data", "fsdp")),
+  ("cache_length", None),
+  ("cache_kv_heads", "tensor"),
 )
 
 
@@ -60,8 +61,9 @@ def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Optional[Sequen
     sizes[sizes.index(-1)] = len(devices) // rest
   if int(np.prod(sizes)) != len(devices):
     raise ValueError(
-        f"mesh shape {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices but {len(devices)} are "
-        "available; make the product of the mesh axes equal the device count (or use -1 for one axis).")
+      f"mesh shape {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices but {len(devices)} are "
+      "available; make the product of the mesh axes equal the device count (or use -1 for one axis)."
+    )
   return Mesh(_device_array(sizes, devices), MESH_AXES)
 
 
@@ -69,14 +71,16 @@ def _device_array(sizes: list, devices: list) -> np.ndarray:
   if devices[0].platform != "tpu" or len(devices) == 1:
     return np.asarray(devices).reshape(sizes)
   from jax.experimental import mesh_utils
+
   slices = sorted({getattr(d, "slice_index", 0) for d in devices})
   if len(slices) > 1:
     if sizes[0] % len(slices):
-      raise ValueError(f"mesh data={sizes[0]} must be a multiple of the {len(slices)} slices (the data axis spans "
-                       "the slices over DCN); set mesh.data to a multiple of the slice count.")
+      raise ValueError(
+        f"mesh data={sizes[0]} must be a multiple of the {len(slices)} slices (the data axis spans "
+        "the slices over DCN); set mesh.data to a multiple of the slice count."
+      )
     ici = [sizes[0] // len(slices)] + sizes[1:]
-    return mesh_utils.create_hybrid_device_mesh(ici, [len(slices), 1, 1], devices,
-                                                allow_split_physical_axes=True)
+    return mesh_utils.create_hybrid_device_mesh(ici, [len(slices), 1, 1], devices, allow_split_physical_axes=True)
   return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
 
 
@@ -97,7 +101,9 @@ def _fit(spec: PartitionSpec, shape, mesh: Mesh, quiet: bool = False) -> Partiti
     names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
     if names and dim % size:
-      (logging.debug if quiet else logging.info)("sharding: dim %d not divisible by mesh axes %s (size %d); replicating it.", dim, names, size)
+      (logging.debug if quiet else logging.info)(
+        "sharding: dim %d not divisible by mesh axes %s (size %d); replicating it.", dim, names, size
+      )
       out.append(None)
     else:
       out.append(axes)
@@ -107,8 +113,11 @@ def _fit(spec: PartitionSpec, shape, mesh: Mesh, quiet: bool = False) -> Partiti
 def logical_sharding(logical_specs, shapes, mesh: Mesh, rules=DEFAULT_RULES):
   """NamedShardings for a pytree of logical PartitionSpecs, given matching shapes (arrays or ShapeDtypeStructs)."""
   return jax.tree.map(
-      lambda spec, x: NamedSharding(mesh, _fit(logical_to_mesh(spec, rules), x.shape, mesh)),
-      logical_specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    lambda spec, x: NamedSharding(mesh, _fit(logical_to_mesh(spec, rules), x.shape, mesh)),
+    logical_specs,
+    shapes,
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
 
 
 # ---------------------------------------------------------------------------------------------------------

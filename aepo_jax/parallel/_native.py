@@ -7,6 +7,7 @@ its handlers are registered as XLA FFI targets for the CPU platform. The kernels
 `AEPO_JAX_CPU_KERNELS=0` turns all of them off. Any failure is reported as a reason string, never raised: callers
 fall back to XLA's own ops and log why.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,11 +41,15 @@ def cpu_flags() -> set:
 def build(src: Path) -> Path:
   """Compiles `src` into the kernel cache (once per source, flags and jaxlib version) and returns the .so path."""
   import jax
+
   include = jax.ffi.include_dir()
   cxx = os.environ.get("CXX", "g++")
   headers = [h.read_bytes() for h in sorted(SHARED_INCLUDE.glob("*.h"))]
-  key = hashlib.sha256(b"\0".join([src.read_bytes(), *headers, " ".join((cxx,) + FLAGS).encode(),
-                                   jax.__version__.encode(), str(include).encode()])).hexdigest()[:16]
+  key = hashlib.sha256(
+    b"\0".join(
+      [src.read_bytes(), *headers, " ".join((cxx,) + FLAGS).encode(), jax.__version__.encode(), str(include).encode()]
+    )
+  ).hexdigest()[:16]
   out_dir = kernel_cache_dir()
   so = out_dir / f"{src.stem}-{key}.so"
   if so.exists():
@@ -80,6 +85,7 @@ def load(src: Path, targets: dict) -> dict:
   try:
     import ctypes
     import jax
+
     so = build(src)
     lib = ctypes.cdll.LoadLibrary(str(so))
     for target, symbol in targets.items():

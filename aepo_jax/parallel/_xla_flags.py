@@ -7,6 +7,7 @@ log-softmax over the vocabulary (one [8, 256] reduce of exp(z) took 0.7 s of a 5
 losses). Flags only change XLA:CPU compilation; TPU and GPU programs are unaffected. A flag the user already
 set in XLA_FLAGS is left as it is.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,6 +27,7 @@ def use_cpu_xla_flags(env: Optional[MutableMapping[str, str]] = None) -> str:
   libtpu (the [tpu] extra, for launch/compile.py) does not make JAX probe for a TPU first."""
   env = os.environ if env is None else env
   from aepo_jax.parallel._distributed import platform_is_cpu
+
   if env is os.environ and not platform_is_cpu():
     return env.get("XLA_FLAGS", "")
   if env is os.environ:
@@ -36,14 +38,18 @@ def use_cpu_xla_flags(env: Optional[MutableMapping[str, str]] = None) -> str:
       flags = f"{flags} --{name}={value}".strip()
   env["XLA_FLAGS"] = flags
   if env is os.environ and _backend_started():
-    logging.warning("aepo_jax: JAX's backend is already running; XLA_FLAGS=%r applies to new processes only. "
-                    "Call use_cpu_xla_flags() before the first JAX computation.", flags)
+    logging.warning(
+      "aepo_jax: JAX's backend is already running; XLA_FLAGS=%r applies to new processes only. "
+      "Call use_cpu_xla_flags() before the first JAX computation.",
+      flags,
+    )
   return flags
 
 
 def _backend_started() -> bool:
   try:
     from jax._src import xla_bridge
+
     return bool(xla_bridge.backends_are_initialized())
   except Exception:  # noqa: BLE001 - a private helper; when it moves, skip the warning
     return False

@@ -14,19 +14,50 @@ Isolation:
   RewardPool(num_workers, timeout_s=...).map(fn, [(args...), ...], default=...)
   shared_pool() -> the process's RewardPool, used by every production scoring path
 """
-from aepo_jax.rewards._deep_research import (FORMAT_PENALTY, TOOL_BONUS, check_format,
-                                             deep_research, deep_research_details)
+
+from aepo_jax.rewards._deep_research import (
+  FORMAT_PENALTY,
+  TOOL_BONUS,
+  check_format,
+  deep_research,
+  deep_research_details,
+)
 from aepo_jax.rewards._evaluate import answer_checks, eval_correct
 from aepo_jax.rewards._extract import answer_span, extract_answer, extract_boxed
-from aepo_jax.rewards._judge import (JUDGE_PROMPT, JudgeClient, JudgeError, OpenAICompatibleJudge,
-                                     format_judge_prompt, parse_verdict)
+from aepo_jax.rewards._judge import (
+  JUDGE_PROMPT,
+  JudgeClient,
+  JudgeError,
+  OpenAICompatibleJudge,
+  format_judge_prompt,
+  parse_verdict,
+)
 from aepo_jax.rewards._math import math_equal
 from aepo_jax.rewards._pool import PoolResult, RewardPool, shared_pool
 from aepo_jax.rewards._qa import exact_match, f1_score, normalize_answer
 
 __all__ = [
-    "FORMAT_PENALTY", "TOOL_BONUS", "check_format", "deep_research", "deep_research_details",
-    "answer_checks", "eval_correct", "answer_span", "extract_answer", "extract_boxed", "JUDGE_PROMPT",
-    "JudgeClient", "JudgeError", "OpenAICompatibleJudge", "format_judge_prompt", "parse_verdict", "math_equal",
-    "PoolResult", "RewardPool", "shared_pool", "exact_match", "f1_score", "normalize_answer",
+  "FORMAT_PENALTY",
+  "TOOL_BONUS",
+  "check_format",
+  "deep_research",
+  "deep_research_details",
+  "answer_checks",
+  "eval_correct",
+  "answer_span",
+  "extract_answer",
+  "extract_boxed",
+  "JUDGE_PROMPT",
+  "JudgeClient",
+  "JudgeError",
+  "OpenAICompatibleJudge",
+  "format_judge_prompt",
+  "parse_verdict",
+  "math_equal",
+  "PoolResult",
+  "RewardPool",
+  "shared_pool",
+  "exact_match",
+  "f1_score",
+  "normalize_answer",
 ]

@@ -11,11 +11,20 @@ Engine (docs/rollout_contract.md):
   JetStreamEngine(model_config, params, *, max_slots, max_len, tokenizer, ...)  JetStream 0.2.2 Engine adapter
                                                 (optional extra; jetstream is imported only when it is called)
 """
+
 from aepo_jax.rollout._engine import Engine
 from aepo_jax.rollout._factory import make_engine
 from aepo_jax.rollout._sampling import SamplingParams, topk_entropy
-from aepo_jax.rollout._state import (RUNNING, STOP_BUDGET, STOP_CACHE_FULL, STOP_EOS, STOP_REASON_NAMES,
-                                     STOP_SEQUENCE, DecodeState, StepOutputs)
+from aepo_jax.rollout._state import (
+  RUNNING,
+  STOP_BUDGET,
+  STOP_CACHE_FULL,
+  STOP_EOS,
+  STOP_REASON_NAMES,
+  STOP_SEQUENCE,
+  DecodeState,
+  StepOutputs,
+)
 
 # Agent loop and rollout policies (docs/rollout.md):
 #   AgentLoop(engine, tokenizer, tools, AgentConfig(...)).rollout(params, prompts, policy, seed=0) -> Trajectories

@@ -12,6 +12,7 @@ recorded position (copy_slots + truncate), so running ahead changes neither the 
 Token-in/token-out: the host keeps every id; text is decoded only to parse a tool call and, at the end, for
 the reward.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,6 +38,7 @@ class AgentConfig:
   max_tokens_per_call: tokens one generation call (segment) may sample, apart from the trajectory's budget; a call
   that reaches it ends the trajectory (stop reason 'call_tokens'), as vLLM's max_tokens does in the evaluation
   protocol (spec §2.5: 4,096). 0: only max_response_len bounds a call (training, spec §1.2 2.1)."""
+
   max_response_len: int = 1024
   max_tool_calls: int = 3
   chunk_steps: int = 16
@@ -49,9 +51,11 @@ class AgentConfig:
 
   def __post_init__(self):
     if self.max_response_len < 1 or self.chunk_steps < 1 or self.max_tool_calls < 0 or self.max_tokens_per_call < 0:
-      raise ValueError(f"AgentConfig: max_response_len={self.max_response_len} and chunk_steps={self.chunk_steps} "
-                       f"must be >= 1, max_tool_calls={self.max_tool_calls} and max_tokens_per_call="
-                       f"{self.max_tokens_per_call} >= 0.")
+      raise ValueError(
+        f"AgentConfig: max_response_len={self.max_response_len} and chunk_steps={self.chunk_steps} "
+        f"must be >= 1, max_tool_calls={self.max_tool_calls} and max_tokens_per_call="
+        f"{self.max_tokens_per_call} >= 0."
+      )
 
 
 def _encode(tokenizer, text: str) -> list:
@@ -75,13 +79,13 @@ class _Run:
     self.slot_rec: dict = {}
     self.free = list(range(engine.max_slots))
     self.decoding: set = set()
-    self.futures: dict = {}              # record index -> (future, decoded tokens at submit)
+    self.futures: dict = {}  # record index -> (future, decoded tokens at submit)
     self.round = 0
     self.counts_p = np.zeros((num_prompts,), np.int32)
     self.seed = int(seed)
     self.key = jax.random.PRNGKey(self.seed)
-    self.decoded_tokens = 0              # tokens sampled by all slots so far
-    self.tool_overlap: list = []         # tokens decoded by other slots while each tool ran
+    self.decoded_tokens = 0  # tokens sampled by all slots so far
+    self.tool_overlap: list = []  # tokens decoded by other slots while each tool ran
     self.decisions: list = []
     self.restarts: dict = collections.Counter()
 
@@ -91,6 +95,7 @@ class AgentLoop:
 
   def __init__(self, engine, tokenizer, tools, config: AgentConfig = AgentConfig(), *, pad_id: Optional[int] = None):
     from aepo_jax.tools import format_result, parse_tool_call  # tools never import jax; we import tools lazily
+
     self._format, self._parse = format_result, parse_tool_call
     self.engine, self.tokenizer, self.tools, self.config = engine, tokenizer, tools, config
     if not engine.eos_ids:
@@ -102,8 +107,8 @@ class AgentLoop:
     self.stop_checker = None
     if config.check_stop_strings:
       from aepo_jax.rollout._stop import StopStringChecker
-      self.stop_checker = StopStringChecker(tokenizer, [f"</{t}>" for t in config.tool_tags],
-                                            engine.config.vocab_size)
+
+      self.stop_checker = StopStringChecker(tokenizer, [f"</{t}>" for t in config.tool_tags], engine.config.vocab_size)
 
   # ------------------------------------------------------------------------------------------------ API
   def rollout(self, params, prompts: Sequence[Sequence[int]], policy, *, seed: int = 0) -> Trajectories:
@@ -114,8 +119,10 @@ class AgentLoop:
     self._check_prompts(prompts)
     window = getattr(self.engine, "entropy_window", policy.config.entropy_window)
     if window != policy.config.entropy_window:  # the engine sums entropies over ITS window
-      raise ValueError(f"PolicyConfig.entropy_window={policy.config.entropy_window} differs from the engine's "
-                       f"entropy_window={window}; build both with the same value.")
+      raise ValueError(
+        f"PolicyConfig.entropy_window={policy.config.entropy_window} differs from the engine's "
+        f"entropy_window={window}; build both with the same value."
+      )
     probe = (lambda: self._probe(params, prompts, policy, seed)) if policy.needs_probe() else None
     m_p = policy.initial_counts(len(prompts), probe)
     policy.begin(len(prompts))
@@ -140,9 +147,11 @@ class AgentLoop:
       if not p:
         raise ValueError(f"AgentLoop.rollout: prompt {i} is empty.")
       if len(p) + self.config.max_response_len > self.engine.max_len:
-        raise ValueError(f"AgentLoop.rollout: prompt {i} ({len(p)} tokens) + max_response_len "
-                         f"{self.config.max_response_len} exceeds the engine's max_len={self.engine.max_len}; "
-                         "build the Engine with a larger max_len or lower AgentConfig.max_response_len.")
+        raise ValueError(
+          f"AgentLoop.rollout: prompt {i} ({len(p)} tokens) + max_response_len "
+          f"{self.config.max_response_len} exceeds the engine's max_len={self.engine.max_len}; "
+          "build the Engine with a larger max_len or lower AgentConfig.max_response_len."
+        )
 
   # ------------------------------------------------------------------------------------------------ probe
   def _probe(self, params, prompts, policy: RolloutPolicy, seed: int):
@@ -151,14 +160,21 @@ class AgentLoop:
     cfg = policy.config
     run = _Run(self.engine, params, len(prompts), seed + 7_654_321)
     for p, prompt in enumerate(prompts):
-      self._new_record(run, p, "probe", prompt, 0, max_len=min(cfg.probe_tokens, self.config.max_response_len),
-                       max_calls=0)
+      self._new_record(
+        run, p, "probe", prompt, 0, max_len=min(cfg.probe_tokens, self.config.max_response_len), max_calls=0
+      )
       self._new_record(run, p, "probe", prompt, 0)
     self._drive(run, rollout_policy("none"))
-    stat = lambda accums: np.asarray(window_statistic(
-        np.asarray([a[0] for a in accums], np.int32), np.asarray([a[1] for a in accums], np.float32),
-        np.asarray([a[2] for a in accums], np.float32), estimator=cfg.estimator, window=cfg.entropy_window,
-        vocab_size=self.engine.config.vocab_size))
+    stat = lambda accums: np.asarray(
+      window_statistic(
+        np.asarray([a[0] for a in accums], np.int32),
+        np.asarray([a[1] for a in accums], np.float32),
+        np.asarray([a[2] for a in accums], np.float32),
+        estimator=cfg.estimator,
+        window=cfg.entropy_window,
+        vocab_size=self.engine.config.vocab_size,
+      )
+    )
     h_root, h_tool = np.zeros(len(prompts), np.float32), np.zeros(len(prompts), np.float32)
     for p in range(len(prompts)):
       root, full = run.records[2 * p], run.records[2 * p + 1]
@@ -169,14 +185,20 @@ class AgentLoop:
 
   # ------------------------------------------------------------------------------------------------ records
   def _seed(self, run: _Run, index: int) -> int:
-    return (run.seed * 1_000_003 + index * 92_821 + run.restarts[index] * 7_919 + 17) % (2 ** 31 - 1)
+    return (run.seed * 1_000_003 + index * 92_821 + run.restarts[index] * 7_919 + 17) % (2**31 - 1)
 
   def _new_record(self, run, p, kind, prompt, first_round, *, max_len=None, max_calls=None):
     rec = TrajectoryRecord(
-        index=len(run.records), prompt=p, kind=kind, prompt_tokens=prompt, first_round=first_round,
-        max_response_len=max_len or self.config.max_response_len,
-        max_tool_calls=self.config.max_tool_calls if max_calls is None else max_calls, seed=0,
-        call_state=self._new_call_state())
+      index=len(run.records),
+      prompt=p,
+      kind=kind,
+      prompt_tokens=prompt,
+      first_round=first_round,
+      max_response_len=max_len or self.config.max_response_len,
+      max_tool_calls=self.config.max_tool_calls if max_calls is None else max_calls,
+      seed=0,
+      call_state=self._new_call_state(),
+    )
     rec.seed = self._seed(run, rec.index)
     run.records.append(rec)
     run.queue.append(rec.index)
@@ -186,6 +208,7 @@ class AgentLoop:
 
   def _new_call_state(self):
     from aepo_jax.tools import CallState
+
     return CallState()
 
   def _end(self, rec, reason: str) -> None:
@@ -208,8 +231,11 @@ class AgentLoop:
       if run.decoding:
         self._decode_chunk(run)
       elif run.futures:
-        concurrent.futures.wait([f for f, _ in run.futures.values()], timeout=self.config.tool_poll_s,
-                                return_when=concurrent.futures.FIRST_COMPLETED)
+        concurrent.futures.wait(
+          [f for f, _ in run.futures.values()],
+          timeout=self.config.tool_poll_s,
+          return_when=concurrent.futures.FIRST_COMPLETED,
+        )
       self._collect_tools(run)
       while self._round_closed(run):
         if not self._end_round(run, policy):
@@ -229,16 +255,22 @@ class AgentLoop:
     if not ready:
       return
     if len(ready) > len(run.free):  # free slots held by finished trajectories (kept for possible forks)
-      self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done][:len(ready) - len(run.free)])
-    take = ready[:len(run.free)]
+      self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done][: len(ready) - len(run.free)])
+    take = ready[: len(run.free)]
     if not take:
       return
     slots = [run.free.pop(0) for _ in take]
     recs = [run.records[i] for i in take]
     for i in take:
       run.queue.remove(i)
-    run.state = self.engine.add(run.params, run.state, slots, [r.prompt_tokens + r.tokens for r in recs],
-                                [self._seed(run, r.index) for r in recs], [self._call_budget(r) for r in recs])
+    run.state = self.engine.add(
+      run.params,
+      run.state,
+      slots,
+      [r.prompt_tokens + r.tokens for r in recs],
+      [self._seed(run, r.index) for r in recs],
+      [self._call_budget(r) for r in recs],
+    )
     for s, r in zip(slots, recs):
       r.slot, r.device_len = s, r.response_len
       run.slot_rec[s] = r.index
@@ -248,12 +280,24 @@ class AgentLoop:
   def _resume(self, run: _Run) -> None:
     """Extends paused slots with their tool results (already on the host record) when the round allows."""
     recs = [run.records[i] for i in run.slot_rec.values()]
-    recs = [r for r in recs if not r.done and r.slot not in run.decoding and r.index not in run.futures
-            and r.device_len < r.response_len and self._may_start(run, r)]
+    recs = [
+      r
+      for r in recs
+      if not r.done
+      and r.slot not in run.decoding
+      and r.index not in run.futures
+      and r.device_len < r.response_len
+      and self._may_start(run, r)
+    ]
     if not recs:
       return
-    run.state = self.engine.extend(run.params, run.state, [r.slot for r in recs],
-                                   [r.tokens[r.device_len:] for r in recs], [self._call_budget(r) for r in recs])
+    run.state = self.engine.extend(
+      run.params,
+      run.state,
+      [r.slot for r in recs],
+      [r.tokens[r.device_len :] for r in recs],
+      [self._call_budget(r) for r in recs],
+    )
     for r in recs:
       r.device_len = r.response_len
       self._start_segment(r)
@@ -276,8 +320,9 @@ class AgentLoop:
       elif not info["active"][s] and info["stop_reason"][s] != st.RUNNING:
         stopped.append((s, int(info["stop_reason"][s])))
     if cuts:  # a stop string the device's token sequences missed: rewind the slot to just after it
-      run.state = self.engine.truncate(run.state, [s for s, _ in cuts],
-                                       [len(run.records[run.slot_rec[s]].prompt_tokens) + c for s, c in cuts])
+      run.state = self.engine.truncate(
+        run.state, [s for s, _ in cuts], [len(run.records[run.slot_rec[s]].prompt_tokens) + c for s, c in cuts]
+      )
       info = self.engine.host_info(run.state)
       for s, c in cuts:
         rec = run.records[run.slot_rec[s]]
@@ -289,8 +334,7 @@ class AgentLoop:
       run.decoding.discard(s)
       seg = rec.segments[-1]
       seg.end = rec.response_len
-      seg.accum = (int(info["seg_count"][s]), float(info["seg_entropy_sum"][s]),
-                   float(info["seg_topk_entropy_sum"][s]))
+      seg.accum = (int(info["seg_count"][s]), float(info["seg_entropy_sum"][s]), float(info["seg_topk_entropy_sum"][s]))
       if rec.initial_accum is None:  # corrected mode's H_initial: the first segment (a branch inherits it)
         rec.initial_accum = seg.accum
       self._on_stop(run, rec, reason)
@@ -301,7 +345,7 @@ class AgentLoop:
     if self.stop_checker is None or not self.stop_checker.has_candidate(new_tokens):
       return None
     seg = rec.segments[-1]
-    k = self.stop_checker.first_stop(rec.tokens[seg.start:])
+    k = self.stop_checker.first_stop(rec.tokens[seg.start :])
     if k is None or (reason == st.STOP_SEQUENCE and seg.start + k == rec.response_len):
       return None
     return seg.start + k
@@ -311,7 +355,7 @@ class AgentLoop:
     if reason == st.STOP_SEQUENCE:
       # Like the official rollout, parse the last <tag>...</tag> of the whole sequence (the opening tag may sit
       # in the prompt when a caller prefills it). Decoded for parsing only; nothing is re-encoded.
-      text = self.tokenizer.decode(rec.prompt_tokens + rec.tokens[:seg.end])
+      text = self.tokenizer.decode(rec.prompt_tokens + rec.tokens[: seg.end])
       call = self._parse(text, tuple(self.config.tool_tags))
       if call is None or not text.rstrip().endswith(f"</{call.tag}>"):  # e.g. a configured '</answer>' stop
         return self._end(rec, "stop_sequence")
@@ -349,7 +393,7 @@ class AgentLoop:
       rec.tool_failures += int(not out.ok)
       ids = _encode(self.tokenizer, self._format(out.text, self.config.result_mode))
       truncated = len(ids) >= rec.room
-      rec.append(ids[:rec.room], mask=0)
+      rec.append(ids[: rec.room], mask=0)
       seg.result_end, seg.calls_after, seg.call_state = rec.response_len, rec.num_tool_calls, rec.call_state.copy()
       if truncated:  # no room left to generate: truncated at L (spec §1.2 step 4)
         self._end(rec, "length")
@@ -370,8 +414,9 @@ class AgentLoop:
     """Applies the policy's plan for the closing round. Returns False when the rollout is complete."""
     rnd = run.round
     live = [r for r in run.records if r.kind != "probe"]
-    plan = policy.plan_round(live, rnd, run.counts_p.copy(), list(run.free), jax.random.fold_in(run.key, rnd),
-                             self.engine.config.vocab_size)
+    plan = policy.plan_round(
+      live, rnd, run.counts_p.copy(), list(run.free), jax.random.fold_in(run.key, rnd), self.engine.config.vocab_size
+    )
     if plan.decisions:
       run.decisions.append({"round": rnd, **{k: np.asarray(v) for k, v in plan.decisions.items()}})
     forks = []
@@ -392,8 +437,7 @@ class AgentLoop:
     run.round += 1
     # Finished trajectories are no fork source after their last round (one that finished early, running ahead,
     # may still be a candidate when its own round closes in corrected mode).
-    self._release(run, [s for s, i in run.slot_rec.items()
-                        if run.records[i].done and run.records[i].end_round <= rnd])
+    self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done and run.records[i].end_round <= rnd])
     # Not `any(not r.done)`: with lookahead a trajectory may have finished a round ahead; the rounds up to its
     # last still have to be closed, since the policy may branch from it or refill its prompt there.
     return any(not r.done or r.end_round > rnd for r in run.records)
@@ -412,8 +456,9 @@ class AgentLoop:
       if c.room <= 0:
         self._end(c, "length")
     if ok:
-      run.state = self.engine.extend(run.params, run.state, [c.slot for c in ok], [[] for _ in ok],
-                                     [self._call_budget(c) for c in ok])
+      run.state = self.engine.extend(
+        run.params, run.state, [c.slot for c in ok], [[] for _ in ok], [self._call_budget(c) for c in ok]
+      )
       for c in ok:
         self._start_segment(c)
         run.decoding.add(c.slot)
@@ -430,18 +475,24 @@ class AgentLoop:
 
   def _progress_possible(self, run: _Run) -> bool:
     ready = any(self._may_start(run, run.records[i]) for i in run.queue)
-    resumable = any(self._may_start(run, run.records[i]) and run.records[i].device_len < run.records[i].response_len
-                    for i in run.slot_rec.values() if not run.records[i].done)
+    resumable = any(
+      self._may_start(run, run.records[i]) and run.records[i].device_len < run.records[i].response_len
+      for i in run.slot_rec.values()
+      if not run.records[i].done
+    )
     return (ready and (run.free or any(run.records[i].done for i in run.slot_rec.values()))) or resumable
 
   def _evict_paused(self, run: _Run) -> None:
     """More live trajectories than slots and every slot waits for a later round: move one back to the queue
     (its tokens are on the host; it is re-prefilled when it may run)."""
-    paused = [s for s, i in run.slot_rec.items()
-              if not run.records[i].done and s not in run.decoding and i not in run.futures]
+    paused = [
+      s for s, i in run.slot_rec.items() if not run.records[i].done and s not in run.decoding and i not in run.futures
+    ]
     if not paused or not run.queue:
-      raise RuntimeError(f"AgentLoop: no progress possible in round {run.round} (queue={list(run.queue)}, "
-                         f"slots={run.slot_rec}); this is a bug.")
+      raise RuntimeError(
+        f"AgentLoop: no progress possible in round {run.round} (queue={list(run.queue)}, "
+        f"slots={run.slot_rec}); this is a bug."
+      )
     s = max(paused, key=lambda s: self._next_round(run.records[run.slot_rec[s]]))
     idx = run.slot_rec[s]
     self._release(run, [s])
@@ -451,8 +502,9 @@ class AgentLoop:
   # ------------------------------------------------------------------------------------------------ stats
   def _stats(self, run: _Run, records, policy: RolloutPolicy) -> dict:
     cfg = policy.config
-    out = tree_stats(records, estimator=cfg.estimator, window=cfg.entropy_window,
-                     vocab_size=self.engine.config.vocab_size)
+    out = tree_stats(
+      records, estimator=cfg.estimator, window=cfg.entropy_window, vocab_size=self.engine.config.vocab_size
+    )
     out["rollout/rounds"] = float(run.round)
     out["rollout/decode_tokens"] = float(run.decoded_tokens)
     if run.tool_overlap:

@@ -12,6 +12,7 @@ The kernel is compiled on first use with the system C++ compiler (`$CXX`, defaul
 it cannot be built or loaded, `available()` is False, `reason()` says why, and the engine decodes with XLA's dots
 instead (same results to float32 rounding).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +28,12 @@ _SRC = Path(__file__).parent / "csrc" / "small_m_matmul.cc"
 _TARGET = "aepo_small_m_matmul"
 _ATTN_TARGET = "aepo_decode_attention"
 MAX_ROWS = 64  # beyond this batch size the step is compute-bound and XLA's GEMM is as good
-_LIB = _native.Library(_SRC, {_TARGET: "AepoSmallMMatmul", _ATTN_TARGET: "AepoDecodeAttention"},
-                       "CPU decode kernel", "decoding with XLA dots")
+_LIB = _native.Library(
+  _SRC,
+  {_TARGET: "AepoSmallMMatmul", _ATTN_TARGET: "AepoDecodeAttention"},
+  "CPU decode kernel",
+  "decoding with XLA dots",
+)
 available = _LIB.available  # True when the kernel is built, loaded and registered (builds it on the first call)
 reason = _LIB.reason  # why the kernel is unavailable ('' when it is available)
 
@@ -50,8 +55,12 @@ def matmul_t(x, w_stacked, layer, *, parts: int = 0):
 
 def attention_applies(config, cache_dtype) -> bool:
   """Whether `attention` handles this model's decode attention (float32 cache, head_dim % 8 == 0, <= 64 heads)."""
-  return (jnp.dtype(cache_dtype) == jnp.float32 and config.head_dim % 8 == 0 and config.num_heads <= 64
-          and config.num_heads % config.num_kv_heads == 0)
+  return (
+    jnp.dtype(cache_dtype) == jnp.float32
+    and config.head_dim % 8 == 0
+    and config.num_heads <= 64
+    and config.num_heads % config.num_kv_heads == 0
+  )
 
 
 def attention(q, k_cache, v_cache, layer, pos, *, parts: int = 0):
@@ -82,4 +91,3 @@ def unavailable_reason_for(config, max_slots: int, mesh, params) -> Optional[str
   if not available():
     return reason()
   return None
-

@@ -13,6 +13,7 @@ the projections run through the small-M kernel of `_cpu_matmul` instead of XLA d
 through its decode-attention kernel, which reads each row's entries [0, pos] in place instead of copying the
 layer's first `attend_len` entries of every row (docs/performance.md).
 """
+
 from __future__ import annotations
 
 import math
@@ -46,19 +47,21 @@ def decode_weights(config, params) -> dict:
 
   o = a["o_proj"]["kernel"]  # [L, H, hd, D]
   out = {
-      "qkv": jnp.concatenate([in_heads(a[n]["kernel"]) for n in ("q_proj", "k_proj", "v_proj")], axis=1),
-      "o": jnp.swapaxes(o.reshape(o.shape[0], -1, o.shape[-1]), 1, 2).astype(f32),
-      "gate_up": jnp.concatenate([jnp.swapaxes(m[n]["kernel"], 1, 2).astype(f32) for n in ("gate_proj", "up_proj")],
-                                 axis=1),
-      "down": jnp.swapaxes(m["down_proj"]["kernel"], 1, 2).astype(f32),
+    "qkv": jnp.concatenate([in_heads(a[n]["kernel"]) for n in ("q_proj", "k_proj", "v_proj")], axis=1),
+    "o": jnp.swapaxes(o.reshape(o.shape[0], -1, o.shape[-1]), 1, 2).astype(f32),
+    "gate_up": jnp.concatenate(
+      [jnp.swapaxes(m[n]["kernel"], 1, 2).astype(f32) for n in ("gate_proj", "up_proj")], axis=1
+    ),
+    "down": jnp.swapaxes(m["down_proj"]["kernel"], 1, 2).astype(f32),
   }
   if not config.tie_word_embeddings:
     out["head"] = params["lm_head"]["kernel"].T.astype(f32)
   return out
 
 
-def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, return_hidden: bool = False,
-                   weights_t: dict = None):
+def decode_forward(
+  config, params, token_s, pos_s, cache, attend_len: int, *, return_hidden: bool = False, weights_t: dict = None
+):
   """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache).
 
   weights_t: `decode_weights(config, params)`; when given, the projections run through the CPU small-M kernel
@@ -79,6 +82,7 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
 
   kernel_attention = False
   if weights_t is None:
+
     def qkv(x, p, li):
       a = p["self_attn"]
       return tuple(x @ a[n]["kernel"].reshape(cfg.hidden_size, -1).astype(dt) for n in ("q_proj", "k_proj", "v_proj"))
@@ -100,21 +104,24 @@ def decode_forward(config, params, token_s, pos_s, cache, attend_len: int, *, re
 
     def qkv(x, p, li):
       y = kmm(x, weights_t["qkv"], li)
-      return y[:, :n_q], y[:, n_q:n_q + n_kv], y[:, n_q + n_kv:]
+      return y[:, :n_q], y[:, n_q : n_q + n_kv], y[:, n_q + n_kv :]
 
     def o_proj(x, p, li):
       return kmm(x, weights_t["o"], li)
 
     def gate_up(x, p, li):
       y = kmm(x, weights_t["gate_up"], li)
-      return y[:, :cfg.intermediate_size], y[:, cfg.intermediate_size:]
+      return y[:, : cfg.intermediate_size], y[:, cfg.intermediate_size :]
 
     def down(x, p, li):
       return kmm(x, weights_t["down"], li)
 
     # Only the small per-layer parameters ride in the scan; the projections stay stacked in weights_t.
-    layer_xs = {"input_layernorm": lay["input_layernorm"], "post_attention_layernorm": lay["post_attention_layernorm"],
-                "self_attn": {n: v for n, v in lay["self_attn"].items() if n in ("q_norm", "k_norm")}}
+    layer_xs = {
+      "input_layernorm": lay["input_layernorm"],
+      "post_attention_layernorm": lay["post_attention_layernorm"],
+      "self_attn": {n: v for n, v in lay["self_attn"].items() if n in ("q_norm", "k_norm")},
+    }
     if cfg.attention_bias:
       for n in ("q_proj", "k_proj", "v_proj"):
         layer_xs["self_attn"][n] = {"bias": lay["self_attn"][n]["bias"]}

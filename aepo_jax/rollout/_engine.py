@@ -4,6 +4,7 @@ Every per-token operation (forward, sampling, log-prob, entropies, stop detectio
 jitted `decode` call (a lax.scan over steps, the state donated so the cache is updated in place). The host only
 validates inputs, chunks prefill/extend, and reads small per-slot summaries. See docs/rollout_contract.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ from aepo_jax.rollout._sampling import SamplingParams, SlotSampling
 @dataclasses.dataclass(frozen=True)
 class _StepSpec:
   """Static settings of the decode step (hashable)."""
+
   sampling: Optional[SamplingParams]  # None: each slot's own settings (DecodeState.sampling)
   with_entropy: bool
   topk_entropy: int
@@ -50,7 +52,7 @@ def _stop_matrix(seqs: tuple):
   width = max([len(s) for s in seqs], default=1)
   ids = np.full((len(seqs), width), -1, np.int32)
   for i, seq in enumerate(seqs):
-    ids[i, width - len(seq):] = seq
+    ids[i, width - len(seq) :] = seq
   return ids, np.asarray([len(s) for s in seqs], np.int32)
 
 
@@ -78,8 +80,7 @@ class _PreparedWeights:
     leaves = jax.tree.leaves(params)
     with self._lock:
       e = self._entry
-      if e is not None and e[0] == config and len(e[1]) == len(leaves) and all(
-          r() is x for r, x in zip(e[1], leaves)):
+      if e is not None and e[0] == config and len(e[1]) == len(leaves) and all(r() is x for r, x in zip(e[1], leaves)):
         return e[2]
       self._entry = None  # release the previous copy before making a new one
     weights = _decode_weights(config, params)
@@ -109,11 +110,25 @@ def _bucket(n: int, lo: int = 1) -> int:
 class Engine:
   """Slot-based generation engine (contract: docs/rollout_contract.md, section Engine)."""
 
-  def __init__(self, model_config: ModelConfig, *, max_slots: int, max_len: int, eos_ids: Sequence[int] = None,
-               stop_sequences: Sequence[Sequence[int]] = (), sampling: SamplingParams = SamplingParams(),
-               entropy_window: int = 20, topk_entropy: int = 10, mesh=None, prefill_chunk: int = 128,
-               prefill_rows: int = 16, cache_dtype: Optional[str] = None, cpu_kernels: Optional[bool] = None, compact: bool = True,
-               per_slot_sampling: bool = False):
+  def __init__(
+    self,
+    model_config: ModelConfig,
+    *,
+    max_slots: int,
+    max_len: int,
+    eos_ids: Sequence[int] = None,
+    stop_sequences: Sequence[Sequence[int]] = (),
+    sampling: SamplingParams = SamplingParams(),
+    entropy_window: int = 20,
+    topk_entropy: int = 10,
+    mesh=None,
+    prefill_chunk: int = 128,
+    prefill_rows: int = 16,
+    cache_dtype: Optional[str] = None,
+    cpu_kernels: Optional[bool] = None,
+    compact: bool = True,
+    per_slot_sampling: bool = False,
+  ):
     """sampling: the settings of every slot; with per_slot_sampling=True, the default of a slot whose `add` gives
     none: each slot then samples with the settings `add` gave it (a server's requests in one decode call).
     cpu_kernels: decode through the CPU small-M kernel (`_cpu_matmul`): None (default) when it applies
@@ -149,6 +164,7 @@ class Engine:
     self.cpu_kernels = cpu_kernels
     self.compact = bool(compact)
     self._use_kernels = None  # decided at the first decode (needs the parameters' device)
+
   # ------------------------------------------------------------------------------------------------
   # JetStream-style sizes
   # ------------------------------------------------------------------------------------------------
@@ -156,11 +172,24 @@ class Engine:
   def max_concurrent_decodes(self) -> int:
     return self.max_slots
 
-  def step_spec(self, sampling: Optional[SamplingParams] = None, with_entropy: bool = True,
-                attend_len: Optional[int] = None, top_logprobs: int = 0) -> _StepSpec:
+  def step_spec(
+    self,
+    sampling: Optional[SamplingParams] = None,
+    with_entropy: bool = True,
+    attend_len: Optional[int] = None,
+    top_logprobs: int = 0,
+  ) -> _StepSpec:
     sampling = sampling or (None if self.per_slot_sampling else self.sampling)
-    return _StepSpec(sampling, bool(with_entropy), self.topk_entropy, self.entropy_window,
-                     self.eos_ids, self.stop_sequences, int(attend_len or self.max_len), top_logprobs=int(top_logprobs))
+    return _StepSpec(
+      sampling,
+      bool(with_entropy),
+      self.topk_entropy,
+      self.entropy_window,
+      self.eos_ids,
+      self.stop_sequences,
+      int(attend_len or self.max_len),
+      top_logprobs=int(top_logprobs),
+    )
 
   def attend_bucket(self, max_length: int) -> int:
     """Attention window for a decode call whose rows end at most at `max_length` tokens: a power of two
@@ -182,22 +211,26 @@ class Engine:
     from aepo_jax.model import CACHE_LOGICAL_AXES
     from aepo_jax.parallel import logical_sharding
     from jax.sharding import NamedSharding, PartitionSpec
+
     specs = {k: PartitionSpec(*CACHE_LOGICAL_AXES) for k in state.cache}
     replicated = NamedSharding(self.mesh, PartitionSpec())
     return jax.tree.map(lambda _: replicated, state.replace(cache={})).replace(
-        cache=logical_sharding(specs, state.cache, self.mesh))
+      cache=logical_sharding(specs, state.cache, self.mesh)
+    )
 
   # ------------------------------------------------------------------------------------------------
   # Ahead-of-time lowering (launch/compile.py: the engine's programs for a TPU slice, on any host)
   # ------------------------------------------------------------------------------------------------
   def abstract_decode_state(self) -> st.DecodeState:
     """ShapeDtypeStructs (with the engine's shardings when it has a mesh) of `init_decode_state()`."""
-    shapes = jax.eval_shape(lambda: st.empty_state(self.config, self.max_slots, self.max_len, self.tail_width,
-                                                   self.cache_dtype))
+    shapes = jax.eval_shape(
+      lambda: st.empty_state(self.config, self.max_slots, self.max_len, self.tail_width, self.cache_dtype)
+    )
     if self.mesh is None:
       return shapes
-    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
-                        self._state_shardings(shapes))
+    return jax.tree.map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, self._state_shardings(shapes)
+    )
 
   def lower_decode(self, params, num_steps: int, *, compact: bool = False):
     """The lowered decode call of `num_steps` steps over the whole cache window (`params`: arrays or
@@ -206,8 +239,9 @@ class Engine:
     rows = None
     if compact:
       rows = jax.ShapeDtypeStruct((max(4, -(-self.max_slots // 4)),), jnp.int32)
-    return _decode.lower(self.config, self.step_spec(attend_len=self.max_len), int(num_steps), params, state, None,
-                         rows)
+    return _decode.lower(
+      self.config, self.step_spec(attend_len=self.max_len), int(num_steps), params, state, None, rows
+    )
 
   def lower_fill(self, params):
     """The lowered prefill/extend call: prefill_rows rows, one prefill_chunk each, reading the whole window."""
@@ -218,8 +252,17 @@ class Engine:
 
   def host_info(self, state: st.DecodeState) -> dict:
     """Per-slot summaries as numpy arrays (one small device-to-host transfer)."""
-    names = ("length", "active", "stop_reason", "n_generated", "budget", "seg_start", "seg_count",
-             "seg_entropy_sum", "seg_topk_entropy_sum")
+    names = (
+      "length",
+      "active",
+      "stop_reason",
+      "n_generated",
+      "budget",
+      "seg_start",
+      "seg_count",
+      "seg_entropy_sum",
+      "seg_topk_entropy_sum",
+    )
     return dict(zip(names, jax.device_get([getattr(state, n) for n in names])))
 
   def slot_tokens(self, state: st.DecodeState, slot: int) -> np.ndarray:
@@ -253,7 +296,7 @@ class Engine:
     """[n, max_len] rows holding token_arrays[i] at offsets[i] (zeros elsewhere)."""
     rows = np.zeros((len(slots), self.max_len), np.int32)
     for i, (toks, off) in enumerate(zip(token_arrays, offsets)):
-      rows[i, off:off + toks.size] = toks
+      rows[i, off : off + toks.size] = toks
     return rows
 
   # ------------------------------------------------------------------------------------------------
@@ -300,22 +343,34 @@ class Engine:
       raise ValueError("Engine.add: sampling settings other than the engine's need Engine(per_slot_sampling=True).")
     toks = self._check_tokens(token_lists, "token_lists")
     if len(toks) != slots.size or len(list(seeds)) != slots.size:
-      raise ValueError(f"Engine.add: got {slots.size} slots, {len(toks)} token lists and {len(list(seeds))} "
-                       "seeds; pass one of each per slot.")
+      raise ValueError(
+        f"Engine.add: got {slots.size} slots, {len(toks)} token lists and {len(list(seeds))} "
+        "seeds; pass one of each per slot."
+      )
     for i, t in enumerate(toks):
       if t.size == 0:
         raise ValueError(f"Engine.add: token_lists[{i}] is empty; a prompt needs at least one token (e.g. BOS).")
       if t.size > self.max_len:
-        raise ValueError(f"Engine.add: prompt {i} has {t.size} tokens but the cache holds max_len={self.max_len}; "
-                         "shorten it or build the Engine with a larger max_len.")
+        raise ValueError(
+          f"Engine.add: prompt {i} has {t.size} tokens but the cache holds max_len={self.max_len}; "
+          "shorten it or build the Engine with a larger max_len."
+        )
     budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy()
     lengths = np.asarray([t.size for t in toks], np.int32)
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))), np.uint32) for s in seeds])
-    state = _start(state, jnp.asarray(slots), tokens_nl=jnp.asarray(self._rows(slots, toks, [0] * len(toks))),
-                   length_n=jnp.asarray(lengths), keep_from_n=jnp.zeros(slots.shape, jnp.int32),
-                   rng_n2=jnp.asarray(keys), budget_n=jnp.asarray(budget),
-                   sampling_n=jax.tree.map(jnp.asarray, SlotSampling.of(per_slot)), reset_generated=True,
-                   window=self.entropy_window, width=self.tail_width)
+    state = _start(
+      state,
+      jnp.asarray(slots),
+      tokens_nl=jnp.asarray(self._rows(slots, toks, [0] * len(toks))),
+      length_n=jnp.asarray(lengths),
+      keep_from_n=jnp.zeros(slots.shape, jnp.int32),
+      rng_n2=jnp.asarray(keys),
+      budget_n=jnp.asarray(budget),
+      sampling_n=jax.tree.map(jnp.asarray, SlotSampling.of(per_slot)),
+      reset_generated=True,
+      window=self.entropy_window,
+      width=self.tail_width,
+    )
     return self._fill_ranges(params, state, slots, np.zeros_like(lengths), lengths - 1)
 
   def extend(self, params, state, slots, token_lists, max_new_tokens=None):
@@ -328,27 +383,50 @@ class Engine:
     info = self.host_info(state)
     length, active = info["length"][slots], info["active"][slots]
     if active.any():
-      raise ValueError(f"Engine.extend: slots {slots[active].tolist()} are still decoding; extend only paused "
-                       "slots (stopped on a stop sequence/EOS/budget, or truncated).")
+      raise ValueError(
+        f"Engine.extend: slots {slots[active].tolist()} are still decoding; extend only paused "
+        "slots (stopped on a stop sequence/EOS/budget, or truncated)."
+      )
     if (length == 0).any():
       raise ValueError(f"Engine.extend: slots {slots[length == 0].tolist()} are empty; use add() first.")
     new_len = length + np.asarray([t.size for t in toks], np.int32)
     over = new_len > self.max_len
     if over.any():
-      raise ValueError(f"Engine.extend: slots {slots[over].tolist()} would hold {new_len[over].tolist()} tokens, "
-                       f"more than max_len={self.max_len}; end those trajectories instead.")
-    budget = None if max_new_tokens is None else jnp.asarray(
-        np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
-    state = _start(state, jnp.asarray(slots), tokens_nl=jnp.asarray(self._rows(slots, toks, length)),
-                   length_n=jnp.asarray(new_len), keep_from_n=jnp.asarray(length), budget_n=budget,
-                   reset_generated=False, window=self.entropy_window, width=self.tail_width)
+      raise ValueError(
+        f"Engine.extend: slots {slots[over].tolist()} would hold {new_len[over].tolist()} tokens, "
+        f"more than max_len={self.max_len}; end those trajectories instead."
+      )
+    budget = (
+      None
+      if max_new_tokens is None
+      else jnp.asarray(np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
+    )
+    state = _start(
+      state,
+      jnp.asarray(slots),
+      tokens_nl=jnp.asarray(self._rows(slots, toks, length)),
+      length_n=jnp.asarray(new_len),
+      keep_from_n=jnp.asarray(length),
+      budget_n=budget,
+      reset_generated=False,
+      window=self.entropy_window,
+      width=self.tail_width,
+    )
     return self._fill_ranges(params, state, slots, length - 1, new_len - 1)
 
   # ------------------------------------------------------------------------------------------------
   # Decode and slot edits
   # ------------------------------------------------------------------------------------------------
-  def decode(self, params, state, num_steps: int, *, sampling: Optional[SamplingParams] = None,
-             with_entropy: bool = True, top_logprobs: int = 0):
+  def decode(
+    self,
+    params,
+    state,
+    num_steps: int,
+    *,
+    sampling: Optional[SamplingParams] = None,
+    with_entropy: bool = True,
+    top_logprobs: int = 0,
+  ):
     """num_steps decode steps for all active slots in one jitted call -> (state, StepOutputs [S, num_steps]).
     sampling: static settings for every slot (overrides per-slot ones). top_logprobs: also output the N most
     likely tokens of each step and their log-probs (one compiled variant per N)."""
@@ -390,8 +468,10 @@ class Engine:
       else:
         why = _cpu_matmul.unavailable_reason_for(self.config, self.max_slots, self.mesh, params)
         if why is not None and self.cpu_kernels:
-          raise ValueError(f"Engine(cpu_kernels=True): the CPU decode kernel cannot be used: {why}. Pass "
-                           "cpu_kernels=None (use it where it applies) or False.")
+          raise ValueError(
+            f"Engine(cpu_kernels=True): the CPU decode kernel cannot be used: {why}. Pass "
+            "cpu_kernels=None (use it where it applies) or False."
+          )
         self._use_kernels = why is None
     return self._use_kernels
 
@@ -408,8 +488,12 @@ class Engine:
     if len(seeds) != src.size:
       raise ValueError(f"Engine.copy_slots: {len(seeds)} seeds for {src.size} forks.")
     parent = np.asarray(jax.device_get(state.rng))[src]
-    keys = np.stack([parent[i] if s is None else np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
-                     for i, s in enumerate(seeds)]).astype(np.uint32)
+    keys = np.stack(
+      [
+        parent[i] if s is None else np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
+        for i, s in enumerate(seeds)
+      ]
+    ).astype(np.uint32)
     return _copy(state, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(keys))
 
   def truncate(self, state, slots, lengths):
@@ -418,8 +502,9 @@ class Engine:
     lengths = np.asarray(lengths, np.int32).reshape(-1)
     cur = self.host_info(state)["length"][slots]
     if lengths.size != slots.size or (lengths < 1).any() or (lengths > cur).any():
-      raise ValueError(f"Engine.truncate: lengths {lengths.tolist()} must be one per slot within "
-                       f"1..current length {cur.tolist()}.")
+      raise ValueError(
+        f"Engine.truncate: lengths {lengths.tolist()} must be one per slot within 1..current length {cur.tolist()}."
+      )
     return _truncate(state, jnp.asarray(slots), jnp.asarray(lengths), self.entropy_window, self.tail_width)
 
   def release(self, state, slots):

@@ -1,5 +1,6 @@
 """`make_engine`: the one place an `Engine` is built from a model config and a run's settings (trainer, evaluation,
 server, `generate`, the JetStream adapter), so the stop sequences, EOS ids, greedy settings and mesh rule agree."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,10 +11,20 @@ from aepo_jax.rollout._sampling import SamplingParams
 from aepo_jax.rollout._stop import stop_sequences_from_strings
 
 
-def make_engine(model_config, *, max_slots: int, max_len: int, tokenizer=None, stop_strings: Sequence[str] = (),
-                stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Optional[Sequence[int]] = None,
-                tokenizer_eos: bool = False, sampling: SamplingParams = SamplingParams(), mesh=None,
-                **engine_kw) -> Engine:
+def make_engine(
+  model_config,
+  *,
+  max_slots: int,
+  max_len: int,
+  tokenizer=None,
+  stop_strings: Sequence[str] = (),
+  stop_sequences: Sequence[Sequence[int]] = (),
+  eos_ids: Optional[Sequence[int]] = None,
+  tokenizer_eos: bool = False,
+  sampling: SamplingParams = SamplingParams(),
+  mesh=None,
+  **engine_kw,
+) -> Engine:
   """An `Engine` (its other keywords in `engine_kw`: entropy_window, prefill_chunk, per_slot_sampling, ...).
 
   stop_strings: e.g. a tool call's closing tag `</python>`, as the token sequences `stop_sequences_from_strings`
@@ -36,5 +47,13 @@ def make_engine(model_config, *, max_slots: int, max_len: int, tokenizer=None, s
     sampling = dataclasses.replace(sampling, top_p=1.0, top_k=0, min_p=0.0)
   if mesh is not None and mesh.devices.size == 1:
     mesh = None
-  return Engine(model_config, max_slots=max_slots, max_len=max_len, eos_ids=eos, stop_sequences=seqs,
-                sampling=sampling, mesh=mesh, **engine_kw)
+  return Engine(
+    model_config,
+    max_slots=max_slots,
+    max_len=max_len,
+    eos_ids=eos,
+    stop_sequences=seqs,
+    sampling=sampling,
+    mesh=mesh,
+    **engine_kw,
+  )

@@ -2,6 +2,7 @@
 
 Used by tests, benchmarks and evaluation. More prompts than slots are queued and fed to slots as others finish.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,12 +17,27 @@ from aepo_jax.rollout._state import STOP_REASON_NAMES, STOP_SEQUENCE
 from aepo_jax.rollout._stop import StopStringChecker
 
 
-def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             seed: int = 0, stop_strings: Sequence[str] = (),
-             tokenizer=None, stop_sequences: Sequence[Sequence[int]] = (), eos_ids: Optional[Sequence[int]] = None,
-             max_slots: Optional[int] = None, max_len: Optional[int] = None, steps_per_call: int = 16,
-             prefill_chunk: int = 128) -> list:
+def generate(
+  config,
+  params,
+  prompts: Sequence[Sequence[int]],
+  *,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  min_p: float = 0.0,
+  repetition_penalty: float = 1.0,
+  seed: int = 0,
+  stop_strings: Sequence[str] = (),
+  tokenizer=None,
+  stop_sequences: Sequence[Sequence[int]] = (),
+  eos_ids: Optional[Sequence[int]] = None,
+  max_slots: Optional[int] = None,
+  max_len: Optional[int] = None,
+  steps_per_call: int = 16,
+  prefill_chunk: int = 128,
+) -> list:
   """Generates a continuation of each prompt. `temperature=0.0` is greedy. Sampling settings: `SamplingParams`
   (repetition_penalty applies over each prompt and its generated tokens, as in transformers and vLLM).
 
@@ -43,10 +59,17 @@ def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
   n = len(prompts)
   slots = max(1, min(n, max_slots or n))
   max_len = max_len or max(len(p) for p in prompts) + max_new_tokens
-  engine = make_engine(config, max_slots=slots, max_len=max_len, tokenizer=tokenizer, stop_strings=stop_strings,
-                       stop_sequences=stop_sequences, eos_ids=eos_ids,
-                       sampling=SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty),
-                       prefill_chunk=prefill_chunk)
+  engine = make_engine(
+    config,
+    max_slots=slots,
+    max_len=max_len,
+    tokenizer=tokenizer,
+    stop_strings=stop_strings,
+    stop_sequences=stop_sequences,
+    eos_ids=eos_ids,
+    sampling=SamplingParams(temperature, top_p, top_k, min_p, repetition_penalty),
+    prefill_chunk=prefill_chunk,
+  )
   state = engine.init_decode_state()
   pending = collections.deque(range(n))
   running = {}  # slot -> prompt index
@@ -54,7 +77,7 @@ def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
   results = [None] * n
 
   def refill(state):
-    free = [s for s in range(slots) if s not in running][:len(pending)]
+    free = [s for s in range(slots) if s not in running][: len(pending)]
     if not free:
       return state
     idx = [pending.popleft() for _ in free]
@@ -89,6 +112,10 @@ def generate(config, params, prompts: Sequence[Sequence[int]], *, max_new_tokens
 
 
 def _record(buf, reason: str) -> dict:
-  return {"tokens": np.asarray(buf["token"], np.int32), "logprobs": np.asarray(buf["logprob"], np.float32),
-          "entropies": np.asarray(buf["entropy"], np.float32),
-          "topk_entropies": np.asarray(buf["topk_entropy"], np.float32), "stop_reason": reason}
+  return {
+    "tokens": np.asarray(buf["token"], np.int32),
+    "logprobs": np.asarray(buf["logprob"], np.float32),
+    "entropies": np.asarray(buf["entropy"], np.float32),
+    "topk_entropies": np.asarray(buf["topk_entropy"], np.float32),
+    "stop_reason": reason,
+  }

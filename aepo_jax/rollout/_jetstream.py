@@ -15,6 +15,7 @@ Mapping: `prefill` runs a one-slot engine (KV computed there, so prefill and gen
 the Prefix is that one-slot DecodeState; `insert` copies it into a slot of the serving state (one jitted copy);
 `generate` is one `Engine.decode` step and returns ResultTokens with [token, valid, n_generated] per slot.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,10 @@ def _jetstream_imported():
 
 def _insert(prefix, state, slot):
   """Copies the single row of `prefix` (a one-slot DecodeState) into `slot` of `state`."""
+
   def put(dst, src):
     return dst.at[slot].set(src[0])
+
   cache = jax.tree.map(lambda d, s: d.at[:, slot].set(s[:, 0]), state.cache, prefix.cache)
   rest = jax.tree.map(put, state.replace(cache={}), prefix.replace(cache={}))
   return rest.replace(cache=cache)
@@ -98,12 +101,20 @@ def jetstream_engine_class():
     def __init__(self, tokenizer, eos_ids: Sequence[int], pad_id: int, bos_id: Optional[int]):
       self._tok, self._eos, self._pad, self._bos = tokenizer, tuple(eos_ids), pad_id, bos_id
 
-    def encode(self, s: str, is_bos: bool = True, max_prefill_length: Optional[int] = None,
-               jax_padding: bool = True, **kwargs):
+    def encode(
+      self, s: str, is_bos: bool = True, max_prefill_length: Optional[int] = None, jax_padding: bool = True, **kwargs
+    ):
       from aepo_jax.rollout._stop import _encode
+
       ids = np.asarray(_encode(self._tok, s), np.int32)
-      return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=is_bos and self._bos is not None,
-                                    max_prefill_length=max_prefill_length, jax_padding=jax_padding)
+      return token_utils.pad_tokens(
+        ids,
+        self.bos_id,
+        self.pad_id,
+        is_bos=is_bos and self._bos is not None,
+        max_prefill_length=max_prefill_length,
+        jax_padding=jax_padding,
+      )
 
     def decode(self, token_ids, **kwargs) -> str:
       return self._tok.decode([int(t) for t in token_ids])
@@ -127,9 +138,19 @@ def jetstream_engine_class():
   class JetStreamEngine(engine_api.Engine):
     """JetStream `Engine` over aepo_jax's slot engine (one decode step per `generate`)."""
 
-    def __init__(self, model_config, params=None, *, max_slots: int, max_len: int, tokenizer=None,
-                 sampling: SamplingParams = SamplingParams(), eos_ids: Optional[Sequence[int]] = None,
-                 prefill_chunk: int = 128, seed: int = 0):
+    def __init__(
+      self,
+      model_config,
+      params=None,
+      *,
+      max_slots: int,
+      max_len: int,
+      tokenizer=None,
+      sampling: SamplingParams = SamplingParams(),
+      eos_ids: Optional[Sequence[int]] = None,
+      prefill_chunk: int = 128,
+      seed: int = 0,
+    ):
       self.config, self._params, self._hf_tokenizer = model_config, params, tokenizer
       kw = dict(max_len=max_len, eos_ids=eos_ids, sampling=sampling, prefill_chunk=prefill_chunk)
       self.engine = make_engine(model_config, max_slots=max_slots, **kw)
@@ -144,9 +165,11 @@ def jetstream_engine_class():
     # -- Engine ABC -------------------------------------------------------------------------------
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int):
       if existing_prefix is not None:
-        raise NotImplementedError("JetStreamEngine.prefill: existing_prefix (multi-turn sessions) is not "
-                                  "supported; send the whole history as one request.")
-      tokens = np.asarray(jax.device_get(padded_tokens))[:int(true_length)]
+        raise NotImplementedError(
+          "JetStreamEngine.prefill: existing_prefix (multi-turn sessions) is not "
+          "supported; send the whole history as one request."
+        )
+      tokens = np.asarray(jax.device_get(padded_tokens))[: int(true_length)]
       tokens = tokens[tokens != _NO_BOS]
       budget = self.engine.max_len  # JetStream ends requests itself at max_tokens
       return self._one.add(params, self._one.init_decode_state(), [0], [tokens], [next(self._seeds)], budget)
@@ -158,16 +181,18 @@ def jetstream_engine_class():
     def generate(self, params, decode_state):
       state, out = self.engine.decode(params, decode_state, 1)
       data = jnp.stack([out.token[:, 0], out.valid[:, 0].astype(jnp.int32), state.n_generated], axis=1)
-      return state, engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
-                                            samples_per_slot=1)
+      return state, engine_api.ResultTokens(
+        data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+      )
 
     def init_decode_state(self, *args, **kwargs):
       return self.engine.init_decode_state()
 
     def load_params(self, *args, **kwargs):
       if self._params is None:
-        raise ValueError("JetStreamEngine.load_params: build the engine with params=... (e.g. from "
-                         "aepo_jax.model.load_hf).")
+        raise ValueError(
+          "JetStreamEngine.load_params: build the engine with params=... (e.g. from aepo_jax.model.load_hf)."
+        )
       return self._params
 
     def get_prefix_destination_sharding(self):
@@ -178,8 +203,10 @@ def jetstream_engine_class():
 
     def build_tokenizer(self, metadata):
       if self._hf_tokenizer is None:
-        raise ValueError("JetStreamEngine: text requests need tokenizer=... (HF or aepo_jax.model.Tokenizer); "
-                         "token-id requests work without one only if you never build the tokenizer.")
+        raise ValueError(
+          "JetStreamEngine: text requests need tokenizer=... (HF or aepo_jax.model.Tokenizer); "
+          "token-id requests work without one only if you never build the tokenizer."
+        )
       cfg = self.config
       pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
       return _Tokenizer(self._hf_tokenizer, self.engine.eos_ids or (pad,), pad, cfg.bos_token_id)

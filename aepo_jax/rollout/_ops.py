@@ -2,6 +2,7 @@
 
 All take and return a `DecodeState`; the engine donates it, so the KV cache is updated in place.
 """
+
 from __future__ import annotations
 
 import jax
@@ -22,12 +23,20 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
   rows = jnp.arange(s)
   # Paused/free rows also write: the KV of their own last_token at length-1, which is the correct value.
   write_s = jnp.clip(state.length - 1, 0, max_len - 1)
-  logits_sv, cache = decode_forward(config, params, state.last_token, write_s, state.cache, spec.attend_len,
-                                    weights_t=weights_t)
+  logits_sv, cache = decode_forward(
+    config, params, state.last_token, write_s, state.cache, spec.attend_len, weights_t=weights_t
+  )
   # spec.sampling None: each slot samples with its own settings (the engine's per-slot mode).
-  smp = sample_step(logits_sv, state.rng, state.sampling if spec.sampling is None else spec.sampling,
-                    with_entropy=spec.with_entropy, topk=spec.topk_entropy, tokens_sl=state.tokens,
-                    length_s=state.length, top_logprobs=spec.top_logprobs)
+  smp = sample_step(
+    logits_sv,
+    state.rng,
+    state.sampling if spec.sampling is None else spec.sampling,
+    with_entropy=spec.with_entropy,
+    topk=spec.topk_entropy,
+    tokens_sl=state.tokens,
+    length_s=state.length,
+    top_logprobs=spec.top_logprobs,
+  )
   token_s, logprob_s, entropy_s, topk_s, rng = smp.token, smp.logprob, smp.entropy, smp.topk_entropy, smp.rng
   act = state.active
   token_s = jnp.where(act, token_s, 0)
@@ -55,26 +64,40 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
   reason = jnp.where(act, reason, state.stop_reason)
 
   state = state.replace(
-      cache=cache,
-      tokens=state.tokens.at[rows, put_s].set(token_s, mode="drop"),
-      generated=state.generated.at[rows, put_s].set(True, mode="drop"),
-      entropy_buf=state.entropy_buf.at[rows, put_s].set(entropy_s, mode="drop"),
-      topk_entropy_buf=state.topk_entropy_buf.at[rows, put_s].set(topk_s, mode="drop"),
-      length=length, last_token=jnp.where(act, token_s, state.last_token),
-      active=act & (reason == st.RUNNING), rng=jnp.where(act[:, None], rng, state.rng),
-      budget=budget, n_generated=state.n_generated + act, stop_reason=reason, tail=tail, seg_count=seg_count,
-      seg_entropy_sum=state.seg_entropy_sum + jnp.where(in_window, entropy_s, 0.0),
-      seg_topk_entropy_sum=state.seg_topk_entropy_sum + jnp.where(in_window, topk_s, 0.0))
-  out = st.StepOutputs(token=token_s, logprob=jnp.where(act, logprob_s, 0.0),
-                       entropy=jnp.where(act, entropy_s, 0.0), topk_entropy=jnp.where(act, topk_s, 0.0), valid=act,
-                       top_ids=smp.top_ids, top_logprobs=smp.top_logprobs)
+    cache=cache,
+    tokens=state.tokens.at[rows, put_s].set(token_s, mode="drop"),
+    generated=state.generated.at[rows, put_s].set(True, mode="drop"),
+    entropy_buf=state.entropy_buf.at[rows, put_s].set(entropy_s, mode="drop"),
+    topk_entropy_buf=state.topk_entropy_buf.at[rows, put_s].set(topk_s, mode="drop"),
+    length=length,
+    last_token=jnp.where(act, token_s, state.last_token),
+    active=act & (reason == st.RUNNING),
+    rng=jnp.where(act[:, None], rng, state.rng),
+    budget=budget,
+    n_generated=state.n_generated + act,
+    stop_reason=reason,
+    tail=tail,
+    seg_count=seg_count,
+    seg_entropy_sum=state.seg_entropy_sum + jnp.where(in_window, entropy_s, 0.0),
+    seg_topk_entropy_sum=state.seg_topk_entropy_sum + jnp.where(in_window, topk_s, 0.0),
+  )
+  out = st.StepOutputs(
+    token=token_s,
+    logprob=jnp.where(act, logprob_s, 0.0),
+    entropy=jnp.where(act, entropy_s, 0.0),
+    topk_entropy=jnp.where(act, topk_s, 0.0),
+    valid=act,
+    top_ids=smp.top_ids,
+    top_logprobs=smp.top_logprobs,
+  )
   return state, out
 
 
 def take_rows(state: st.DecodeState, rows) -> st.DecodeState:
   """The slots `rows` [R] of the state as an R-slot state (cache rows included)."""
   return jax.tree.map(lambda x: x[rows], state.replace(cache=None)).replace(
-      cache=jax.tree.map(lambda c: c[:, rows], state.cache))
+    cache=jax.tree.map(lambda c: c[:, rows], state.cache)
+  )
 
 
 def put_rows(state: st.DecodeState, rows, sub: st.DecodeState) -> st.DecodeState:
@@ -95,16 +118,22 @@ def decode(config, spec, num_steps: int, params, state, weights_t=None, rows=Non
     s = state.active.shape[0]
     full = jax.tree.map(lambda o: jnp.zeros((s,) + o.shape[1:], o.dtype).at[rows].set(o), out)
     return put_rows(state, rows, sub), full
+
   def idle(carry):
     s, n = carry.active.shape[0], spec.top_logprobs
     zeros = jnp.zeros((s,), jnp.float32)
-    return carry, st.StepOutputs(token=jnp.zeros((s,), carry.last_token.dtype), logprob=zeros, entropy=zeros,
-                                 topk_entropy=zeros, valid=jnp.zeros((s,), bool),
-                                 top_ids=jnp.zeros((s, n), jnp.int32), top_logprobs=jnp.zeros((s, n), jnp.float32))
+    return carry, st.StepOutputs(
+      token=jnp.zeros((s,), carry.last_token.dtype),
+      logprob=zeros,
+      entropy=zeros,
+      topk_entropy=zeros,
+      valid=jnp.zeros((s,), bool),
+      top_ids=jnp.zeros((s, n), jnp.int32),
+      top_logprobs=jnp.zeros((s, n), jnp.float32),
+    )
 
   def body(carry, _):
-    return jax.lax.cond(jnp.any(carry.active), lambda c: decode_step(config, params, c, spec, weights_t), idle,
-                        carry)
+    return jax.lax.cond(jnp.any(carry.active), lambda c: decode_step(config, params, c, spec, weights_t), idle, carry)
 
   state, out = jax.lax.scan(body, state, None, length=num_steps)
   return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)
@@ -128,8 +157,20 @@ def fill_chunk(config, chunk: int, attend_len: int, params, state, slots_n, star
 # ----------------------------------------------------------------------------------------------------
 # Row edits
 # ----------------------------------------------------------------------------------------------------
-def start_rows(state, slots_n, *, tokens_nl, length_n, keep_from_n, rng_n2=None, budget_n=None, sampling_n=None,
-               reset_generated: bool, window: int, width: int):
+def start_rows(
+  state,
+  slots_n,
+  *,
+  tokens_nl,
+  length_n,
+  keep_from_n,
+  rng_n2=None,
+  budget_n=None,
+  sampling_n=None,
+  reset_generated: bool,
+  window: int,
+  width: int,
+):
   """Writes tokens[slot, keep_from:length] from tokens_nl (the rest of the row is kept), sets length,
   last_token, budget, a new segment starting at `length`, and the run/stop flags. Used by add and extend.
   rng_n2 / budget_n / sampling_n (a SlotSampling of [n] arrays) None keep the slot's own."""
@@ -148,23 +189,32 @@ def start_rows(state, slots_n, *, tokens_nl, length_n, keep_from_n, rng_n2=None,
   last_n = jnp.take_along_axis(row_tok, jnp.maximum(length_n - 1, 0)[:, None], axis=1)[:, 0]
   n_gen = jnp.sum(row_gen & (pos_l < length_n[:, None]), axis=1).astype(jnp.int32)
   return state.replace(
-      tokens=state.tokens.at[slots_n].set(row_tok), generated=state.generated.at[slots_n].set(row_gen),
-      length=state.length.at[slots_n].set(length_n), last_token=state.last_token.at[slots_n].set(last_n),
-      active=state.active.at[slots_n].set(reason_n == st.RUNNING), rng=state.rng.at[slots_n].set(rng_n2),
-      budget=state.budget.at[slots_n].set(budget_n), n_generated=state.n_generated.at[slots_n].set(n_gen),
-      stop_reason=state.stop_reason.at[slots_n].set(reason_n),
-      tail=state.tail.at[slots_n].set(st.tail_from_tokens(row_tok, length_n, width)),
-      seg_start=state.seg_start.at[slots_n].set(length_n), seg_count=state.seg_count.at[slots_n].set(zero_n),
-      seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(0.0),
-      seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(0.0),
-      sampling=state.sampling if sampling_n is None else jax.tree.map(
-          lambda x, y: x.at[slots_n].set(y), state.sampling, sampling_n))
+    tokens=state.tokens.at[slots_n].set(row_tok),
+    generated=state.generated.at[slots_n].set(row_gen),
+    length=state.length.at[slots_n].set(length_n),
+    last_token=state.last_token.at[slots_n].set(last_n),
+    active=state.active.at[slots_n].set(reason_n == st.RUNNING),
+    rng=state.rng.at[slots_n].set(rng_n2),
+    budget=state.budget.at[slots_n].set(budget_n),
+    n_generated=state.n_generated.at[slots_n].set(n_gen),
+    stop_reason=state.stop_reason.at[slots_n].set(reason_n),
+    tail=state.tail.at[slots_n].set(st.tail_from_tokens(row_tok, length_n, width)),
+    seg_start=state.seg_start.at[slots_n].set(length_n),
+    seg_count=state.seg_count.at[slots_n].set(zero_n),
+    seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(0.0),
+    seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(0.0),
+    sampling=state.sampling
+    if sampling_n is None
+    else jax.tree.map(lambda x, y: x.at[slots_n].set(y), state.sampling, sampling_n),
+  )
 
 
 def copy_rows(state, src_n, dst_n, rng_n2):
   """Fork: every per-slot field of src (KV rows included) copied to dst, with the given keys."""
+
   def cp(x):
     return x.at[dst_n].set(x[src_n])
+
   copied = jax.tree.map(cp, state.replace(cache={}))  # every per-slot field (leading slot axis)
   cache = jax.tree.map(lambda c: c.at[:, dst_n].set(c[:, src_n]), state.cache)  # [layers, slots, ...]
   return copied.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2))
@@ -184,22 +234,30 @@ def truncate_rows(state, slots_n, length_n, window: int, width: int):
   seg_count = jnp.sum(gen & (pos_l >= seg_start[:, None]), axis=1).astype(jnp.int32)
   ent, topk = state.entropy_buf[slots_n], state.topk_entropy_buf[slots_n]
   return state.replace(
-      generated=state.generated.at[slots_n].set(gen),
-      length=state.length.at[slots_n].set(length_n),
-      last_token=state.last_token.at[slots_n].set(
-          jnp.take_along_axis(tok, jnp.maximum(length_n - 1, 0)[:, None], axis=1)[:, 0]),
-      active=state.active.at[slots_n].set(False),
-      budget=state.budget.at[slots_n].add(removed), n_generated=state.n_generated.at[slots_n].set(n_gen),
-      stop_reason=state.stop_reason.at[slots_n].set(st.RUNNING),
-      tail=state.tail.at[slots_n].set(st.tail_from_tokens(tok, length_n, width)),
-      seg_start=state.seg_start.at[slots_n].set(seg_start), seg_count=state.seg_count.at[slots_n].set(seg_count),
-      seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(st.segment_sums(ent, seg_start, seg_count, window)),
-      seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(
-          st.segment_sums(topk, seg_start, seg_count, window)))
+    generated=state.generated.at[slots_n].set(gen),
+    length=state.length.at[slots_n].set(length_n),
+    last_token=state.last_token.at[slots_n].set(
+      jnp.take_along_axis(tok, jnp.maximum(length_n - 1, 0)[:, None], axis=1)[:, 0]
+    ),
+    active=state.active.at[slots_n].set(False),
+    budget=state.budget.at[slots_n].add(removed),
+    n_generated=state.n_generated.at[slots_n].set(n_gen),
+    stop_reason=state.stop_reason.at[slots_n].set(st.RUNNING),
+    tail=state.tail.at[slots_n].set(st.tail_from_tokens(tok, length_n, width)),
+    seg_start=state.seg_start.at[slots_n].set(seg_start),
+    seg_count=state.seg_count.at[slots_n].set(seg_count),
+    seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(st.segment_sums(ent, seg_start, seg_count, window)),
+    seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(
+      st.segment_sums(topk, seg_start, seg_count, window)
+    ),
+  )
 
 
 def release_rows(state, slots_n):
   zero = jnp.zeros_like(slots_n)
-  return state.replace(length=state.length.at[slots_n].set(zero), active=state.active.at[slots_n].set(False),
-                       stop_reason=state.stop_reason.at[slots_n].set(zero),
-                       budget=state.budget.at[slots_n].set(zero))
+  return state.replace(
+    length=state.length.at[slots_n].set(zero),
+    active=state.active.at[slots_n].set(False),
+    stop_reason=state.stop_reason.at[slots_n].set(zero),
+    budget=state.budget.at[slots_n].set(zero),
+  )

@@ -11,6 +11,7 @@ penalty and the temperature, before min-p / top-k / top-p truncation. Without a 
 the sampling temperature (what the trainer recomputes); with one it is the distribution the token was drawn
 from before truncation. Greedy (T = 0) reports them at T = 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +39,7 @@ class SamplingParams:
   has its logit divided by it when positive and multiplied by it when negative (transformers' and vLLM's rule).
   ignore_eos: keep decoding after an EOS token (vLLM's field; read by the engine's stop check, not the sampler).
   """
+
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
@@ -55,8 +57,9 @@ class SamplingParams:
     if not 0.0 <= self.min_p <= 1.0:
       raise ValueError(f"SamplingParams.min_p={self.min_p} must be in [0, 1] (0 disables min-p).")
     if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-      raise ValueError(f"SamplingParams.repetition_penalty={self.repetition_penalty} must be a finite number > 0 "
-                       "(1 disables it).")
+      raise ValueError(
+        f"SamplingParams.repetition_penalty={self.repetition_penalty} must be a finite number > 0 (1 disables it)."
+      )
 
   @property
   def greedy(self) -> bool:
@@ -66,49 +69,66 @@ class SamplingParams:
 @flax.struct.dataclass
 class SlotSampling:
   """Per-slot sampling settings (each [S]; the meaning of `SamplingParams`' fields), held in the DecodeState."""
-  temperature: jax.Array         # [S] float32, 0 = greedy
-  top_p: jax.Array               # [S] float32, 1 disables
-  top_k: jax.Array               # [S] int32, 0 disables
-  min_p: jax.Array               # [S] float32, 0 disables
+
+  temperature: jax.Array  # [S] float32, 0 = greedy
+  top_p: jax.Array  # [S] float32, 1 disables
+  top_k: jax.Array  # [S] int32, 0 disables
+  min_p: jax.Array  # [S] float32, 0 disables
   repetition_penalty: jax.Array  # [S] float32, 1 disables
-  ignore_eos: jax.Array          # [S] bool
+  ignore_eos: jax.Array  # [S] bool
 
   @classmethod
   def of(cls, params: Sequence[SamplingParams]) -> "SlotSampling":
     """Host (numpy) arrays, one entry per SamplingParams."""
+
     def col(name, dtype):
       return np.asarray([getattr(p, name) for p in params], dtype)
-    return cls(temperature=col("temperature", np.float32), top_p=col("top_p", np.float32),
-               top_k=col("top_k", np.int32), min_p=col("min_p", np.float32),
-               repetition_penalty=col("repetition_penalty", np.float32), ignore_eos=col("ignore_eos", bool))
+
+    return cls(
+      temperature=col("temperature", np.float32),
+      top_p=col("top_p", np.float32),
+      top_k=col("top_k", np.int32),
+      min_p=col("min_p", np.float32),
+      repetition_penalty=col("repetition_penalty", np.float32),
+      ignore_eos=col("ignore_eos", bool),
+    )
 
   @classmethod
   def filled(cls, s: int, params: SamplingParams = SamplingParams()) -> "SlotSampling":
     """Device arrays [s] all holding `params` (a fresh buffer per field: the engine donates its state)."""
+
     def full(x, dtype):
       return jnp.full((s,), x, dtype)
-    return cls(temperature=full(params.temperature, jnp.float32), top_p=full(params.top_p, jnp.float32),
-               top_k=full(params.top_k, jnp.int32), min_p=full(params.min_p, jnp.float32),
-               repetition_penalty=full(params.repetition_penalty, jnp.float32),
-               ignore_eos=full(params.ignore_eos, bool))
+
+    return cls(
+      temperature=full(params.temperature, jnp.float32),
+      top_p=full(params.top_p, jnp.float32),
+      top_k=full(params.top_k, jnp.int32),
+      min_p=full(params.min_p, jnp.float32),
+      repetition_penalty=full(params.repetition_penalty, jnp.float32),
+      ignore_eos=full(params.ignore_eos, bool),
+    )
 
 
 class Sample(NamedTuple):
   """What `sample_step` returns (all [S] unless noted)."""
-  token: jax.Array         # int32
-  logprob: jax.Array       # log p of the token (see the module docstring for which p)
-  entropy: jax.Array       # exact entropy of p (0 when not requested)
+
+  token: jax.Array  # int32
+  logprob: jax.Array  # log p of the token (see the module docstring for which p)
+  entropy: jax.Array  # exact entropy of p (0 when not requested)
   topk_entropy: jax.Array  # official top-k truncated entropy (0 when not requested)
-  rng: jax.Array           # [S, 2] the rows' next keys
-  top_ids: jax.Array       # [S, N] int32, the N most likely tokens under p, most likely first (N = top_logprobs)
+  rng: jax.Array  # [S, 2] the rows' next keys
+  top_ids: jax.Array  # [S, N] int32, the N most likely tokens under p, most likely first (N = top_logprobs)
   top_logprobs: jax.Array  # [S, N] their log-probs
 
 
 def _iter_max(x_sn, k: int):
   """The k largest values per row by k max-and-mask passes (equal values are removed together)."""
+
   def body(x, _):
     m_s = jnp.max(x, axis=-1)
     return jnp.where(x >= m_s[:, None], -jnp.inf, x), m_s
+
   _, top_ks = jax.lax.scan(body, x_sn, None, length=k)
   return jnp.swapaxes(top_ks, 0, 1)
 
@@ -144,6 +164,7 @@ def _top_blocks(x_sv, k: int, blocks: int):
   def pick(bm, _):
     i_s = jnp.argmax(bm, axis=-1)
     return bm.at[jnp.arange(s), i_s].set(-jnp.inf), i_s
+
   _, idx_ks = jax.lax.scan(pick, bmax_sb, None, length=min(k, blocks))
   return x_sbw, jnp.swapaxes(idx_ks, 0, 1)
 
@@ -161,6 +182,7 @@ def top_entries(x_sv, k: int, blocks: int = 256):
     j_s = jnp.argmax(c, axis=-1)
     val_s = jnp.take_along_axis(c, j_s[:, None], 1)[:, 0]
     return c.at[jnp.arange(s), j_s].set(-jnp.inf), (val_s, jnp.take_along_axis(ids_sc, j_s[:, None], 1)[:, 0])
+
   _, (val_ks, id_ks) = jax.lax.scan(body, cand_sc, None, length=k)
   return jnp.swapaxes(val_ks, 0, 1), jnp.swapaxes(id_ks, 0, 1)
 
@@ -201,8 +223,7 @@ def _truncate_rows(z_sv, top_k_s, top_p_s, min_p_s):
   """`_truncate` with per-row settings (one descending sort serves top-k and top-p)."""
   v = z_sv.shape[-1]
   log_min_p = jnp.log(jnp.maximum(min_p_s, 1e-38))[:, None]
-  z_sv = jnp.where((min_p_s > 0)[:, None] & (z_sv - jnp.max(z_sv, axis=-1, keepdims=True) < log_min_p),
-                   _NEG_INF, z_sv)
+  z_sv = jnp.where((min_p_s > 0)[:, None] & (z_sv - jnp.max(z_sv, axis=-1, keepdims=True) < log_min_p), _NEG_INF, z_sv)
   sorted_sv = jnp.sort(z_sv, axis=-1)[:, ::-1]
   k_s = jnp.where((top_k_s > 0) & (top_k_s < v), top_k_s, v)
   kth_s = jnp.take_along_axis(sorted_sv, (k_s - 1)[:, None], axis=1)
@@ -247,8 +268,9 @@ def _process(logits_sv, params, tokens_sl, length_s):
     z_sv = logits_sv / params.temperature
     return z_sv, _truncate(z_sv, params), False
   pen_s = params.repetition_penalty
-  logits_sv = jax.lax.cond(jnp.any(pen_s != 1.0),
-                           lambda x: apply_repetition_penalty(x, tokens_sl, length_s, pen_s), lambda x: x, logits_sv)
+  logits_sv = jax.lax.cond(
+    jnp.any(pen_s != 1.0), lambda x: apply_repetition_penalty(x, tokens_sl, length_s, pen_s), lambda x: x, logits_sv
+  )
   greedy_s = params.temperature <= 0.0
   z_sv = logits_sv / jnp.where(greedy_s, 1.0, params.temperature)[:, None]
   cut = jnp.any((params.top_k > 0) | (params.top_p < 1.0) | (params.min_p > 0.0))
@@ -256,8 +278,17 @@ def _process(logits_sv, params, tokens_sl, length_s):
   return z_sv, zt_sv, greedy_s
 
 
-def sample_step(logits_sv, rng_s2, params: Union[SamplingParams, SlotSampling], *, with_entropy: bool = True,
-                topk: int = 0, tokens_sl=None, length_s=None, top_logprobs: int = 0) -> Sample:
+def sample_step(
+  logits_sv,
+  rng_s2,
+  params: Union[SamplingParams, SlotSampling],
+  *,
+  with_entropy: bool = True,
+  topk: int = 0,
+  tokens_sl=None,
+  length_s=None,
+  top_logprobs: int = 0,
+) -> Sample:
   """Sample one token per row (see `Sample` for the outputs).
 
   params: static settings for every row, or per-row `SlotSampling`. tokens_sl [S, L] / length_s [S]: each row's
@@ -270,8 +301,9 @@ def sample_step(logits_sv, rng_s2, params: Union[SamplingParams, SlotSampling], 
   logits_sv = logits_sv.astype(jnp.float32)
   penalised = (params.repetition_penalty != 1.0) if isinstance(params, SamplingParams) else True
   if penalised and tokens_sl is None:
-    raise ValueError("sample_step: a repetition penalty (and per-row settings) needs each row's tokens "
-                     "(tokens_sl and length_s).")
+    raise ValueError(
+      "sample_step: a repetition penalty (and per-row settings) needs each row's tokens (tokens_sl and length_s)."
+    )
   z_sv, zt_sv, greedy = _process(logits_sv, params, tokens_sl, length_s)
   split = jax.vmap(lambda k: jax.random.split(k, 2))(rng_s2)
   new_rng_s2, draw_s2 = split[:, 0], split[:, 1]
@@ -281,8 +313,9 @@ def sample_step(logits_sv, rng_s2, params: Union[SamplingParams, SlotSampling], 
     token_s = _categorical(draw_s2, zt_sv)
   else:  # per-row settings: skip the draw when every row is greedy
     argmax_s = jnp.argmax(z_sv, axis=-1).astype(jnp.int32)
-    token_s = jax.lax.cond(jnp.all(greedy), lambda: argmax_s,
-                           lambda: jnp.where(greedy, argmax_s, _categorical(draw_s2, zt_sv)))
+    token_s = jax.lax.cond(
+      jnp.all(greedy), lambda: argmax_s, lambda: jnp.where(greedy, argmax_s, _categorical(draw_s2, zt_sv))
+    )
   lse_s = jax.nn.logsumexp(z_sv, axis=-1)
   chosen_s = jnp.take_along_axis(z_sv, token_s[:, None], axis=-1)[:, 0]
   logprob_s = chosen_s - lse_s

@@ -5,6 +5,7 @@ the first `length - 1` tokens are in the cache; `last_token == tokens[length - 1
 A decode step feeds `last_token` at position `length - 1` (writing its KV), samples the next token and
 appends it. So prefill and extend never need logits: they only write KV up to index `length - 2`.
 """
+
 from __future__ import annotations
 
 import flax.struct
@@ -16,43 +17,50 @@ from aepo_jax.rollout._sampling import SlotSampling
 
 # stop_reason codes (contract: docs/rollout_contract.md)
 RUNNING, STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_CACHE_FULL = 0, 1, 2, 3, 4
-STOP_REASON_NAMES = {RUNNING: "running", STOP_EOS: "eos", STOP_SEQUENCE: "stop_sequence",
-                     STOP_BUDGET: "length", STOP_CACHE_FULL: "cache_full"}
+STOP_REASON_NAMES = {
+  RUNNING: "running",
+  STOP_EOS: "eos",
+  STOP_SEQUENCE: "stop_sequence",
+  STOP_BUDGET: "length",
+  STOP_CACHE_FULL: "cache_full",
+}
 
 
 @flax.struct.dataclass
 class DecodeState:
   """All fields are device arrays with a leading slot axis S (cache: [layers, S, max_len, kv_heads, head_dim])."""
-  cache: dict                 # {'k', 'v'} KV rows
-  tokens: jax.Array           # [S, max_len] int32, tokens of each row (prompt, generated, tool results)
-  generated: jax.Array        # [S, max_len] bool, True where the token was sampled by the engine
-  entropy_buf: jax.Array      # [S, max_len] float32, exact entropy at each sampled position (0 elsewhere)
+
+  cache: dict  # {'k', 'v'} KV rows
+  tokens: jax.Array  # [S, max_len] int32, tokens of each row (prompt, generated, tool results)
+  generated: jax.Array  # [S, max_len] bool, True where the token was sampled by the engine
+  entropy_buf: jax.Array  # [S, max_len] float32, exact entropy at each sampled position (0 elsewhere)
   topk_entropy_buf: jax.Array  # [S, max_len] float32, official top-k entropy at each sampled position
-  length: jax.Array           # [S] int32 tokens in the row
-  last_token: jax.Array       # [S] int32 == tokens[length - 1], KV not yet cached
-  active: jax.Array           # [S] bool decoding
-  rng: jax.Array              # [S, 2] uint32 raw PRNG key per slot
-  budget: jax.Array           # [S] int32 new tokens left
-  n_generated: jax.Array      # [S] int32 tokens sampled since `add` (tool tokens excluded)
-  stop_reason: jax.Array      # [S] int32 see the codes above
-  tail: jax.Array             # [S, W] int32 last W tokens (-1 before the row start), for stop sequences
-  seg_start: jax.Array        # [S] int32 length at the start of the current segment (set by add/extend)
-  seg_count: jax.Array        # [S] int32 tokens generated in the current segment
+  length: jax.Array  # [S] int32 tokens in the row
+  last_token: jax.Array  # [S] int32 == tokens[length - 1], KV not yet cached
+  active: jax.Array  # [S] bool decoding
+  rng: jax.Array  # [S, 2] uint32 raw PRNG key per slot
+  budget: jax.Array  # [S] int32 new tokens left
+  n_generated: jax.Array  # [S] int32 tokens sampled since `add` (tool tokens excluded)
+  stop_reason: jax.Array  # [S] int32 see the codes above
+  tail: jax.Array  # [S, W] int32 last W tokens (-1 before the row start), for stop sequences
+  seg_start: jax.Array  # [S] int32 length at the start of the current segment (set by add/extend)
+  seg_count: jax.Array  # [S] int32 tokens generated in the current segment
   seg_entropy_sum: jax.Array  # [S] float32 exact entropy summed over the first `entropy_window` segment tokens
   seg_topk_entropy_sum: jax.Array  # [S] float32 official top-k entropy summed over the same window
-  sampling: SlotSampling      # [S] each: the slot's own sampling settings (set by add; read in per-slot mode)
+  sampling: SlotSampling  # [S] each: the slot's own sampling settings (set by add; read in per-slot mode)
 
 
 @flax.struct.dataclass
 class StepOutputs:
   """Outputs of `Engine.decode`, each [S, num_steps]; entries with valid=False are padding."""
+
   token: jax.Array
   logprob: jax.Array
   entropy: jax.Array
   topk_entropy: jax.Array
   valid: jax.Array
-  top_ids: jax.Array          # [S, num_steps, N] int32 the N most likely tokens (N = 0 unless requested)
-  top_logprobs: jax.Array     # [S, num_steps, N] their log-probs (same distribution as `logprob`)
+  top_ids: jax.Array  # [S, num_steps, N] int32 the N most likely tokens (N = 0 unless requested)
+  top_logprobs: jax.Array  # [S, num_steps, N] their log-probs (same distribution as `logprob`)
 
 
 def empty_state(config, max_slots: int, max_len: int, tail_width: int, cache_dtype=None) -> DecodeState:
@@ -65,12 +73,25 @@ def empty_state(config, max_slots: int, max_len: int, tail_width: int, cache_dty
     return jnp.zeros((s,), jnp.float32)
 
   return DecodeState(
-      cache=init_cache(config, s, max_len, cache_dtype), tokens=jnp.zeros((s, max_len), jnp.int32),
-      generated=jnp.zeros((s, max_len), bool), entropy_buf=jnp.zeros((s, max_len), jnp.float32),
-      topk_entropy_buf=jnp.zeros((s, max_len), jnp.float32), length=zi(), last_token=zi(),
-      active=jnp.zeros((s,), bool), rng=jnp.zeros((s, 2), jnp.uint32), budget=zi(), n_generated=zi(),
-      stop_reason=zi(), tail=jnp.full((s, tail_width), -1, jnp.int32), seg_start=zi(), seg_count=zi(),
-      seg_entropy_sum=zf(), seg_topk_entropy_sum=zf(), sampling=SlotSampling.filled(s))
+    cache=init_cache(config, s, max_len, cache_dtype),
+    tokens=jnp.zeros((s, max_len), jnp.int32),
+    generated=jnp.zeros((s, max_len), bool),
+    entropy_buf=jnp.zeros((s, max_len), jnp.float32),
+    topk_entropy_buf=jnp.zeros((s, max_len), jnp.float32),
+    length=zi(),
+    last_token=zi(),
+    active=jnp.zeros((s,), bool),
+    rng=jnp.zeros((s, 2), jnp.uint32),
+    budget=zi(),
+    n_generated=zi(),
+    stop_reason=zi(),
+    tail=jnp.full((s, tail_width), -1, jnp.int32),
+    seg_start=zi(),
+    seg_count=zi(),
+    seg_entropy_sum=zf(),
+    seg_topk_entropy_sum=zf(),
+    sampling=SlotSampling.filled(s),
+  )
 
 
 def tail_from_tokens(tokens_sl, length_s, width: int):

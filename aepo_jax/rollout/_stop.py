@@ -10,6 +10,7 @@ it (`>\n`). Two layers handle that:
      produced a token containing a stop string's last character (a per-vocabulary mask), decodes just their
      current segment, and returns where the first stop string ends. The caller rewinds (`Engine.truncate`).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -61,8 +62,10 @@ def stop_sequences_from_strings(tokenizer, strings: Sequence[str]) -> list:
         if run is not None and run not in found:
           found.append(run)
     if not found:
-      raise ValueError(f"stop string {s!r} does not survive tokenize/detokenize with this tokenizer; it can never "
-                       "be matched. Check the string (e.g. special tokens are skipped on decode).")
+      raise ValueError(
+        f"stop string {s!r} does not survive tokenize/detokenize with this tokenizer; it can never "
+        "be matched. Check the string (e.g. special tokens are skipped on decode)."
+      )
     seqs.extend(f for f in found if f not in seqs)
   return seqs
 

@@ -5,6 +5,7 @@ log-prob / entropy / loss mask, its segments (one per round) and its place in th
 turns the records of one rollout into padded numpy arrays, rows of a prompt contiguous and in creation order
 (spec §1.2 step 4: `batch.repeat(n, interleave=True)` order).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,29 +24,30 @@ class Segment:
   (seg_count, seg_entropy_sum, seg_topk_entropy_sum) at the stop. result_end: response offset after the
   appended tool result (None: no result, e.g. EOS, empty call, call limit, length).
   """
+
   round: int
   start: int
   end: int = -1
   accum: tuple = (0, 0.0, 0.0)
   result_end: Optional[int] = None
-  tool_pending: bool = False    # its tool call is still running
-  calls_after: int = 0          # tool calls made up to and including this segment
-  call_state: Any = None        # tool bookkeeping after this segment (copied into a child forked here)
+  tool_pending: bool = False  # its tool call is still running
+  calls_after: int = 0  # tool calls made up to and including this segment
+  call_state: Any = None  # tool bookkeeping after this segment (copied into a child forked here)
 
 
 @dataclasses.dataclass
 class TrajectoryRecord:
-  index: int                    # creation index within this rollout (the official "copy index")
-  prompt: int                   # group id
-  kind: str                     # 'global' | 'branch' | 'refill' | 'probe'
+  index: int  # creation index within this rollout (the official "copy index")
+  prompt: int  # group id
+  kind: str  # 'global' | 'branch' | 'refill' | 'probe'
   prompt_tokens: list
   first_round: int
-  max_response_len: int         # L (model + tool tokens)
+  max_response_len: int  # L (model + tool tokens)
   max_tool_calls: int
   seed: int
-  parent: int = -1              # record index of the parent, -1 for a fresh sample
-  fork_pos: int = -1            # response offset at which it forked from the parent
-  tokens: list = dataclasses.field(default_factory=list)     # response ids
+  parent: int = -1  # record index of the parent, -1 for a fresh sample
+  fork_pos: int = -1  # response offset at which it forked from the parent
+  tokens: list = dataclasses.field(default_factory=list)  # response ids
   loss_mask: list = dataclasses.field(default_factory=list)
   logprob: list = dataclasses.field(default_factory=list)
   entropy: list = dataclasses.field(default_factory=list)
@@ -55,9 +57,9 @@ class TrajectoryRecord:
   tool_failures: int = 0
   stop_reason: str = ""
   done: bool = False
-  end_round: int = -1           # round in which it ended
-  slot: int = -1                # engine slot holding it (-1 none)
-  device_len: int = 0           # response tokens present in that slot
+  end_round: int = -1  # round in which it ended
+  slot: int = -1  # engine slot holding it (-1 none)
+  device_len: int = 0  # response tokens present in that slot
   initial_accum: Optional[tuple] = None  # corrected mode: accumulators of the lineage's first segment
   forked_on_device: bool = False
 
@@ -86,17 +88,31 @@ class TrajectoryRecord:
     calls = seg.calls_after if seg is not None else 0
     state = seg.call_state if seg is not None else self.call_state
     child = TrajectoryRecord(
-        index=index, prompt=self.prompt, kind="branch", prompt_tokens=self.prompt_tokens, first_round=first_round,
-        max_response_len=self.max_response_len, max_tool_calls=self.max_tool_calls, seed=seed, parent=self.index,
-        fork_pos=fork_pos, tokens=self.tokens[:fork_pos], loss_mask=self.loss_mask[:fork_pos],
-        logprob=self.logprob[:fork_pos], entropy=self.entropy[:fork_pos], call_state=copy_state(state),
-        num_tool_calls=calls, initial_accum=self.initial_accum)
+      index=index,
+      prompt=self.prompt,
+      kind="branch",
+      prompt_tokens=self.prompt_tokens,
+      first_round=first_round,
+      max_response_len=self.max_response_len,
+      max_tool_calls=self.max_tool_calls,
+      seed=seed,
+      parent=self.index,
+      fork_pos=fork_pos,
+      tokens=self.tokens[:fork_pos],
+      loss_mask=self.loss_mask[:fork_pos],
+      logprob=self.logprob[:fork_pos],
+      entropy=self.entropy[:fork_pos],
+      call_state=copy_state(state),
+      num_tool_calls=calls,
+      initial_accum=self.initial_accum,
+    )
     return child
 
 
 @dataclasses.dataclass
 class Trajectories:
   """One row per trajectory; rows of a prompt contiguous, in creation order (contract)."""
+
   tokens_bt: np.ndarray
   prompt_len_b: np.ndarray
   response_len_b: np.ndarray
@@ -117,8 +133,14 @@ class Trajectories:
     return int(self.tokens_bt.shape[0])
 
 
-def assemble(records: list, *, pad_id: int, decode: Optional[Callable] = None, stats: Optional[dict] = None,
-             pad_to: Optional[int] = None) -> Trajectories:
+def assemble(
+  records: list,
+  *,
+  pad_id: int,
+  decode: Optional[Callable] = None,
+  stats: Optional[dict] = None,
+  pad_to: Optional[int] = None,
+) -> Trajectories:
   """Padded host arrays from finished records (already ordered prompt-major, creation order within a prompt).
 
   fork_pos_b is the index in tokens_bt of the first token the child did not share with its parent.
@@ -139,23 +161,28 @@ def assemble(records: list, *, pad_id: int, decode: Optional[Callable] = None, s
   for i, r in enumerate(records):
     p = len(r.prompt_tokens)
     tokens[i, :p] = r.prompt_tokens
-    tokens[i, p:total[i]] = r.tokens
-    loss[i, p:total[i]] = r.loss_mask
-    attn[i, :total[i]] = 1
-    lp[i, p:total[i]] = r.logprob
-    ent[i, p:total[i]] = r.entropy
+    tokens[i, p : total[i]] = r.tokens
+    loss[i, p : total[i]] = r.loss_mask
+    attn[i, : total[i]] = 1
+    lp[i, p : total[i]] = r.logprob
+    ent[i, p : total[i]] = r.entropy
   return Trajectories(
-      tokens_bt=tokens, prompt_len_b=np.asarray([len(r.prompt_tokens) for r in records], np.int32),
-      response_len_b=np.asarray([len(r.tokens) for r in records], np.int32), loss_mask_bt=loss,
-      attention_mask_bt=attn, sampler_logprob_bt=lp, sampler_entropy_bt=ent,
-      group_id_b=np.asarray([r.prompt for r in records], np.int32),
-      parent_b=np.asarray([row_of.get(r.parent, -1) for r in records], np.int32),
-      fork_pos_b=np.asarray([len(r.prompt_tokens) + r.fork_pos if r.parent >= 0 else -1 for r in records],
-                            np.int32),
-      num_tool_calls_b=np.asarray([r.num_tool_calls for r in records], np.int32),
-      stop_reason_b=[r.stop_reason for r in records],
-      response_text=[decode(r.tokens) if decode is not None else "" for r in records],
-      kind_b=[r.kind for r in records], stats=dict(stats or {}))
+    tokens_bt=tokens,
+    prompt_len_b=np.asarray([len(r.prompt_tokens) for r in records], np.int32),
+    response_len_b=np.asarray([len(r.tokens) for r in records], np.int32),
+    loss_mask_bt=loss,
+    attention_mask_bt=attn,
+    sampler_logprob_bt=lp,
+    sampler_entropy_bt=ent,
+    group_id_b=np.asarray([r.prompt for r in records], np.int32),
+    parent_b=np.asarray([row_of.get(r.parent, -1) for r in records], np.int32),
+    fork_pos_b=np.asarray([len(r.prompt_tokens) + r.fork_pos if r.parent >= 0 else -1 for r in records], np.int32),
+    num_tool_calls_b=np.asarray([r.num_tool_calls for r in records], np.int32),
+    stop_reason_b=[r.stop_reason for r in records],
+    response_text=[decode(r.tokens) if decode is not None else "" for r in records],
+    kind_b=[r.kind for r in records],
+    stats=dict(stats or {}),
+  )
 
 
 def concat_groups(parts: list, *, pad_id: int) -> Trajectories:
@@ -190,7 +217,7 @@ def concat_groups(parts: list, *, pad_id: int) -> Trajectories:
     out = np.full((len(rows), width), fill, dtype)
     for i, (tr, r) in enumerate(rows):
       x = np.asarray(getattr(tr, name))[r]
-      out[i, :x.shape[0]] = x
+      out[i, : x.shape[0]] = x
     return out
 
   def pick(name, dtype=None):
@@ -198,11 +225,19 @@ def concat_groups(parts: list, *, pad_id: int) -> Trajectories:
     return np.asarray(vals, dtype) if dtype is not None else list(vals)
 
   return Trajectories(
-      tokens_bt=stack("tokens_bt", pad_id, np.int32), prompt_len_b=pick("prompt_len_b", np.int32),
-      response_len_b=pick("response_len_b", np.int32), loss_mask_bt=stack("loss_mask_bt", 0, np.int32),
-      attention_mask_bt=stack("attention_mask_bt", 0, np.int32),
-      sampler_logprob_bt=stack("sampler_logprob_bt", 0.0, np.float32),
-      sampler_entropy_bt=stack("sampler_entropy_bt", 0.0, np.float32), group_id_b=np.asarray(gid, np.int32),
-      parent_b=np.asarray(parent, np.int32), fork_pos_b=pick("fork_pos_b", np.int32),
-      num_tool_calls_b=pick("num_tool_calls_b", np.int32), stop_reason_b=pick("stop_reason_b"),
-      response_text=pick("response_text"), kind_b=pick("kind_b"), stats=dict(parts[0][0].stats))
+    tokens_bt=stack("tokens_bt", pad_id, np.int32),
+    prompt_len_b=pick("prompt_len_b", np.int32),
+    response_len_b=pick("response_len_b", np.int32),
+    loss_mask_bt=stack("loss_mask_bt", 0, np.int32),
+    attention_mask_bt=stack("attention_mask_bt", 0, np.int32),
+    sampler_logprob_bt=stack("sampler_logprob_bt", 0.0, np.float32),
+    sampler_entropy_bt=stack("sampler_entropy_bt", 0.0, np.float32),
+    group_id_b=np.asarray(gid, np.int32),
+    parent_b=np.asarray(parent, np.int32),
+    fork_pos_b=pick("fork_pos_b", np.int32),
+    num_tool_calls_b=pick("num_tool_calls_b", np.int32),
+    stop_reason_b=pick("stop_reason_b"),
+    response_text=pick("response_text"),
+    kind_b=pick("kind_b"),
+    stats=dict(parts[0][0].stats),
+  )

@@ -8,6 +8,7 @@
 
 Imports only `aepo_jax.rollout` and `aepo_jax.model`; nothing in the core imports this package.
 """
+
 from aepo_jax.serve._protocol import ApiError, GenRequest, parse_request
 from aepo_jax.serve._scheduler import Job, QueueFull, Scheduler, ShuttingDown, Update
 from aepo_jax.serve._server import Server

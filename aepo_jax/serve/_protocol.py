@@ -10,6 +10,7 @@ return_tokens_as_token_ids; return_token_ids; chat_template_kwargs / add_generat
 presence_penalty / frequency_penalty / logit_bias are accepted only at their neutral values. Other fields are
 ignored, as vLLM does.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,15 @@ _GREEDY_EPS = 1e-5
 class ApiError(Exception):
   """An error answered with HTTP `status` and {"error": {"message", "type", "param", "code"}}."""
 
-  def __init__(self, status: int, message: str, param: Optional[str] = None, type_: str = "invalid_request_error",
-               code: Optional[str] = None, headers: Optional[dict] = None):
+  def __init__(
+    self,
+    status: int,
+    message: str,
+    param: Optional[str] = None,
+    type_: str = "invalid_request_error",
+    code: Optional[str] = None,
+    headers: Optional[dict] = None,
+  ):
     super().__init__(message)
     self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
     self.headers = headers or {}
@@ -42,22 +50,22 @@ def bad(message: str, param: Optional[str] = None) -> ApiError:
 @dataclasses.dataclass
 class GenRequest:
   chat: bool
-  prompts: list                 # token-id lists, one per prompt
+  prompts: list  # token-id lists, one per prompt
   n: int
-  max_tokens: list              # per prompt
+  max_tokens: list  # per prompt
   sampling: SamplingParams
   seed: Optional[int]
   stop: tuple
   stop_token_ids: tuple
   include_stop: bool
   skip_special_tokens: bool
-  logprobs: Optional[int]       # None: no log-probs; k: the token's and the top k
+  logprobs: Optional[int]  # None: no log-probs; k: the token's and the top k
   echo: bool
   stream: bool
   include_usage: bool
   tokens_as_ids: bool
   return_token_ids: bool
-  prompt_texts: list            # for echo
+  prompt_texts: list  # for echo
 
 
 def _get(body, name, kind, default=None, *, check=None, why=""):
@@ -88,8 +96,9 @@ def _prompts(body, tokenizer, vocab: int):
   if isinstance(p, str):
     p = [p]
   if not isinstance(p, list) or not p:
-    raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists.",
-              "prompt")
+    raise bad(
+      "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists.", "prompt"
+    )
   if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
     p = [p]
   toks, texts = [], []
@@ -122,8 +131,10 @@ def _chat_prompt(body, tokenizer):
       texts = []
       for part in content:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-          raise bad(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}; this model reads "
-                    "text only.", "messages")
+          raise bad(
+            f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}; this model reads text only.",
+            "messages",
+          )
         texts.append(part["text"])
       content = "".join(texts)
     elif content is None:
@@ -152,8 +163,9 @@ def parse_request(body, *, chat: bool, tokenizer, vocab_size: int, max_len: int,
     prompts, texts = [ids], [text]
   else:
     prompts, texts = _prompts(body, tokenizer, vocab_size)
-  n = _get(body, "n", int, 1, check=lambda v: 1 <= v <= max_slots,
-           why=f"an integer in [1, {max_slots}] (the server's slots)")
+  n = _get(
+    body, "n", int, 1, check=lambda v: 1 <= v <= max_slots, why=f"an integer in [1, {max_slots}] (the server's slots)"
+  )
   best_of = _get(body, "best_of", int, None, why="an integer")
   if best_of is not None and best_of != n:
     raise bad(f"'best_of'={best_of} other than n={n} is not supported.", "best_of")
@@ -172,8 +184,14 @@ def parse_request(body, *, chat: bool, tokenizer, vocab_size: int, max_len: int,
     raise bad("'suffix' is not supported.", "suffix")
   ignore_eos = _get(body, "ignore_eos", bool, False, why="a boolean")
   greedy = temperature < _GREEDY_EPS
-  sampling = SamplingParams(0.0 if greedy else temperature, 1.0 if greedy else top_p, 0 if greedy else top_k,
-                            0.0 if greedy else min_p, rep, ignore_eos)
+  sampling = SamplingParams(
+    0.0 if greedy else temperature,
+    1.0 if greedy else top_p,
+    0 if greedy else top_k,
+    0.0 if greedy else min_p,
+    rep,
+    ignore_eos,
+  )
   seed = _get(body, "seed", int, None, why="an integer")
   stop = body.get("stop")
   stop = [stop] if isinstance(stop, str) else (stop or [])
@@ -186,15 +204,17 @@ def parse_request(body, *, chat: bool, tokenizer, vocab_size: int, max_len: int,
   skip_special = _get(body, "skip_special_tokens", bool, True, why="a boolean")
   if chat:
     want = _get(body, "logprobs", bool, False, why="a boolean")
-    top = _get(body, "top_logprobs", int, 0, check=lambda v: 0 <= v <= MAX_LOGPROBS,
-               why=f"an integer in [0, {MAX_LOGPROBS}]")
+    top = _get(
+      body, "top_logprobs", int, 0, check=lambda v: 0 <= v <= MAX_LOGPROBS, why=f"an integer in [0, {MAX_LOGPROBS}]"
+    )
     if top and not want:
       raise bad("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     logprobs = top if want else None
     echo = False
   else:
-    logprobs = _get(body, "logprobs", int, None, check=lambda v: 0 <= v <= MAX_LOGPROBS,
-                    why=f"an integer in [0, {MAX_LOGPROBS}]")
+    logprobs = _get(
+      body, "logprobs", int, None, check=lambda v: 0 <= v <= MAX_LOGPROBS, why=f"an integer in [0, {MAX_LOGPROBS}]"
+    )
     echo = _get(body, "echo", bool, False, why="a boolean")
   if logprobs is not None:
     logprobs = min(logprobs, vocab_size)
@@ -204,23 +224,48 @@ def parse_request(body, *, chat: bool, tokenizer, vocab_size: int, max_len: int,
     raise bad("'stream_options' needs 'stream': true.", "stream_options")
   include_usage = _get(opts, "include_usage", bool, False, why="a boolean")
   # max_tokens: completions default 16 (OpenAI's); chat: the rest of the context. Prompt + tokens <= max_len.
-  max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                    int, None, check=lambda v: v >= 1, why="an integer >= 1")
+  max_tokens = _get(
+    body,
+    "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+    int,
+    None,
+    check=lambda v: v >= 1,
+    why="an integer >= 1",
+  )
   where = "messages" if chat else "prompt"
   budgets = []
   for ids in prompts:
     if len(ids) >= max_len:
-      raise bad(f"This model's maximum context length is {max_len} tokens. However, your {where} has {len(ids)} "
-                f"tokens, which leaves no room to generate. Please reduce the length of the {where}.", where)
+      raise bad(
+        f"This model's maximum context length is {max_len} tokens. However, your {where} has {len(ids)} "
+        f"tokens, which leaves no room to generate. Please reduce the length of the {where}.",
+        where,
+      )
     if max_tokens is not None and len(ids) + max_tokens > max_len:
-      raise bad(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{len(ids) + max_tokens} tokens ({len(ids)} in the {where}, {max_tokens} in the completion). "
-                f"Please reduce the length of the {where} or completion.", "max_tokens")
+      raise bad(
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{len(ids) + max_tokens} tokens ({len(ids)} in the {where}, {max_tokens} in the completion). "
+        f"Please reduce the length of the {where} or completion.",
+        "max_tokens",
+      )
     room = max_len - len(ids)
     budgets.append(max_tokens if max_tokens is not None else (room if chat else min(16, room)))
   return GenRequest(
-      chat=chat, prompts=prompts, n=n, max_tokens=budgets, sampling=sampling, seed=seed, stop=tuple(stop),
-      stop_token_ids=tuple(stop_ids), include_stop=include_stop, skip_special_tokens=skip_special,
-      logprobs=logprobs, echo=echo, stream=stream, include_usage=include_usage,
-      tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False, why="a boolean"),
-      return_token_ids=_get(body, "return_token_ids", bool, False, why="a boolean"), prompt_texts=texts)
+    chat=chat,
+    prompts=prompts,
+    n=n,
+    max_tokens=budgets,
+    sampling=sampling,
+    seed=seed,
+    stop=tuple(stop),
+    stop_token_ids=tuple(stop_ids),
+    include_stop=include_stop,
+    skip_special_tokens=skip_special,
+    logprobs=logprobs,
+    echo=echo,
+    stream=stream,
+    include_usage=include_usage,
+    tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, False, why="a boolean"),
+    return_token_ids=_get(body, "return_token_ids", bool, False, why="a boolean"),
+    prompt_texts=texts,
+  )

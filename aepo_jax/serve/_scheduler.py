@@ -9,6 +9,7 @@ a job joins, the next chunk is one step long, so its first token follows its pre
 the HTTP thread ends a choice early (stop string, disconnect) with `stop_choice` / `cancel`, and the slot is
 released before the next chunk.
 """
+
 from __future__ import annotations
 
 import collections
@@ -43,14 +44,15 @@ class ShuttingDown(Exception):
 @dataclasses.dataclass(eq=False)
 class Job:
   """One prompt and its n choices. `tag` is the caller's index of the job (echoed in its updates)."""
+
   prompt: list
   n: int
   max_tokens: int
   sampling: SamplingParams
-  seeds: list                # one per choice
+  seeds: list  # one per choice
   sink: queue.Queue
   tag: int = 0
-  top_logprobs: int = 0      # top entries per generated token (0: only the token's own log-prob)
+  top_logprobs: int = 0  # top entries per generated token (0: only the token's own log-prob)
   prompt_logprobs: Optional[int] = None  # None: none; k: log-prob of each prompt token and its top k
   slots: list = dataclasses.field(default_factory=list)
   cancelled: bool = False
@@ -61,6 +63,7 @@ class Job:
 class Update:
   """New tokens of one choice (numpy arrays), its end (`finish`: None or the engine's stop reason name:
   'eos', 'length', 'cache_full'), an `error` message, or the prompt's log-probs (choice -1)."""
+
   tag: int
   choice: int
   tokens: np.ndarray = None
@@ -95,9 +98,9 @@ class Scheduler:
     self._state = None
     self._cv = threading.Condition()
     self._pending = collections.deque()
-    self._owner = {}            # slot -> (job, choice)
-    self._fresh = set()         # slots that have not produced a token yet
-    self._to_release = set()    # slots to end on the host (stop strings, cancelled jobs)
+    self._owner = {}  # slot -> (job, choice)
+    self._fresh = set()  # slots that have not produced a token yet
+    self._to_release = set()  # slots to end on the host (stop strings, cancelled jobs)
     self._free = list(range(engine.max_slots))
     self._closed = False
     self._exit = False
@@ -203,8 +206,9 @@ class Scheduler:
             self._fresh.discard(s)
           self._free.extend(release)  # released below, before any admitted job's add
           admit = []
-          while self._pending and (self._pending[0].cancelled or self._pending[0].n <= len(self._free) - sum(
-              j.n for j in admit)):
+          while self._pending and (
+            self._pending[0].cancelled or self._pending[0].n <= len(self._free) - sum(j.n for j in admit)
+          ):
             job = self._pending.popleft()
             if not job.cancelled:
               admit.append(job)
@@ -232,12 +236,18 @@ class Scheduler:
     k, ok = 0, []
     while k < len(jobs):
       size = 1 << (len(jobs) - k).bit_length() - 1
-      group = jobs[k:k + size]
+      group = jobs[k : k + size]
       k += size
       try:
-        self._state = eng.add(self.params, self._state, [j.slots[0] for j in group], [j.prompt for j in group],
-                              [j.seeds[0] for j in group], [j.max_tokens for j in group],
-                              sampling=[j.sampling for j in group])
+        self._state = eng.add(
+          self.params,
+          self._state,
+          [j.slots[0] for j in group],
+          [j.prompt for j in group],
+          [j.seeds[0] for j in group],
+          [j.max_tokens for j in group],
+          sampling=[j.sampling for j in group],
+        )
         ok += group
       except ValueError as e:  # checked before any compute: the state is unchanged
         for job in group:
@@ -264,9 +274,10 @@ class Scheduler:
     toks = np.asarray(job.prompt, np.int32)
     t = _bucket(max(toks.size, 16))
     padded = np.zeros((t,), np.int32)
-    padded[:toks.size] = toks  # causal: the padding after the prompt changes nothing before it
+    padded[: toks.size] = toks  # causal: the padding after the prompt changes nothing before it
     chosen, top_i, top_v = jax.device_get(
-        _prompt_logprobs(self.engine.config, self.params, jnp.asarray(padded), int(job.prompt_logprobs)))
+      _prompt_logprobs(self.engine.config, self.params, jnp.asarray(padded), int(job.prompt_logprobs))
+    )
     m = toks.size - 1
     job.sink.put(Update(job.tag, -1, tokens=toks, logprobs=chosen[:m], top_ids=top_i[:m], top_logprobs=top_v[:m]))
 
@@ -290,9 +301,17 @@ class Scheduler:
       finish = None if active else STOP_REASON_NAMES[int(info["stop_reason"][slot])]
       if not job.cancelled:
         k = job.top_logprobs
-        job.sink.put(Update(job.tag, c, tokens=out.token[slot][valid], logprobs=out.logprob[slot][valid],
-                            top_ids=out.top_ids[slot][valid][:, :k] if k else None,
-                            top_logprobs=out.top_logprobs[slot][valid][:, :k] if k else None, finish=finish))
+        job.sink.put(
+          Update(
+            job.tag,
+            c,
+            tokens=out.token[slot][valid],
+            logprobs=out.logprob[slot][valid],
+            top_ids=out.top_ids[slot][valid][:, :k] if k else None,
+            top_logprobs=out.top_logprobs[slot][valid][:, :k] if k else None,
+            finish=finish,
+          )
+        )
       if finish is not None:
         finished.append(slot)
     self.generated_tokens += produced

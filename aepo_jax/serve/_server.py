@@ -5,6 +5,7 @@ text (`ChoiceText`) and writes the response or the server-sent events; every eng
 scheduler's thread, so /health answers while the engine decodes. A waiting thread polls its socket: a client
 that disconnects has its jobs cancelled and its slots released before the next decode chunk.
 """
+
 from __future__ import annotations
 
 import http.server
@@ -37,11 +38,32 @@ class Server:
   """An OpenAI-compatible server for one model: `start()` (background threads) or `serve_forever()`, then
   `shutdown(drain_s)`: new requests get 503 while running ones finish, for at most drain_s seconds."""
 
-  def __init__(self, config, params, tokenizer, *, model_name: str, max_slots: int = 16, max_len: int = 2048,
-               host: str = "127.0.0.1", port: int = 8000, steps_per_call: int = 8, max_queue: int = 64,
-               prefill_chunk: int = 128, cache_dtype: Optional[str] = None):
-    self.engine = make_engine(config, max_slots=max_slots, max_len=max_len, tokenizer=tokenizer, tokenizer_eos=True,
-                              per_slot_sampling=True, prefill_chunk=prefill_chunk, cache_dtype=cache_dtype)
+  def __init__(
+    self,
+    config,
+    params,
+    tokenizer,
+    *,
+    model_name: str,
+    max_slots: int = 16,
+    max_len: int = 2048,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    steps_per_call: int = 8,
+    max_queue: int = 64,
+    prefill_chunk: int = 128,
+    cache_dtype: Optional[str] = None,
+  ):
+    self.engine = make_engine(
+      config,
+      max_slots=max_slots,
+      max_len=max_len,
+      tokenizer=tokenizer,
+      tokenizer_eos=True,
+      per_slot_sampling=True,
+      prefill_chunk=prefill_chunk,
+      cache_dtype=cache_dtype,
+    )
     self.scheduler = Scheduler(self.engine, params, steps_per_call=steps_per_call, max_queue=max_queue)
     self.tokenizer, self.model_name, self.eos_ids = tokenizer, model_name, self.engine.eos_ids
     self.created = int(time.time())
@@ -59,8 +81,9 @@ class Server:
 
   def start(self) -> "Server":
     self.scheduler.start()
-    self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                    name="aepo-serve-http", daemon=True)
+    self._thread = threading.Thread(
+      target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="aepo-serve-http", daemon=True
+    )
     self._thread.start()
     return self
 
@@ -74,6 +97,7 @@ class Server:
     prefill variant requests can meet (n jobs joining together, n a power of two up to max_slots, times each
     prefill chunk size), so no request waits for a compilation later. Needs the scheduler started."""
     from aepo_jax.rollout import SamplingParams
+
     eng = self.engine
     lens = [2]
     if full:
@@ -85,9 +109,18 @@ class Server:
       n = 1
       while n <= (eng.max_slots if full else 1):
         sink = queue.Queue()
-        jobs = [Job([1 + (i + k) % (eng.config.vocab_size - 1) for k in range(length)], 1,
-                    self.scheduler.steps_per_call + 2, SamplingParams(0.0, ignore_eos=True), [0], sink, tag=i)
-                for i in range(n)]
+        jobs = [
+          Job(
+            [1 + (i + k) % (eng.config.vocab_size - 1) for k in range(length)],
+            1,
+            self.scheduler.steps_per_call + 2,
+            SamplingParams(0.0, ignore_eos=True),
+            [0],
+            sink,
+            tag=i,
+          )
+          for i in range(n)
+        ]
         self.scheduler.submit(jobs)
         left = n
         while left:
@@ -105,8 +138,11 @@ class Server:
     while self.scheduler.busy and time.monotonic() < deadline:
       time.sleep(0.05)
     if self.scheduler.busy:
-      logging.warning("serve: drain deadline passed; ending %d running and %d waiting requests",
-                      self.scheduler.slots_in_use, self.scheduler.queue_length)
+      logging.warning(
+        "serve: drain deadline passed; ending %d running and %d waiting requests",
+        self.scheduler.slots_in_use,
+        self.scheduler.queue_length,
+      )
       self.scheduler.abort()
     self.scheduler.join(10)
     time.sleep(_POLL_S)  # let the request threads write their last bytes
@@ -114,8 +150,13 @@ class Server:
     self.httpd.server_close()
 
   def model_card(self) -> dict:
-    return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "aepo_jax",
-            "max_model_len": self.engine.max_len}
+    return {
+      "id": self.model_name,
+      "object": "model",
+      "created": self.created,
+      "owned_by": "aepo_jax",
+      "max_model_len": self.engine.max_len,
+    }
 
   def count(self, route: str, status: int):
     with self._lock:
@@ -124,18 +165,21 @@ class Server:
 
   def metrics_text(self) -> str:
     s = self.scheduler
-    lines = ["# HELP aepo_serve_requests_total HTTP requests by route and status.",
-             "# TYPE aepo_serve_requests_total counter"]
+    lines = [
+      "# HELP aepo_serve_requests_total HTTP requests by route and status.",
+      "# TYPE aepo_serve_requests_total counter",
+    ]
     with self._lock:
       for (route, status), n in sorted(self._counts.items()):
         lines.append(f'aepo_serve_requests_total{{route="{route}",status="{status}"}} {n}')
     for name, kind, value, what in (
-        ("prompt_tokens_total", "counter", s.prompt_tokens, "Prompt tokens prefilled."),
-        ("generated_tokens_total", "counter", s.generated_tokens, "Tokens generated."),
-        ("tokens_per_second", "gauge", round(s.tokens_per_second(), 3), "Tokens generated per second, last 10 s."),
-        ("queue_length", "gauge", s.queue_length, "Requests waiting for slots."),
-        ("slots_in_use", "gauge", s.slots_in_use, "Engine slots decoding a request."),
-        ("slots", "gauge", self.engine.max_slots, "Engine slots.")):
+      ("prompt_tokens_total", "counter", s.prompt_tokens, "Prompt tokens prefilled."),
+      ("generated_tokens_total", "counter", s.generated_tokens, "Tokens generated."),
+      ("tokens_per_second", "gauge", round(s.tokens_per_second(), 3), "Tokens generated per second, last 10 s."),
+      ("queue_length", "gauge", s.queue_length, "Requests waiting for slots."),
+      ("slots_in_use", "gauge", s.slots_in_use, "Engine slots decoding a request."),
+      ("slots", "gauge", self.engine.max_slots, "Engine slots."),
+    ):
       lines += [f"# HELP aepo_serve_{name} {what}", f"# TYPE aepo_serve_{name} {kind}", f"aepo_serve_{name} {value}"]
     return "\n".join(lines) + "\n"
 
@@ -242,22 +286,43 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       raise ApiError(503, "the server is shutting down", type_="service_unavailable")
     model = body.get("model") if isinstance(body, dict) else None
     if model is not None and model != app.model_name:
-      raise ApiError(404, f"The model `{model}` does not exist; this server serves `{app.model_name}`.", "model",
-                     code="model_not_found")
+      raise ApiError(
+        404,
+        f"The model `{model}` does not exist; this server serves `{app.model_name}`.",
+        "model",
+        code="model_not_found",
+      )
     eng = app.engine
-    req = parse_request(body, chat=chat, tokenizer=app.tokenizer, vocab_size=eng.config.vocab_size,
-                        max_len=eng.max_len, max_slots=eng.max_slots)
+    req = parse_request(
+      body,
+      chat=chat,
+      tokenizer=app.tokenizer,
+      vocab_size=eng.config.vocab_size,
+      max_len=eng.max_len,
+      max_slots=eng.max_slots,
+    )
     base = req.seed if req.seed is not None else random.getrandbits(31)
     sink = queue.Queue()
-    jobs = [Job(p, req.n, req.max_tokens[i], req.sampling, [(base + i * req.n + c) % 2**31 for c in range(req.n)],
-                sink, tag=i, top_logprobs=req.logprobs or 0,
-                prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None)
-            for i, p in enumerate(req.prompts)]
+    jobs = [
+      Job(
+        p,
+        req.n,
+        req.max_tokens[i],
+        req.sampling,
+        [(base + i * req.n + c) % 2**31 for c in range(req.n)],
+        sink,
+        tag=i,
+        top_logprobs=req.logprobs or 0,
+        prompt_logprobs=req.logprobs if (req.echo and req.logprobs is not None) else None,
+      )
+      for i, p in enumerate(req.prompts)
+    ]
     try:
       app.scheduler.submit(jobs)
     except QueueFull as e:
-      raise ApiError(429, str(e), type_="rate_limit_error", code="rate_limit_exceeded",
-                     headers={"Retry-After": str(e.retry_after)}) from e
+      raise ApiError(
+        429, str(e), type_="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}
+      ) from e
     except ShuttingDown as e:
       raise ApiError(503, str(e), type_="service_unavailable") from e
     run = _Run(app, req, jobs)
@@ -338,12 +403,20 @@ class _Run:
     self.chat = req.chat
     self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
-    self.texts = {(i, c): ChoiceText(self.tok, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                                     include_stop=req.include_stop, skip_special_tokens=req.skip_special_tokens,
-                                     eos_ids=app.eos_ids)
-                  for i in range(len(jobs)) for c in range(req.n)}
-    self.finish = {}          # (i, c) -> 'stop' | 'length'
-    self.prompt_lp = {}       # i -> Update with the prompt's log-probs
+    self.texts = {
+      (i, c): ChoiceText(
+        self.tok,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop=req.include_stop,
+        skip_special_tokens=req.skip_special_tokens,
+        eos_ids=app.eos_ids,
+      )
+      for i in range(len(jobs))
+      for c in range(req.n)
+    }
+    self.finish = {}  # (i, c) -> 'stop' | 'length'
+    self.prompt_lp = {}  # i -> Update with the prompt's log-probs
 
   @property
   def finished(self) -> bool:
@@ -394,11 +467,16 @@ class _Run:
       return None
     k = self.req.logprobs
     if self.chat:
+
       def entry(t, lp):
         s = self._tstr(t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
-      return {"content": [{**entry(p.token_id, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top[:k]]}
-                          for p in pieces]}
+
+      return {
+        "content": [
+          {**entry(p.token_id, p.logprob), "top_logprobs": [entry(t, lp) for t, lp in p.top[:k]]} for p in pieces
+        ]
+      }
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     if prompt is not None:  # echo: the prompt's tokens first (the first has no log-prob)
       out = prompt
@@ -417,8 +495,12 @@ class _Run:
     ct = ChoiceText(self.tok, skip_special_tokens=False)
     ct.push(ids)
     k = self.req.logprobs
-    out = {"tokens": [self._tstr(t) for t in ids], "token_logprobs": [None] + [float(x) for x in u.logprobs],
-           "top_logprobs": [None], "text_offset": [p.offset for p in ct.pieces]}
+    out = {
+      "tokens": [self._tstr(t) for t in ids],
+      "token_logprobs": [None] + [float(x) for x in u.logprobs],
+      "top_logprobs": [None],
+      "text_offset": [p.offset for p in ct.pieces],
+    }
     for j in range(len(ids) - 1):
       top = {self._tstr(int(t)): float(v) for t, v in zip(u.top_ids[j][:k], u.top_logprobs[j][:k])}
       top.setdefault(self._tstr(ids[j + 1]), float(u.logprobs[j]))
@@ -438,28 +520,50 @@ class _Run:
     for key in sorted(self.texts, key=self.index):
       ct = self.texts[key]
       if self.chat:
-        choice = {"index": self.index(key), "message": {"role": "assistant", "content": ct.text},
-                  "logprobs": self._logprobs(ct.pieces), "finish_reason": self.finish[key]}
+        choice = {
+          "index": self.index(key),
+          "message": {"role": "assistant", "content": ct.text},
+          "logprobs": self._logprobs(ct.pieces),
+          "finish_reason": self.finish[key],
+        }
       else:
         echo = self.req.prompt_texts[key[0]] if self.req.echo else ""
         prompt = self._prompt_logprobs(key[0]) if (self.req.echo and self.req.logprobs is not None) else None
-        choice = {"index": self.index(key), "text": echo + ct.text,
-                  "logprobs": self._logprobs(ct.pieces, len(echo), prompt), "finish_reason": self.finish[key]}
+        choice = {
+          "index": self.index(key),
+          "text": echo + ct.text,
+          "logprobs": self._logprobs(ct.pieces, len(echo), prompt),
+          "finish_reason": self.finish[key],
+        }
       choices.append({**choice, **self._choice_extra(key)})
-    return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-            "model": self.app.model_name, "choices": choices, "usage": self.usage()}
+    return {
+      "id": self.id,
+      "object": "chat.completion" if self.chat else "text_completion",
+      "created": self.created,
+      "model": self.app.model_name,
+      "choices": choices,
+      "usage": self.usage(),
+    }
 
   def _envelope(self, choices) -> dict:
-    return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created, "model": self.app.model_name, "choices": choices}
+    return {
+      "id": self.id,
+      "object": "chat.completion.chunk" if self.chat else "text_completion",
+      "created": self.created,
+      "model": self.app.model_name,
+      "choices": choices,
+    }
 
   def _chunk(self, key, delta: str, pieces, finish) -> dict:
     if self.chat:
-      choice = {"index": self.index(key), "delta": {"content": delta} if delta or not finish else {},
-                "logprobs": self._logprobs(pieces), "finish_reason": finish}
+      choice = {
+        "index": self.index(key),
+        "delta": {"content": delta} if delta or not finish else {},
+        "logprobs": self._logprobs(pieces),
+        "finish_reason": finish,
+      }
     else:
-      choice = {"index": self.index(key), "text": delta, "logprobs": self._logprobs(pieces),
-                "finish_reason": finish}
+      choice = {"index": self.index(key), "text": delta, "logprobs": self._logprobs(pieces), "finish_reason": finish}
     if finish is not None:
       choice.update(self._choice_extra(key))
     return self._envelope([choice])
@@ -469,11 +573,24 @@ class _Run:
     out = []
     for key in sorted(self.texts, key=self.index):
       if self.chat:
-        out.append(self._envelope([{"index": self.index(key), "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]))
+        out.append(
+          self._envelope(
+            [
+              {
+                "index": self.index(key),
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+              }
+            ]
+          )
+        )
       elif self.req.echo:
-        out.append(self._envelope([{"index": self.index(key), "text": self.req.prompt_texts[key[0]],
-                                    "logprobs": None, "finish_reason": None}]))
+        out.append(
+          self._envelope(
+            [{"index": self.index(key), "text": self.req.prompt_texts[key[0]], "logprobs": None, "finish_reason": None}]
+          )
+        )
     return out
 
   def closing_chunks(self) -> list:

@@ -6,6 +6,7 @@ decode(ids[prefix:read]) over a short window, so a tokenizer that adds or drops 
 a decode (SentencePiece) gives the same text as decoding the whole sequence, and a token that ends inside a
 multi-byte character shows its text only once the character is complete.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,10 +16,11 @@ from typing import Optional, Sequence
 @dataclasses.dataclass
 class TokenPiece:
   """One generated token as reported in log-probs."""
+
   token_id: int
   logprob: float
-  offset: int                 # characters of output text before this token's text
-  top: Sequence[tuple] = ()   # ((token_id, logprob), ...) most likely first
+  offset: int  # characters of output text before this token's text
+  top: Sequence[tuple] = ()  # ((token_id, logprob), ...) most likely first
 
 
 class ChoiceText:
@@ -28,8 +30,16 @@ class ChoiceText:
   tokens it covers. `stopped` is set when a stop string or stop token id ends the choice on the host.
   """
 
-  def __init__(self, tokenizer, *, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-               include_stop: bool = False, skip_special_tokens: bool = True, eos_ids: Sequence[int] = ()):
+  def __init__(
+    self,
+    tokenizer,
+    *,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    include_stop: bool = False,
+    skip_special_tokens: bool = True,
+    eos_ids: Sequence[int] = (),
+  ):
     self._tok = tokenizer
     self._stop = tuple(s for s in stop if s)
     self._stop_ids = frozenset(int(t) for t in stop_token_ids)
@@ -39,14 +49,14 @@ class ChoiceText:
     self._hold = max((len(s) for s in self._stop), default=1) - 1  # a stop string may start this far back
     self._ids: list = []
     self._prefix = self._read = 0
-    self.text = ""                 # all text so far (cut at a stop once found)
-    self.pieces: list = []         # TokenPiece per token whose text is reported
-    self.token_ids: list = []      # tokens generated up to the end (stop token / EOS included)
+    self.text = ""  # all text so far (cut at a stop once found)
+    self.pieces: list = []  # TokenPiece per token whose text is reported
+    self.token_ids: list = []  # tokens generated up to the end (stop token / EOS included)
     self.stopped = False
-    self.stop_reason = None        # the stop string or token id that ended the choice (vLLM's stop_reason)
+    self.stop_reason = None  # the stop string or token id that ended the choice (vLLM's stop_reason)
     self._sent_chars = 0
     self._sent_pieces = 0
-    self._searched = 0             # text before this index holds no stop string start
+    self._searched = 0  # text before this index holds no stop string start
 
   @property
   def num_tokens(self) -> int:
@@ -57,11 +67,11 @@ class ChoiceText:
 
   def _piece_text(self, token_id: int) -> str:
     self._ids.append(token_id)
-    prefix_text = self._decode(self._ids[self._prefix:self._read])
-    new_text = self._decode(self._ids[self._prefix:])
+    prefix_text = self._decode(self._ids[self._prefix : self._read])
+    new_text = self._decode(self._ids[self._prefix :])
     if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
       self._prefix, self._read = self._read, len(self._ids)
-      return new_text[len(prefix_text):]
+      return new_text[len(prefix_text) :]
     return ""
 
   def push(self, token_ids, logprobs=None, top_ids=None, top_logprobs=None, final: Optional[str] = None):
@@ -85,7 +95,7 @@ class ChoiceText:
       if self._stop and self._find_stop():
         return
     if final is not None or self.stopped:  # the end: text still waiting for bytes of a character goes out as is
-      rest = self._decode(self._ids[self._prefix:])[len(self._decode(self._ids[self._prefix:self._read])):]
+      rest = self._decode(self._ids[self._prefix :])[len(self._decode(self._ids[self._prefix : self._read])) :]
       self._prefix = self._read = len(self._ids)
       self.text += rest
       if self._stop and rest:
@@ -109,11 +119,12 @@ class ChoiceText:
 
   def take(self, done: bool):
     """(new text, new pieces) to send: everything when `done` (or stopped), else all but the held-back tail."""
-    end = len(self.text) if (done or self.stopped or not self._stop) else max(self._sent_chars,
-                                                                              len(self.text) - self._hold)
-    delta = self.text[self._sent_chars:end]
+    end = (
+      len(self.text) if (done or self.stopped or not self._stop) else max(self._sent_chars, len(self.text) - self._hold)
+    )
+    delta = self.text[self._sent_chars : end]
     self._sent_chars = end
     n = len(self.pieces) if (done or self.stopped) else sum(1 for p in self.pieces if p.offset < end)
-    pieces = self.pieces[self._sent_pieces:max(n, self._sent_pieces)]
+    pieces = self.pieces[self._sent_pieces : max(n, self._sent_pieces)]
     self._sent_pieces = max(n, self._sent_pieces)
     return delta, pieces

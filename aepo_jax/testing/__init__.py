@@ -1,13 +1,14 @@
 """Shared test fixtures (need `transformers` + CPU `torch`, i.e. the `[test]` extra; imported lazily).
 
-  tiny_hf_config(family, **overrides) -> dict           config.json dict of a tiny Llama / Qwen2 / Qwen3
-  tiny_hf_model(family, seed=0, **overrides)             a randomly initialised transformers model (float32)
-  tiny_hf_checkpoint(family, path, seed=0, max_shard_size=None, **overrides) -> path
-                                                          the same model saved with save_pretrained
-  tiny_tokenizer(path, vocab_size=300) -> path            a byte-level BPE tokenizer.json + ChatML template
-  FAMILIES                                               ('llama', 'llama_rope', 'qwen2', 'qwen3')
-  chat_server(reply) -> (base_url, requests)             a fake OpenAI-compatible chat server (context manager)
+tiny_hf_config(family, **overrides) -> dict           config.json dict of a tiny Llama / Qwen2 / Qwen3
+tiny_hf_model(family, seed=0, **overrides)             a randomly initialised transformers model (float32)
+tiny_hf_checkpoint(family, path, seed=0, max_shard_size=None, **overrides) -> path
+                                                        the same model saved with save_pretrained
+tiny_tokenizer(path, vocab_size=300) -> path            a byte-level BPE tokenizer.json + ChatML template
+FAMILIES                                               ('llama', 'llama_rope', 'qwen2', 'qwen3')
+chat_server(reply) -> (base_url, requests)             a fake OpenAI-compatible chat server (context manager)
 """
+
 from aepo_jax.testing._chat_server import chat_server
 from aepo_jax.testing._hf import FAMILIES, tiny_hf_checkpoint, tiny_hf_config, tiny_hf_model
 from aepo_jax.testing._tokenizer import CHATML_TEMPLATE, tiny_tokenizer

@@ -1,4 +1,5 @@
 """A fake OpenAI-compatible chat server on 127.0.0.1 for tests of the judge and the browse summariser."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,23 +1,43 @@
 """Tiny random Hugging Face checkpoints of each supported family, built with transformers + CPU torch."""
+
 from __future__ import annotations
 
 import os
 
 # Dims divide the mesh axes used in tests (fsdp up to 4, tensor up to 4).
-_BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_BASE = dict(
+  vocab_size=320,
+  hidden_size=64,
+  intermediate_size=128,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  max_position_embeddings=256,
+  rms_norm_eps=1e-5,
+  tie_word_embeddings=False,
+  bos_token_id=1,
+  eos_token_id=2,
+  pad_token_id=0,
+)
 
 FAMILIES = ("llama", "llama_rope", "qwen2", "qwen3")
 
 _FAMILY = {
-    "llama": ("LlamaForCausalLM", "llama", dict(rope_theta=10000.0)),
-    # Llama-3 rope scaling with a short original context, so the scaled low frequencies matter.
-    "llama_rope": ("LlamaForCausalLM", "llama", dict(
-        rope_theta=50000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                              high_freq_factor=4.0, original_max_position_embeddings=32))),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", dict(rope_theta=1000000.0)),  # q/k/v biases are built in
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", dict(rope_theta=1000000.0)),  # q/k RMSNorm
+  "llama": ("LlamaForCausalLM", "llama", dict(rope_theta=10000.0)),
+  # Llama-3 rope scaling with a short original context, so the scaled low frequencies matter.
+  "llama_rope": (
+    "LlamaForCausalLM",
+    "llama",
+    dict(
+      rope_theta=50000.0,
+      rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+      ),
+    ),
+  ),
+  "qwen2": ("Qwen2ForCausalLM", "qwen2", dict(rope_theta=1000000.0)),  # q/k/v biases are built in
+  "qwen3": ("Qwen3ForCausalLM", "qwen3", dict(rope_theta=1000000.0)),  # q/k RMSNorm
 }
 
 

@@ -4,6 +4,7 @@ The model writes `<search>query</search>` or `<python>code</python>`; generation
 The call is the content of the LAST such block, stripped, exactly as `_extract_content` in the official rollout
 (rindex of the closing tag, then rindex of the opening tag before it).
 """
+
 import dataclasses
 
 DEFAULT_TAGS = ("search", "python")
@@ -15,50 +16,50 @@ REPEATED_QUERY_MESSAGE = "You have searched this query. Please refer to previous
 
 
 def limit_message(tag: str) -> str:
-    if tag == "python":
-        return PYTHON_LIMIT_MESSAGE
-    if tag == "search":
-        return SEARCH_LIMIT_MESSAGE
-    return f"The maximum {tag} call limit is exceeded. You are not allowed to use {tag}."
+  if tag == "python":
+    return PYTHON_LIMIT_MESSAGE
+  if tag == "search":
+    return SEARCH_LIMIT_MESSAGE
+  return f"The maximum {tag} call limit is exceeded. You are not allowed to use {tag}."
 
 
 def empty_output_message(tag: str) -> str:
-    return f"Tool({tag}) returned empty output."
+  return f"Tool({tag}) returned empty output."
 
 
 def failure_message(tag: str, error: object) -> str:
-    return f"Error: Tool({tag}) execution failed with message: {error}"
+  return f"Error: Tool({tag}) execution failed with message: {error}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
-    tag: str
-    content: str
+  tag: str
+  content: str
 
 
 def parse_tool_call(text: str, tags: tuple[str, ...] = DEFAULT_TAGS) -> ToolCall | None:
-    """The tool call that ends `text`: the tag whose closing tag occurs last, and its last block's content.
+  """The tool call that ends `text`: the tag whose closing tag occurs last, and its last block's content.
 
-    Returns None when no `<tag>...</tag>` block of the given tags is present. Content may be "" (the official
-    rollout then ends the trajectory without a result).
-    """
-    best = None
-    for tag in tags:
-        end = text.rfind(f"</{tag}>")
-        if end < 0:
-            continue
-        start = text.rfind(f"<{tag}>", 0, end)
-        if start < 0:
-            continue
-        if best is None or end > best[0]:
-            best = (end, tag, text[start + len(tag) + 2:end].strip())
-    return None if best is None else ToolCall(best[1], best[2])
+  Returns None when no `<tag>...</tag>` block of the given tags is present. Content may be "" (the official
+  rollout then ends the trajectory without a result).
+  """
+  best = None
+  for tag in tags:
+    end = text.rfind(f"</{tag}>")
+    if end < 0:
+      continue
+    start = text.rfind(f"<{tag}>", 0, end)
+    if start < 0:
+      continue
+    if best is None or end > best[0]:
+      best = (end, tag, text[start + len(tag) + 2 : end].strip())
+  return None if best is None else ToolCall(best[1], best[2])
 
 
 def format_result(text: str, mode: str = "train") -> str:
-    """Wraps tool text for the context: training `" <result>\\n{text}\\n</result>"`, eval `<result>{text}</result>`."""
-    if mode == "train":
-        return f" <result>\n{text}\n</result>"
-    if mode == "eval":
-        return f"<result>{text}</result>"
-    raise ValueError(f"format_result(mode={mode!r}); expected 'train' or 'eval'")
+  """Wraps tool text for the context: training `" <result>\\n{text}\\n</result>"`, eval `<result>{text}</result>`."""
+  if mode == "train":
+    return f" <result>\n{text}\n</result>"
+  if mode == "eval":
+    return f"<result>{text}</result>"
+  raise ValueError(f"format_result(mode={mode!r}); expected 'train' or 'eval'")

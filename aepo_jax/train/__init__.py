@@ -12,9 +12,27 @@ Metrics     create_writer(workdir, metrics_cfg) -> MetricWriter (scalars, histog
 Update step make_update_step, make_sft_step, make_logprob_fn, init_train_state, make_optimizer,
             trajectories_batch, sft_batch, split_updates, shard_batch   (see _step.py, _batch.py, _optim.py)
 """
-from aepo_jax.train._config import (ConfigError, base_config, from_json, load_config, load_sibling, mesh_shape,
-                                    set_key, to_json, validate)
+
+from aepo_jax.train._config import (
+  ConfigError,
+  base_config,
+  from_json,
+  load_config,
+  load_sibling,
+  mesh_shape,
+  set_key,
+  to_json,
+  validate,
+)
 from aepo_jax.train._checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError, check_writable
-from aepo_jax.train._metrics import (JsonlWriter, MetricWriter, MultiWriter, TensorboardWriter, Timer,
-                                     create_writer, progress, read_metrics)
+from aepo_jax.train._metrics import (
+  JsonlWriter,
+  MetricWriter,
+  MultiWriter,
+  TensorboardWriter,
+  Timer,
+  create_writer,
+  progress,
+  read_metrics,
+)
 from aepo_jax.train._trainer import TrainingError, run

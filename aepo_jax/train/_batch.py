@@ -14,6 +14,7 @@ Rows are padded up to whole micro-batches with empty rows (all masks 0), which n
 `shard_batch` puts them on the mesh; in a multi-process run each process builds the rows it owns and
 `shard_batch` assembles the global array.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,15 @@ def _field(traj, name):
   return traj[name] if isinstance(traj, Mapping) else getattr(traj, name)
 
 
-def micro_batches(arrays_nt: Mapping[str, np.ndarray], *, micro_batch_size: int, pad_id: int,
-                  seq_len: Optional[int] = None, rows_multiple: int = 1,
-                  seq_multiple: int = 64) -> dict[str, np.ndarray]:
+def micro_batches(
+  arrays_nt: Mapping[str, np.ndarray],
+  *,
+  micro_batch_size: int,
+  pad_id: int,
+  seq_len: Optional[int] = None,
+  rows_multiple: int = 1,
+  seq_multiple: int = 64,
+) -> dict[str, np.ndarray]:
   """{name: [N, T]} -> {name: [K, micro_batch_size, seq_len]}, K·micro_batch_size a multiple of rows_multiple.
 
   seq_len: the padded length T (default: the longest row rounded up to `seq_multiple`). Give a fixed
@@ -60,24 +67,33 @@ def micro_batches(arrays_nt: Mapping[str, np.ndarray], *, micro_batch_size: int,
   if seq_len is None:
     seq_len = -(-used_t // seq_multiple) * seq_multiple
   if used_t > seq_len:
-    raise ValueError(f"a row holds {used_t} tokens but seq_len={seq_len}; raise seq_len (the config's "
-                     "maximum sequence length) or shorten the rollouts")
+    raise ValueError(
+      f"a row holds {used_t} tokens but seq_len={seq_len}; raise seq_len (the config's "
+      "maximum sequence length) or shorten the rollouts"
+    )
   step_rows = int(np.lcm(micro_batch_size, rows_multiple))
   n_pad = -(-n // step_rows) * step_rows
   out = {}
   for name, x in arrays_nt.items():
-    x = np.asarray(x)[:, :min(t, seq_len)]
+    x = np.asarray(x)[:, : min(t, seq_len)]
     dtype = np.int32 if name in _INT_KEYS else np.float32
     fill = pad_id if name == "tokens" else 0
     padded = np.full((n_pad, seq_len), fill, dtype)
-    padded[:n, :x.shape[1]] = x
+    padded[:n, : x.shape[1]] = x
     out[name] = padded.reshape(n_pad // micro_batch_size, micro_batch_size, seq_len)
   return out
 
 
-def trajectories_batch(traj, advantages_bt, *, micro_batch_size: int, pad_id: int,
-                       seq_len: Optional[int] = None, rows_multiple: int = 1,
-                       ref_log_prob_bt=None) -> dict[str, np.ndarray]:
+def trajectories_batch(
+  traj,
+  advantages_bt,
+  *,
+  micro_batch_size: int,
+  pad_id: int,
+  seq_len: Optional[int] = None,
+  rows_multiple: int = 1,
+  ref_log_prob_bt=None,
+) -> dict[str, np.ndarray]:
   """RL batch from rollout `Trajectories` (docs/rollout_contract.md) and per-token advantages [N, T].
 
   `old_log_prob` is left out: recompute it with `make_logprob_fn` on the device batch (spec §1.5: verl's
@@ -85,16 +101,17 @@ def trajectories_batch(traj, advantages_bt, *, micro_batch_size: int, pad_id: in
   """
   tokens = np.asarray(_field(traj, "tokens_bt"))
   arrays = {
-      "tokens": tokens,
-      "attention_mask": np.asarray(_field(traj, "attention_mask_bt")),
-      "loss_mask": np.asarray(_field(traj, "loss_mask_bt")),
-      "advantages": np.asarray(advantages_bt, np.float32),
-      "sampler_log_prob": np.asarray(_field(traj, "sampler_logprob_bt"), np.float32),
+    "tokens": tokens,
+    "attention_mask": np.asarray(_field(traj, "attention_mask_bt")),
+    "loss_mask": np.asarray(_field(traj, "loss_mask_bt")),
+    "advantages": np.asarray(advantages_bt, np.float32),
+    "sampler_log_prob": np.asarray(_field(traj, "sampler_logprob_bt"), np.float32),
   }
   if ref_log_prob_bt is not None:
     arrays["ref_log_prob"] = np.asarray(ref_log_prob_bt, np.float32)
-  return micro_batches(arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
-                       rows_multiple=rows_multiple)
+  return micro_batches(
+    arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len, rows_multiple=rows_multiple
+  )
 
 
 def sft_example(segments: Sequence[tuple[Sequence[int], bool]]) -> tuple[np.ndarray, np.ndarray]:
@@ -119,16 +136,25 @@ def pack_rows(lengths: Sequence[int], rows: int, seq_len: int) -> list[list[int]
   for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
     row = next((r for r in range(rows) if free[r] >= lengths[i]), None)
     if row is None:
-      raise ValueError(f"{len(lengths)} examples of {sum(lengths)} tokens (longest {max(lengths)}) do not fit "
-                       f"into {rows} rows of {seq_len} tokens")
+      raise ValueError(
+        f"{len(lengths)} examples of {sum(lengths)} tokens (longest {max(lengths)}) do not fit "
+        f"into {rows} rows of {seq_len} tokens"
+      )
     bins[row].append(i)
     free[row] -= lengths[i]
   return [sorted(b) for b in bins]
 
 
-def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, micro_batch_size: int, pad_id: int,
-              seq_len: Optional[int] = None, rows_multiple: int = 1, truncate: bool = False,
-              packed_rows: Optional[int] = None) -> dict[str, np.ndarray]:
+def sft_batch(
+  examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+  *,
+  micro_batch_size: int,
+  pad_id: int,
+  seq_len: Optional[int] = None,
+  rows_multiple: int = 1,
+  truncate: bool = False,
+  packed_rows: Optional[int] = None,
+) -> dict[str, np.ndarray]:
   """SFT batch from (tokens, loss_mask) pairs. `truncate=True` cuts rows longer than seq_len instead of
   raising (an SFT trace is still a valid prefix; an RL trajectory is not, so RL never truncates).
 
@@ -147,13 +173,13 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, micro_
       raise ValueError(f"SFT example {i}: tokens ({len(tok)}) and loss_mask ({len(m)}) differ in length")
     if seq_len is not None and len(tok) > seq_len:
       if not truncate:
-        raise ValueError(f"an SFT example has {len(tok)} tokens but seq_len={seq_len}; raise seq_len "
-                         "or pass truncate=True")
+        raise ValueError(
+          f"an SFT example has {len(tok)} tokens but seq_len={seq_len}; raise seq_len or pass truncate=True"
+        )
       tok, m = tok[:seq_len], m[:seq_len]
     cut.append((tok, m))
   t = max(len(tok) for tok, _ in cut) if seq_len is None else seq_len
-  rows = (pack_rows([len(tok) for tok, _ in cut], packed_rows, t) if packed_rows
-          else [[i] for i in range(len(cut))])
+  rows = pack_rows([len(tok) for tok, _ in cut], packed_rows, t) if packed_rows else [[i] for i in range(len(cut))]
   names = ("tokens", "attention_mask", "loss_mask") + (("segment_ids",) if packed_rows else ())
   arrays = {k: np.zeros((len(rows), t), np.int32) for k in names}
   arrays["tokens"][:] = pad_id
@@ -166,19 +192,22 @@ def sft_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, micro_
       if packed_rows:
         arrays["segment_ids"][r, sl] = j
       at += len(tok)
-  return micro_batches(arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len,
-                       rows_multiple=rows_multiple)
+  return micro_batches(
+    arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len, rows_multiple=rows_multiple
+  )
 
 
 def split_updates(batch: Mapping[str, jax.Array], micro_batches_per_update: int) -> Iterator[dict]:
   """Yields the [M, mb, T] mini-batches (one optimizer update each) of a [K, mb, T] batch, in order."""
   k = next(iter(batch.values())).shape[0]
   if k % micro_batches_per_update:
-    raise ValueError(f"the batch has {k} micro-batches, not a multiple of micro_batches_per_update="
-                     f"{micro_batches_per_update}; build it with rows_multiple = micro_batch_size · "
-                     "micro_batches_per_update")
+    raise ValueError(
+      f"the batch has {k} micro-batches, not a multiple of micro_batches_per_update="
+      f"{micro_batches_per_update}; build it with rows_multiple = micro_batch_size · "
+      "micro_batches_per_update"
+    )
   for i in range(0, k, micro_batches_per_update):
-    yield {name: x[i:i + micro_batches_per_update] for name, x in batch.items()}
+    yield {name: x[i : i + micro_batches_per_update] for name, x in batch.items()}
 
 
 def batch_sharding(mesh, rules=DEFAULT_RULES):
@@ -197,15 +226,27 @@ def shard_batch(batch_np: Mapping[str, np.ndarray], mesh, rules=DEFAULT_RULES) -
     global_shape = (x.shape[0], x.shape[1] * n_proc) + x.shape[2:]
     rows_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     if global_shape[1] % rows_devices:
-      raise ValueError(f"batch {name!r}: {global_shape[1]} rows per micro-batch cannot be split over the "
-                       f"mesh's data×fsdp = {rows_devices} devices; make micro_batch_size a multiple of it")
+      raise ValueError(
+        f"batch {name!r}: {global_shape[1]} rows per micro-batch cannot be split over the "
+        f"mesh's data×fsdp = {rows_devices} devices; make micro_batch_size a multiple of it"
+      )
     out[name] = jax.make_array_from_process_local_data(sharding, x, global_shape)
   return out
 
 
-_ROW_FIELDS = (("tokens_bt", None), ("loss_mask_bt", 0), ("attention_mask_bt", 0), ("sampler_logprob_bt", 0),
-               ("sampler_entropy_bt", 0), ("prompt_len_b", 0), ("response_len_b", 0), ("group_id_b", 0),
-               ("parent_b", -1), ("fork_pos_b", -1), ("num_tool_calls_b", 0))
+_ROW_FIELDS = (
+  ("tokens_bt", None),
+  ("loss_mask_bt", 0),
+  ("attention_mask_bt", 0),
+  ("sampler_logprob_bt", 0),
+  ("sampler_entropy_bt", 0),
+  ("prompt_len_b", 0),
+  ("response_len_b", 0),
+  ("group_id_b", 0),
+  ("parent_b", -1),
+  ("fork_pos_b", -1),
+  ("num_tool_calls_b", 0),
+)
 
 
 def gather_trajectories(traj, rewards_b, *, pad_id: int):
@@ -217,6 +258,7 @@ def gather_trajectories(traj, rewards_b, *, pad_id: int):
   if jax.process_count() == 1:
     return traj, np.asarray(rewards_b)
   from jax.experimental import multihost_utils
+
   n, t = np.shape(traj.tokens_bt)
   sizes = np.asarray(multihost_utils.process_allgather(np.asarray([n, t], np.int64))).reshape(-1, 2)
   rows, width = int(sizes[:, 0].max()), int(sizes[:, 1].max())
@@ -228,7 +270,7 @@ def gather_trajectories(traj, rewards_b, *, pad_id: int):
     padded[tuple(slice(0, k) for k in x.shape)] = x
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape((len(sizes),) + padded.shape)
     for p, host in enumerate(hosts):
-      host[name] = every[p, :sizes[p, 0], :sizes[p, 1]] if x.ndim == 2 else every[p, :sizes[p, 0]]
+      host[name] = every[p, : sizes[p, 0], : sizes[p, 1]] if x.ndim == 2 else every[p, : sizes[p, 0]]
   parts = [dataclasses.replace(traj, **{k: v for k, v in h.items() if k != "rewards"}) for h in hosts]
   return merge_hosts(parts, pad_id=pad_id), np.concatenate([h["rewards"] for h in hosts])
 
@@ -272,4 +314,5 @@ def global_value(x: jax.Array) -> np.ndarray:
   if jax.process_count() == 1 or x.is_fully_addressable:
     return np.asarray(jax.device_get(x))
   from jax.experimental import multihost_utils
+
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -15,6 +15,7 @@ of every file (`integrity.json`); a restore checks both, and that every value is
   state, meta = ckpt.restore(step, abstract_state, config)   # one step; checks the model section of the config
   ckpt.save(step, state, meta, metrics={...}, force=True)
 """
+
 from __future__ import annotations
 
 import base64
@@ -86,17 +87,20 @@ def check_remote(path: str, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
   """Fail in seconds, naming the settings, when the storage service behind a gs:// path cannot be reached."""
   emulator, ts_url = os.environ.get("STORAGE_EMULATOR_HOST"), os.environ.get("TENSORSTORE_GCS_HTTP_URL")
   if emulator and not ts_url:  # tensorstore would try the real service and hang
-    raise CheckpointError(f"{path}: STORAGE_EMULATOR_HOST={emulator} is set but TENSORSTORE_GCS_HTTP_URL is not, so "
-                          "array data would go to the real service; set TENSORSTORE_GCS_HTTP_URL to the emulator too.")
+    raise CheckpointError(
+      f"{path}: STORAGE_EMULATOR_HOST={emulator} is set but TENSORSTORE_GCS_HTTP_URL is not, so "
+      "array data would go to the real service; set TENSORSTORE_GCS_HTTP_URL to the emulator too."
+    )
   urls = [u if "://" in u else f"http://{u}" for u in (emulator or "https://storage.googleapis.com", ts_url) if u]
   for url in dict.fromkeys(urls):
     reason = _no_answer(url, timeout_s)
     if reason:
       raise CheckpointError(
-          f"{path}: the storage service at {url} does not answer ({reason}). Check the network and any proxy "
-          "(HTTPS_PROXY); an emulator needs STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL; credentials come "
-          "from GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login` or the VM's service "
-          "account. Or use a local path.")
+        f"{path}: the storage service at {url} does not answer ({reason}). Check the network and any proxy "
+        "(HTTPS_PROXY); an emulator needs STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL; credentials come "
+        "from GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login` or the VM's service "
+        "account. Or use a local path."
+      )
 
 
 def check_writable(workdir: str, need_bytes: int = _MIN_FREE_BYTES) -> None:
@@ -110,15 +114,23 @@ def check_writable(workdir: str, need_bytes: int = _MIN_FREE_BYTES) -> None:
     probe.write_bytes(b"\0" * 4096)
     probe.unlink()
   except OSError as e:
-    reason = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-              errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno, str(e))
-    raise CheckpointError(f"work directory {workdir!r} is not writable ({reason}); choose another "
-                          "--config.workdir or free/mount it read-write.") from e
+    reason = {
+      errno.EROFS: "the file system is read-only",
+      errno.EACCES: "permission denied",
+      errno.ENOSPC: "the disk is full",
+      errno.EDQUOT: "the disk quota is exhausted",
+    }.get(e.errno, str(e))
+    raise CheckpointError(
+      f"work directory {workdir!r} is not writable ({reason}); choose another "
+      "--config.workdir or free/mount it read-write."
+    ) from e
   if not is_remote(workdir):
     free = shutil.disk_usage(os.fspath(path)).free
     if free < need_bytes:
-      raise CheckpointError(f"work directory {workdir!r} has {free / 2**20:.1f} MiB free but a checkpoint needs about "
-                            f"{need_bytes / 2**20:.1f} MiB; free space or choose another --config.workdir.")
+      raise CheckpointError(
+        f"work directory {workdir!r} has {free / 2**20:.1f} MiB free but a checkpoint needs about "
+        f"{need_bytes / 2**20:.1f} MiB; free space or choose another --config.workdir."
+      )
 
 
 def tree_bytes(tree) -> int:
@@ -145,6 +157,7 @@ def model_config_to_json(model_cfg) -> dict:
 def model_config_from_json(d: dict):
   """The ModelConfig saved in a checkpoint's meta (lists back to the tuples the frozen dataclass hashes)."""
   from aepo_jax.model import ModelConfig
+
   d = dict(d)
   d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
   if d.get("rope_scaling"):
@@ -154,25 +167,37 @@ def model_config_from_json(d: dict):
 
 def model_mismatch(saved_config, config) -> list[str]:
   """`model.*` fields that differ between a checkpoint's config and the current one (dtype changes are allowed)."""
+
   def flat(c):
     d = dict(_config._flatten(c.model, "model."))
     d.update({f"model.overrides.{k}": v for k, v in dict(c.model.overrides).items()})
     d.pop("model.overrides", None)
-    for k in ("model.dtype", "model.remat", "model.tokenizer", "model.init", "model.overrides.attention_impl",
-              "model.overrides.scan_unroll"):
+    for k in (
+      "model.dtype",
+      "model.remat",
+      "model.tokenizer",
+      "model.init",
+      "model.overrides.attention_impl",
+      "model.overrides.scan_unroll",
+    ):
       d.pop(k, None)  # these do not change parameter shapes
     return d
+
   canon = lambda d: {k: json.loads(json.dumps(v, default=str)) for k, v in d.items()}  # tuples == lists
   a, b = canon(flat(saved_config)), canon(flat(config))
-  return [f"{k}: checkpoint={a.get(k, '<unset>')!r} current={b.get(k, '<unset>')!r}"
-          for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+  return [
+    f"{k}: checkpoint={a.get(k, '<unset>')!r} current={b.get(k, '<unset>')!r}"
+    for k in sorted(set(a) | set(b))
+    if a.get(k) != b.get(k)
+  ]
 
 
 def _pytree_restore(target, partial: bool = False):
   """Restore args for the "state" item (also reads checkpoints written with StandardSave): arrays as `target`'s
   abstract arrays (shape, dtype, sharding); `partial` reads only the subtree `target` names."""
-  return ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                partial_restore=partial)
+  return ocp.args.PyTreeRestore(
+    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=partial
+  )
 
 
 class _Pinned:
@@ -188,8 +213,17 @@ class _Pinned:
 class Checkpointer:
   """Keep-last-N plus best-by-metric, async saves, verified restores; one directory per training phase."""
 
-  def __init__(self, directory: str, *, keep: int = 3, best_metric: str = "", best_mode: str = "max",
-               async_save: bool = True, ocdbt: bool = True, compression: bool = True):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    keep: int = 3,
+    best_metric: str = "",
+    best_mode: str = "max",
+    async_save: bool = True,
+    ocdbt: bool = True,
+    compression: bool = True,
+  ):
     """compression: zstd-compress the arrays (Orbax's default; ~20% smaller for float32 weights, but several
     CPU-seconds per GB that an async save takes from training on a small machine)."""
     self.directory = str(directory).rstrip("/")
@@ -202,22 +236,35 @@ class Checkpointer:
       check_remote(self.directory)
     policies = [ocp.checkpoint_managers.LatestN(n=keep), self._pinned]
     if best_metric:
-      policies.append(ocp.checkpoint_managers.BestN(
-          get_metric_fn=lambda m: float(m[best_metric]), reverse=best_mode == "min", n=1,
-          keep_checkpoints_without_metrics=False))
+      policies.append(
+        ocp.checkpoint_managers.BestN(
+          get_metric_fn=lambda m: float(m[best_metric]),
+          reverse=best_mode == "min",
+          n=1,
+          keep_checkpoints_without_metrics=False,
+        )
+      )
     options = ocp.CheckpointManagerOptions(
-        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
-        enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True,
-        # best_fn also makes Orbax write each step's metrics to disk, so the best survives a restart.
-        best_fn=(lambda m: float(m[best_metric])) if best_metric else None, best_mode=best_mode,
-        keep_checkpoints_without_metrics=True,
-        # The file manifest is written in the save's background thread, after the data and before the commit.
-        async_options=ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit) if async_save else None)
+      preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+      enable_async_checkpointing=async_save,
+      create=True,
+      cleanup_tmp_directories=True,
+      # best_fn also makes Orbax write each step's metrics to disk, so the best survives a restart.
+      best_fn=(lambda m: float(m[best_metric])) if best_metric else None,
+      best_mode=best_mode,
+      keep_checkpoints_without_metrics=True,
+      # The file manifest is written in the save's background thread, after the data and before the commit.
+      async_options=ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit) if async_save else None,
+    )
     try:
       self._mgr = ocp.CheckpointManager(
-          epath.Path(self.directory), options=options,
-          item_handlers={"state": ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_compression=compression),
-                         "meta": ocp.JsonCheckpointHandler()})
+        epath.Path(self.directory),
+        options=options,
+        item_handlers={
+          "state": ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_compression=compression),
+          "meta": ocp.JsonCheckpointHandler(),
+        },
+      )
     except OSError as e:
       raise CheckpointError(f"cannot open checkpoint directory {self.directory!r}: {e}") from e
 
@@ -227,6 +274,7 @@ class Checkpointer:
     process (a restarted trainer, an evaluator's poll) stay invisible to this one."""
     if is_remote(self.directory):
       from etils.epath import backend  # the fsspec instance epath (hence Orbax) lists through
+
       backend.fsspec_backend.fs(self.directory).invalidate_cache()
     self._mgr.reload()
 
@@ -243,8 +291,9 @@ class Checkpointer:
     """The kept step with the best `best_metric` (None without a metric or before any evaluation)."""
     if not self.best_metric:
       return None
-    scored = [(m[self.best_metric], s) for s in self.all_steps()
-              if (m := self._mgr.metrics(s)) and self.best_metric in m]
+    scored = [
+      (m[self.best_metric], s) for s in self.all_steps() if (m := self._mgr.metrics(s)) and self.best_metric in m
+    ]
     if not scored:
       return None
     return (max(scored) if self._best_mode == "max" else min(scored))[1]
@@ -260,8 +309,11 @@ class Checkpointer:
     sums = integrity.array_checksums(state)
     nonfinite = [k for k, v in sums.items() if v["nonfinite"]]
     if nonfinite:
-      log.warning("step %d: saving non-finite values in %s; restoring it will treat this checkpoint as damaged.",
-                  step, ", ".join(nonfinite[:5]))
+      log.warning(
+        "step %d: saving non-finite values in %s; restoring it will treat this checkpoint as damaged.",
+        step,
+        ", ".join(nonfinite[:5]),
+      )
     meta = json.loads(json.dumps(meta, default=_json_default))
     meta["integrity"] = {"version": 1, "arrays": sums}
     if metrics is not None and self.best_metric and self.best_metric not in metrics:
@@ -269,9 +321,12 @@ class Checkpointer:
     try:
       self._mgr.wait_until_finished()  # the previous save's commit thread still reads `_saving`
       self._saving = int(step)
-      saved = self._mgr.save(int(step), args=ocp.args.Composite(
-          state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
-          metrics={k: float(v) for k, v in metrics.items()} if metrics else None, force=force)
+      saved = self._mgr.save(
+        int(step),
+        args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
+        metrics={k: float(v) for k, v in metrics.items()} if metrics else None,
+        force=force,
+      )
     except OSError as e:
       raise CheckpointError(f"saving step {step} to {self.directory!r} failed: {e}") from e
     if saved and not self._async and jax.process_index() == 0:  # committed: a kill before this costs the manifest
@@ -293,14 +348,16 @@ class Checkpointer:
     try:
       integrity.write_manifest(step_dir)
     except Exception as e:  # noqa: BLE001 - the array checksums still guard this checkpoint
-      log.warning("%s: no %s written (%s); its restore checks the array checksums only.",
-                  step_dir, integrity.MANIFEST, e)
+      log.warning(
+        "%s: no %s written (%s); its restore checks the array checksums only.", step_dir, integrity.MANIFEST, e
+      )
 
   # -- restore ------------------------------------------------------------------------------------------
   def _corrupt(self, step: int, problems: list[str]) -> CheckpointCorruptError:
     more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
-    return CheckpointCorruptError(f"checkpoint {self._step_dir(step)} is damaged: {'; '.join(problems[:6])}{more}.",
-                                  step, tuple(problems))
+    return CheckpointCorruptError(
+      f"checkpoint {self._step_dir(step)} is damaged: {'; '.join(problems[:6])}{more}.", step, tuple(problems)
+    )
 
   def _verified_meta(self, step: Optional[int], check_files: bool = True):
     """(step, meta, recorded array checksums or None) after checking the step's files; raises on damage."""
@@ -327,8 +384,10 @@ class Checkpointer:
       diff = integrity.structure_problems(recorded, target, partial=partial)
       if diff:
         raise CheckpointError(
-            f"checkpoint {self._step_dir(step)} does not match the current model/optimizer state:\n  "
-            + "\n  ".join(diff[:10]) + "\nuse a fresh --config.workdir, or the config the checkpoint was written with.")
+          f"checkpoint {self._step_dir(step)} does not match the current model/optimizer state:\n  "
+          + "\n  ".join(diff[:10])
+          + "\nuse a fresh --config.workdir, or the config the checkpoint was written with."
+        )
     target = jax.tree.map(_abstract, target)
     mismatch = unreadable = None
     try:
@@ -341,8 +400,10 @@ class Checkpointer:
     if mismatch or unreadable:
       _finalize_quietly()  # outside the except: the failed read's frames are released first
     if mismatch:
-      raise CheckpointError(f"checkpoint {self._step_dir(step)} does not match the current model/optimizer "
-                            f"state structure ({mismatch}); use a fresh --config.workdir.")
+      raise CheckpointError(
+        f"checkpoint {self._step_dir(step)} does not match the current model/optimizer "
+        f"state structure ({mismatch}); use a fresh --config.workdir."
+      )
     if unreadable:
       raise self._corrupt(step, [f"state/ cannot be read ({unreadable})"])
     problems = integrity.value_problems(recorded, state)
@@ -361,8 +422,10 @@ class Checkpointer:
       diff = model_mismatch(_config.from_json(meta["config"]), config)
       if diff:
         raise CheckpointError(
-            f"checkpoint {self._step_dir(step)} was written for another model; differing fields:\n  "
-            + "\n  ".join(diff) + "\nuse a fresh --config.workdir, or set these fields to the checkpoint's values.")
+          f"checkpoint {self._step_dir(step)} was written for another model; differing fields:\n  "
+          + "\n  ".join(diff)
+          + "\nuse a fresh --config.workdir, or set these fields to the checkpoint's values."
+        )
     return self._read_state(step, abstract_state, recorded, partial=False), meta
 
   def restore_newest_intact(self, abstract_state, config=None, *, on_corrupt: str = "fallback"):
@@ -383,18 +446,27 @@ class Checkpointer:
     else:
       if damaged:
         raise CheckpointCorruptError(
-            " ".join(str(e) for e in damaged) + f" No checkpoint in {self.directory} is intact: restore the named "
-            "files, or move the step directories aside to start afresh.", damaged[0].step)
+          " ".join(str(e) for e in damaged) + f" No checkpoint in {self.directory} is intact: restore the named "
+          "files, or move the step directories aside to start afresh.",
+          damaged[0].step,
+        )
       return None, None, {}
     names = ", ".join(str(e.step) for e in damaged)
     if damaged and on_corrupt == "stop":
       raise CheckpointCorruptError(
-          " ".join(str(e) for e in damaged) + f" Step {step} is intact: set --config.checkpoint.on_corrupt=fallback "
-          "to resume from it (the damaged steps are then moved aside), or restore the named files.", damaged[0].step)
+        " ".join(str(e) for e in damaged) + f" Step {step} is intact: set --config.checkpoint.on_corrupt=fallback "
+        "to resume from it (the damaged steps are then moved aside), or restore the named files.",
+        damaged[0].step,
+      )
     if damaged:
       moved = self._move_aside([e.step for e in damaged])
-      log.warning("resuming from step %d, the newest intact checkpoint in %s; damaged step(s) %s moved to %s.",
-                  step, self.directory, names, ", ".join(moved))
+      log.warning(
+        "resuming from step %d, the newest intact checkpoint in %s; damaged step(s) %s moved to %s.",
+        step,
+        self.directory,
+        names,
+        ", ".join(moved),
+      )
     self._pinned.steps = {step}
     return step, state, meta
 
@@ -403,6 +475,7 @@ class Checkpointer:
     multi = jax.process_count() > 1
     if multi:
       from jax.experimental import multihost_utils
+
       multihost_utils.sync_global_devices("aepo_jax_checkpoint_verified")
     moved = []
     for step in steps:

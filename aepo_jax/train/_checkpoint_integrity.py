@@ -11,6 +11,7 @@ Two records, each catching what the other cannot:
                    before any array is read, so a missing, truncated or altered file is named before tensorstore
                    meets it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,6 +78,7 @@ def _to_host(x) -> np.ndarray:
   if x.is_fully_replicated:
     return np.asarray(x.addressable_data(0))
   from jax.experimental import multihost_utils
+
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -100,8 +102,11 @@ def array_checksums(tree) -> dict:
   out = {}
   for (path, _), x, s in zip(flat, leaves, sums):
     out[jax.tree_util.keystr(path)] = {
-        "shape": list(x.shape), "dtype": str(x.dtype),
-        "sum": None if s is None else f"{int(s[0]):08x}{int(s[1]):08x}", "nonfinite": 0 if s is None else int(s[2])}
+      "shape": list(x.shape),
+      "dtype": str(x.dtype),
+      "sum": None if s is None else f"{int(s[0]):08x}{int(s[1]):08x}",
+      "nonfinite": 0 if s is None else int(s[2]),
+    }
   return out
 
 
@@ -143,6 +148,7 @@ def _is_remote(path) -> bool:
 
 def _fs(path: str):
   from etils.epath import backend  # the fsspec instance epath (hence orbax) uses
+
   return backend.fsspec_backend.fs(path)
 
 
@@ -153,14 +159,14 @@ def _listing(step_dir: str) -> dict:
   if _is_remote(step_dir):
     fs = _fs(step_dir)
     fs.invalidate_cache()
-    root = step_dir[len("gs://"):]
+    root = step_dir[len("gs://") :]
     for item in ITEMS:
       for name, info in fs.find(f"{step_dir}/{item}", detail=True).items():
         if info.get("type", "file") == "file":
           rec = {"size": int(info["size"])}
           if info.get("crc32c"):
             rec["crc32c"] = info["crc32c"]
-          out[name[len(root) + 1:]] = rec
+          out[name[len(root) + 1 :]] = rec
     return out
   for item in ITEMS:
     for dirpath, _, names in os.walk(os.path.join(step_dir, item)):

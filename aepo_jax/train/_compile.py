@@ -16,6 +16,7 @@ the chip while it runs and is not one of its arguments: the optimizer state (and
 logprob, the whole training state (and reference) during prefill and decode. The rollout weights and the KV cache
 are dropped before the update (the trainer deletes its rollout copy; the agent loop frees its cache).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,12 +34,12 @@ GB = 1e9
 # HBM per chip by generation (Cloud TPU documentation), in GB.
 HBM_GB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
 KNOBS = {
-    "update": "train.micro_batch_size (rows per micro-batch), model.remat=True, mesh.fsdp / mesh.tensor (more "
-              "sharding), rollout.max_response_len",
-    "logprob": "train.micro_batch_size, mesh.fsdp / mesh.tensor",
-    "prefill": "rollout.prefill_rows, rollout.prefill_chunk, rollout.max_slots (a smaller KV cache)",
-    "decode": "rollout.max_slots (slots per host; the agent loop queues the rest), rollout.mesh.tensor, "
-              "rollout.dtype=bfloat16, rollout.max_response_len",
+  "update": "train.micro_batch_size (rows per micro-batch), model.remat=True, mesh.fsdp / mesh.tensor (more "
+  "sharding), rollout.max_response_len",
+  "logprob": "train.micro_batch_size, mesh.fsdp / mesh.tensor",
+  "prefill": "rollout.prefill_rows, rollout.prefill_chunk, rollout.max_slots (a smaller KV cache)",
+  "decode": "rollout.max_slots (slots per host; the agent loop queues the rest), rollout.mesh.tensor, "
+  "rollout.dtype=bfloat16, rollout.max_response_len",
 }
 
 
@@ -62,15 +63,17 @@ def topology_devices(topology: str):
   """The chips of a TPU slice named like 'v5p:4x4x2' or 'v6e:8x8' (needs libtpu; no TPU needed)."""
   import os
   from jax.experimental import topologies
+
   # Compile-only use of libtpu: do not take the lock a TPU job (or another compile) on this host may hold.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
   except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown name: say which and how to fix
     raise RuntimeError(
-        f"cannot describe TPU topology {topology!r} ({type(e).__name__}: {e}). Compiling for TPU needs libtpu "
-        "(pip install -e \".[tpu]\", the jax[tpu] of the installed jax) and a name such as v5p:4x4x2, v6e:8x8, "
-        "v5e:4x4 or v4:2x2x2.") from e
+      f"cannot describe TPU topology {topology!r} ({type(e).__name__}: {e}). Compiling for TPU needs libtpu "
+      "(pip install -e \".[tpu]\", the jax[tpu] of the installed jax) and a name such as v5p:4x4x2, v6e:8x8, "
+      "v5e:4x4 or v4:2x2x2."
+    ) from e
   return list(topo.devices)
 
 
@@ -118,11 +121,19 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemor
     need = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
     if "RESOURCE_EXHAUSTED" not in str(e) or not need:
       raise
-    temp = float(need.group(1)) * {"K": 1e-6, "M": 1e-3, "G": 1.0, "T": 1e3}[need.group(2)] * 2 ** 30 / GB
+    temp = float(need.group(1)) * {"K": 1e-6, "M": 1e-3, "G": 1.0, "T": 1e3}[need.group(2)] * 2**30 / GB
     log.warning("%s: XLA:TPU refused to compile it: %s", name, str(e).splitlines()[0][:300])
     return ProgramMemory(name, args_gb, 0.0, 0.0, temp, resident_gb, time.perf_counter() - t0, devices)
-  return ProgramMemory(name, m.argument_size_in_bytes / GB, m.output_size_in_bytes / GB, m.alias_size_in_bytes / GB,
-                       m.temp_size_in_bytes / GB, resident_gb, time.perf_counter() - t0, devices)
+  return ProgramMemory(
+    name,
+    m.argument_size_in_bytes / GB,
+    m.output_size_in_bytes / GB,
+    m.alias_size_in_bytes / GB,
+    m.temp_size_in_bytes / GB,
+    resident_gb,
+    time.perf_counter() - t0,
+    devices,
+  )
 
 
 def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefill", "decode")) -> dict:
@@ -137,8 +148,9 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
   mc, r, t, a = config.model, config.rollout, config.train, config.algo
   model_cfg = model_config(config)
   seq_len = r.max_prompt_len + r.max_response_len
-  optimizer = _optim.make_optimizer(config.optim.lr, weight_decay=config.optim.weight_decay,
-                                    grad_clip=config.optim.grad_clip)
+  optimizer = _optim.make_optimizer(
+    config.optim.lr, weight_decay=config.optim.weight_decay, grad_clip=config.optim.grad_clip
+  )
   p_sh = model_lib.param_shardings(model_cfg, mesh)
   o_sh = _step.opt_state_shardings(model_cfg, optimizer, mesh)
   params = _abstract(model_lib.param_shapes(model_cfg), p_sh)
@@ -146,39 +158,65 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
   with_ref = a.kl.coef > 0 or a.kl.use_in_reward
   params_gb, opt_gb = _per_chip_gb(params), _per_chip_gb(opt_state)
   ref_gb = params_gb if with_ref else 0.0
-  out = {"topology": topology, "chips": len(devices), "hbm_gb": hbm_gb(topology), "mesh": dict(mesh.shape),
-         "programs": {}, "params_gb": params_gb, "opt_state_gb": opt_gb}
+  out = {
+    "topology": topology,
+    "chips": len(devices),
+    "hbm_gb": hbm_gb(topology),
+    "mesh": dict(mesh.shape),
+    "programs": {},
+    "params_gb": params_gb,
+    "opt_state_gb": opt_gb,
+  }
   mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
   from aepo_jax.train._batch import batch_sharding
+
   b_sh = batch_sharding(mesh)
 
   def batch(k, keys):
-    return {name: jax.ShapeDtypeStruct((k, t.micro_batch_size, seq_len),
-                                       jnp.int32 if name in ("tokens", "attention_mask", "loss_mask") else jnp.float32,
-                                       sharding=b_sh) for name in keys}
+    return {
+      name: jax.ShapeDtypeStruct(
+        (k, t.micro_batch_size, seq_len),
+        jnp.int32 if name in ("tokens", "attention_mask", "loss_mask") else jnp.float32,
+        sharding=b_sh,
+      )
+      for name in keys
+    }
 
   if "update" in programs:
     step = _step.make_update_step(
-        model_cfg, loss_fn=a.loss, loss_hp=_wiring.loss_hparams(config), optimizer=optimizer,
-        micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
-        kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
-        need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
-        logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
-        saved_logits_mb=t.saved_logits_mb)
+      model_cfg,
+      loss_fn=a.loss,
+      loss_hp=_wiring.loss_hparams(config),
+      optimizer=optimizer,
+      micro_batches=mb_per_update,
+      mesh=mesh,
+      temperature=r.temperature,
+      kl_name=a.kl.name,
+      kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
+      need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
+      logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
+      saved_logits_mb=t.saved_logits_mb,
+    )
     keys = ["tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages"]
     if a.kl.coef > 0 and not a.kl.use_in_reward:
       keys.append("ref_log_prob")
     b = batch(mb_per_update, keys)
-    out["programs"]["update"] = _memory("update", step.lower(params, opt_state, b), ref_gb, len(devices),
-                                        params_gb + opt_gb + _per_chip_gb(b))
+    out["programs"]["update"] = _memory(
+      "update", step.lower(params, opt_state, b), ref_gb, len(devices), params_gb + opt_gb + _per_chip_gb(b)
+    )
 
   if "logprob" in programs:
     fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
     rows = config.data.prompts_per_step * r.n
     k = -(-rows // (t.micro_batch_size * mb_per_update)) * mb_per_update
     b = batch(k, ["tokens", "attention_mask"])
-    out["programs"]["logprob"] = _memory("logprob", fn.lower(params, b["tokens"], b["attention_mask"]),
-                                         opt_gb + ref_gb, len(devices), params_gb + _per_chip_gb(b))
+    out["programs"]["logprob"] = _memory(
+      "logprob",
+      fn.lower(params, b["tokens"], b["attention_mask"]),
+      opt_gb + ref_gb,
+      len(devices),
+      params_gb + _per_chip_gb(b),
+    )
 
   if "prefill" in programs or "decode" in programs:
     host = host_devices(topology, devices)
@@ -187,22 +225,40 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
     engine_cfg = model_cfg.replace(param_dtype=dtype)
     hosts = len({d.process_index for d in devices})
     slots = r.max_slots or -(-config.data.prompts_per_step // hosts) * r.n
-    engine = rollout_lib.Engine(engine_cfg, max_slots=slots, max_len=seq_len, eos_ids=(0,),
-                                entropy_window=r.entropy_window, topk_entropy=r.topk_entropy, mesh=rmesh,
-                                prefill_chunk=r.prefill_chunk, prefill_rows=r.prefill_rows, cpu_kernels=False)
+    engine = rollout_lib.Engine(
+      engine_cfg,
+      max_slots=slots,
+      max_len=seq_len,
+      eos_ids=(0,),
+      entropy_window=r.entropy_window,
+      topk_entropy=r.topk_entropy,
+      mesh=rmesh,
+      prefill_chunk=r.prefill_chunk,
+      prefill_rows=r.prefill_rows,
+      cpu_kernels=False,
+    )
     weights = _abstract(model_lib.param_shapes(engine_cfg), model_lib.param_shardings(engine_cfg, rmesh))
     resident = params_gb + opt_gb + ref_gb  # the training state stays on the chips during rollouts
-    out["rollout"] = {"host_chips": len(host), "hosts": hosts, "slots": slots, "max_len": seq_len,
-                      "weights_gb": _per_chip_gb(weights), "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache)}
+    out["rollout"] = {
+      "host_chips": len(host),
+      "hosts": hosts,
+      "slots": slots,
+      "max_len": seq_len,
+      "weights_gb": _per_chip_gb(weights),
+      "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache),
+    }
     state_gb = _per_chip_gb(weights) + _per_chip_gb(engine.abstract_decode_state())
     if "prefill" in programs:
       out["programs"]["prefill"] = _memory("prefill", engine.lower_fill(weights), resident, len(host), state_gb)
     if "decode" in programs:
-      out["programs"]["decode"] = _memory("decode", engine.lower_decode(weights, r.decode_chunk), resident,
-                                          len(host), state_gb)
+      out["programs"]["decode"] = _memory(
+        "decode", engine.lower_decode(weights, r.decode_chunk), resident, len(host), state_gb
+      )
   out["fits"] = all(p.peak_gb <= out["hbm_gb"] for p in out["programs"].values())
-  out["shardings"] = {"params": _describe(p_sh), "kv_cache": str(engine.abstract_decode_state().cache["k"].sharding.spec)
-                      if "rollout" in out else ""}
+  out["shardings"] = {
+    "params": _describe(p_sh),
+    "kv_cache": str(engine.abstract_decode_state().cache["k"].sharding.spec) if "rollout" in out else "",
+  }
   return out
 
 
@@ -212,6 +268,7 @@ def model_config(config):
   import os
 
   from aepo_jax import model as model_lib
+
   mc = config.model
   kw = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, **dict(mc.overrides))
   name = mc.shape or mc.name
@@ -219,9 +276,11 @@ def model_config(config):
     return model_lib.preset(name, **kw)
   if os.path.isfile(os.path.join(str(name), "config.json")):
     return model_lib.read_hf_config(name, mc.param_dtype).replace(**kw)
-  raise ValueError(f"model.name={mc.name!r} gives no shape to compile: set --config.model.shape to the preset with the "
-                   f"checkpoint's architecture (one of {sorted(model_lib.PRESETS)}), or point model.name at a local HF "
-                   "directory with a config.json.")
+  raise ValueError(
+    f"model.name={mc.name!r} gives no shape to compile: set --config.model.shape to the preset with the "
+    f"checkpoint's architecture (one of {sorted(model_lib.PRESETS)}), or point model.name at a local HF "
+    "directory with a config.json."
+  )
 
 
 def _describe(shardings) -> dict:
@@ -231,31 +290,52 @@ def _describe(shardings) -> dict:
 
 def report_json(report: dict) -> dict:
   """The one-line summary: topology, chips, hbm_gb, per-program peak_gb (and parts), fits."""
-  return {"topology": report["topology"], "chips": report["chips"], "hbm_gb": report["hbm_gb"],
-          "programs": {name: {"peak_gb": round(p.peak_gb, 2), "argument_gb": round(p.argument_gb, 2),
-                              "output_gb": round(p.output_gb, 2), "alias_gb": round(p.alias_gb, 2),
-                              "temp_gb": round(p.temp_gb, 2), "resident_gb": round(p.resident_gb, 2),
-                              "compile_s": round(p.compile_s, 1)}
-                       for name, p in report["programs"].items()},
-          "fits": bool(report["fits"])}
+  return {
+    "topology": report["topology"],
+    "chips": report["chips"],
+    "hbm_gb": report["hbm_gb"],
+    "programs": {
+      name: {
+        "peak_gb": round(p.peak_gb, 2),
+        "argument_gb": round(p.argument_gb, 2),
+        "output_gb": round(p.output_gb, 2),
+        "alias_gb": round(p.alias_gb, 2),
+        "temp_gb": round(p.temp_gb, 2),
+        "resident_gb": round(p.resident_gb, 2),
+        "compile_s": round(p.compile_s, 1),
+      }
+      for name, p in report["programs"].items()
+    },
+    "fits": bool(report["fits"]),
+  }
 
 
 def format_table(report: dict) -> str:
-  lines = [f"topology {report['topology']}: {report['chips']} chips, {report['hbm_gb']:.0f} GB HBM each; "
-           f"training mesh {report['mesh']}"]
+  lines = [
+    f"topology {report['topology']}: {report['chips']} chips, {report['hbm_gb']:.0f} GB HBM each; "
+    f"training mesh {report['mesh']}"
+  ]
   if "rollout" in report:
     ro = report["rollout"]
-    lines.append(f"rollouts: {ro['hosts']} hosts x {ro['host_chips']} chips; {ro['slots']} slots x {ro['max_len']} "
-                 f"tokens per host; rollout weights {ro['weights_gb']:.2f} GB, KV cache {ro['kv_cache_gb']:.2f} GB "
-                 "per chip")
-  lines.append(f"training state per chip: params {report['params_gb']:.2f} GB, optimizer {report['opt_state_gb']:.2f} GB")
-  head = f"{'program':<9}{'chips':>6}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'resident':>10}{'peak':>9}" \
-         f"{'compile':>9}  fits"
+    lines.append(
+      f"rollouts: {ro['hosts']} hosts x {ro['host_chips']} chips; {ro['slots']} slots x {ro['max_len']} "
+      f"tokens per host; rollout weights {ro['weights_gb']:.2f} GB, KV cache {ro['kv_cache_gb']:.2f} GB "
+      "per chip"
+    )
+  lines.append(
+    f"training state per chip: params {report['params_gb']:.2f} GB, optimizer {report['opt_state_gb']:.2f} GB"
+  )
+  head = (
+    f"{'program':<9}{'chips':>6}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'resident':>10}{'peak':>9}"
+    f"{'compile':>9}  fits"
+  )
   lines += [head, "-" * len(head)]
   for name, p in report["programs"].items():
     ok = p.peak_gb <= report["hbm_gb"]
-    lines.append(f"{name:<9}{p.devices:>6}{p.argument_gb:>9.2f}{p.output_gb:>9.2f}{p.alias_gb:>9.2f}{p.temp_gb:>9.2f}"
-                 f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s  {'yes' if ok else 'NO'}")
+    lines.append(
+      f"{name:<9}{p.devices:>6}{p.argument_gb:>9.2f}{p.output_gb:>9.2f}{p.alias_gb:>9.2f}{p.temp_gb:>9.2f}"
+      f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s  {'yes' if ok else 'NO'}"
+    )
   lines.append("(GB per chip; peak = args + out - alias + temp + resident)")
   sh = report.get("shardings", {})
   if sh:
@@ -267,13 +347,17 @@ def format_table(report: dict) -> str:
 
 def advice(report: dict) -> list:
   """For each program over the chip's HBM: what to change."""
-  return [f"{name} needs {p.peak_gb:.1f} GB per chip > {report['hbm_gb']:.0f} GB: try {KNOBS[name]}."
-          for name, p in report["programs"].items() if p.peak_gb > report["hbm_gb"]]
+  return [
+    f"{name} needs {p.peak_gb:.1f} GB per chip > {report['hbm_gb']:.0f} GB: try {KNOBS[name]}."
+    for name, p in report["programs"].items()
+    if p.peak_gb > report["hbm_gb"]
+  ]
 
 
 def check(config, topology: str, programs=("update", "logprob", "prefill", "decode")) -> int:
   """Compiles, prints the table and (last) the JSON line; returns the exit status: 0 fits, 1 does not."""
   import json
+
   report = compile_plan(config, topology, programs=tuple(programs))
   print(format_table(report))
   for line in advice(report):

@@ -4,6 +4,7 @@ Experiment files (`configs/*.py`) start from `base_config()` and override; the b
 that does not exist is an error at the line that sets it. `validate()` runs before any device is claimed
 and names the key and the fix for each problem it finds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,8 +69,9 @@ def base_config() -> ml_collections.ConfigDict:
   # The generated suite (aepo_jax.data.generate_suite): mix = shares of (arith, kb, both) tasks; top_k = pages
   # per search result in the demos; tool_demo_fraction = share of demos that call tools (the rest answer from
   # memory: a cold start that has not learnt when its tools are needed, which RL then has to teach).
-  c.data.suite = ml_collections.ConfigDict(dict(seed=0, n_train=512, n_heldout=64, difficulty=1,
-                                                mix=(0.4, 0.4, 0.2), top_k=3, tool_demo_fraction=1.0))
+  c.data.suite = ml_collections.ConfigDict(
+    dict(seed=0, n_train=512, n_heldout=64, difficulty=1, mix=(0.4, 0.4, 0.2), top_k=3, tool_demo_fraction=1.0)
+  )
 
   c.tools = ml_collections.ConfigDict()
   c.tools.names = ("python", "search")
@@ -91,8 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
   # pages: a directory of page files or a corpus JSONL ('' = tools.search_corpus); max_pages: hits fetched per
   # query; page_chars: characters of each page shown to the summariser; live: fetch a hit's http(s) URL that the
   # store lacks (off: the snippet stands in for it).
-  c.tools.browse = ml_collections.ConfigDict(dict(pages="", summarizer_url="", summarizer_model="", max_pages=10,
-                                                  page_chars=5000, live=False))
+  c.tools.browse = ml_collections.ConfigDict(
+    dict(pages="", summarizer_url="", summarizer_model="", max_pages=10, page_chars=5000, live=False)
+  )
   c.tools.call_limit = 6
   c.tools.retry_count = 4
   c.tools.max_workers = 64
@@ -260,6 +263,7 @@ def base_config() -> ml_collections.ConfigDict:
 # ---------------------------------------------------------------------------------------------------------
 # Validation.
 
+
 class ConfigError(ValueError):
   """A config value that cannot run; the message names the key and the fix."""
 
@@ -298,6 +302,7 @@ def _unknown_keys(config) -> list[str]:
 
 def _model_override_errors(config) -> list[str]:
   from aepo_jax.model import ModelConfig  # no jax device is touched by importing the dataclass
+
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   errs = []
   for k in config.model.overrides.keys():
@@ -317,12 +322,16 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict:
   fixed = math.prod(s for s in sizes.values() if s != -1)
   if -1 in sizes.values():
     if num_devices % fixed:
-      raise ConfigError(f"mesh={sizes}: the fixed axes (product {fixed}) do not divide the {num_devices} "
-                        "devices; change mesh.fsdp / mesh.tensor.")
+      raise ConfigError(
+        f"mesh={sizes}: the fixed axes (product {fixed}) do not divide the {num_devices} "
+        "devices; change mesh.fsdp / mesh.tensor."
+      )
     sizes[next(a for a, s in sizes.items() if s == -1)] = num_devices // fixed
   elif fixed != num_devices:
-    raise ConfigError(f"mesh={sizes} needs {fixed} devices but {num_devices} are available; set one axis "
-                      "to -1 (e.g. --config.mesh.data=-1) or make the product equal the device count.")
+    raise ConfigError(
+      f"mesh={sizes} needs {fixed} devices but {num_devices} are available; set one axis "
+      "to -1 (e.g. --config.mesh.data=-1) or make the product equal the device count."
+    )
   return sizes
 
 
@@ -331,17 +340,20 @@ def _choices(config) -> list:
   from aepo_jax import objectives, tools
   from aepo_jax.rollout import policies
   from aepo_jax.train._step import AGGREGATIONS
+
   r, a = config.rollout, config.algo
-  return [("algo.loss", a.loss, objectives.list_policy_losses()),
-          ("algo.advantage", a.advantage, objectives.list_advantages()),
-          ("algo.kl.name", a.kl.name, objectives.list_kl_estimators()),
-          ("algo.agg", a.agg, objectives.AGG_MODES),
-          ("algo.aggregation", a.aggregation, AGGREGATIONS),
-          ("algo.attribution", a.attribution, objectives.ATTRIBUTIONS),
-          ("rollout.policy", r.policy, policies.rollout_policy_names()),
-          ("rollout.entropy_estimator", r.entropy_estimator, policies.ESTIMATORS),
-          ("rollout.mode", r.mode, policies.MODES),
-          ("tools.search_mode", config.tools.search_mode, tools.SEARCH_MODES)]
+  return [
+    ("algo.loss", a.loss, objectives.list_policy_losses()),
+    ("algo.advantage", a.advantage, objectives.list_advantages()),
+    ("algo.kl.name", a.kl.name, objectives.list_kl_estimators()),
+    ("algo.agg", a.agg, objectives.AGG_MODES),
+    ("algo.aggregation", a.aggregation, AGGREGATIONS),
+    ("algo.attribution", a.attribution, objectives.ATTRIBUTIONS),
+    ("rollout.policy", r.policy, policies.rollout_policy_names()),
+    ("rollout.entropy_estimator", r.entropy_estimator, policies.ESTIMATORS),
+    ("rollout.mode", r.mode, policies.MODES),
+    ("tools.search_mode", config.tools.search_mode, tools.SEARCH_MODES),
+  ]
 
 
 def _registry_errors(config) -> list[str]:
@@ -355,8 +367,7 @@ def _registry_errors(config) -> list[str]:
   for key, value, names in table:
     names = list(names)
     if value not in names:
-      errs.append(f"{key}={value!r} is not registered" + did_you_mean(value, names)
-                  + f" (known: {', '.join(names)})")
+      errs.append(f"{key}={value!r} is not registered" + did_you_mean(value, names) + f" (known: {', '.join(names)})")
   return errs
 
 
@@ -367,8 +378,16 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
   errs += _model_override_errors(config)
   r, a, t, s, d = config.rollout, config.algo, config.train, config.sft, config.data
-  sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-           "max_position_embeddings")
+  sizes = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+  )
   for k, v in config.model.overrides.items():  # a non-positive size fails only deep inside model init, or not at all
     if k in sizes and not (isinstance(v, int) and v >= 1):
       errs.append(f"model.overrides.{k}={v!r}: must be a positive integer.")
@@ -378,13 +397,19 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
       errs.append(msg)
 
   need(config.mode in MODES, f"mode={config.mode!r}: choose one of {MODES}.")
-  need(config.model.init in ("pretrained", "random"), f"model.init={config.model.init!r}: use 'pretrained' or 'random'.")
+  need(
+    config.model.init in ("pretrained", "random"), f"model.init={config.model.init!r}: use 'pretrained' or 'random'."
+  )
   for k in ("dtype", "param_dtype"):
-    need(config.model[k] in ("float32", "bfloat16", "float16"),
-         f"model.{k}={config.model[k]!r}: use float32, bfloat16 or float16.")
+    need(
+      config.model[k] in ("float32", "bfloat16", "float16"),
+      f"model.{k}={config.model[k]!r}: use float32, bfloat16 or float16.",
+    )
   need(r.n >= 1, f"rollout.n={r.n}: the group size must be >= 1.")
-  need(1 <= r.initial_rollouts <= r.n,
-       f"rollout.initial_rollouts={r.initial_rollouts} must lie in [1, rollout.n={r.n}]; lower it or raise rollout.n.")
+  need(
+    1 <= r.initial_rollouts <= r.n,
+    f"rollout.initial_rollouts={r.initial_rollouts} must lie in [1, rollout.n={r.n}]; lower it or raise rollout.n.",
+  )
   need(r.beam_size >= 1, f"rollout.beam_size={r.beam_size}: must be >= 1.")
   need(0.0 <= r.branch_probability <= 1.0, f"rollout.branch_probability={r.branch_probability}: must be in [0, 1].")
   need(r.entropy_window >= 1 and r.topk_entropy >= 1, "rollout.entropy_window and rollout.topk_entropy must be >= 1.")
@@ -393,96 +418,146 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(r.temperature >= 0, f"rollout.temperature={r.temperature}: must be >= 0.")
   need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p}: must be in (0, 1].")
   need(r.top_k >= 0, f"rollout.top_k={r.top_k}: use 0 for off (not -1).")
-  need(r.repetition_penalty > 0 and math.isfinite(r.repetition_penalty),
-       f"rollout.repetition_penalty={r.repetition_penalty}: must be a finite number > 0 (1 = off; the evaluation "
-       "protocol uses 1.1).")
+  need(
+    r.repetition_penalty > 0 and math.isfinite(r.repetition_penalty),
+    f"rollout.repetition_penalty={r.repetition_penalty}: must be a finite number > 0 (1 = off; the evaluation "
+    "protocol uses 1.1).",
+  )
   need(0.0 <= r.min_p <= 1.0, f"rollout.min_p={r.min_p}: must be in [0, 1] (0 = off).")
-  need(r.max_slots == 0 or r.max_slots >= r.n, f"rollout.max_slots={r.max_slots}: 0 (auto) or at least rollout.n={r.n}.")
+  need(
+    r.max_slots == 0 or r.max_slots >= r.n, f"rollout.max_slots={r.max_slots}: 0 (auto) or at least rollout.n={r.n}."
+  )
   need(config.reward.timeout_s > 0, f"reward.timeout_s={config.reward.timeout_s}: must be > 0 (seconds per response).")
   need(r.decode_chunk >= 1, f"rollout.decode_chunk={r.decode_chunk}: must be >= 1.")
-  need(r.prefill_chunk >= 16 and r.prefill_rows >= 1,
-       f"rollout.prefill_chunk={r.prefill_chunk} must be >= 16 and rollout.prefill_rows={r.prefill_rows} >= 1.")
-  need(r.dtype in ("", "float32", "bfloat16", "float16"),
-       f"rollout.dtype={r.dtype!r}: use '' (= model.dtype), float32, bfloat16 or float16.")
+  need(
+    r.prefill_chunk >= 16 and r.prefill_rows >= 1,
+    f"rollout.prefill_chunk={r.prefill_chunk} must be >= 16 and rollout.prefill_rows={r.prefill_rows} >= 1.",
+  )
+  need(
+    r.dtype in ("", "float32", "bfloat16", "float16"),
+    f"rollout.dtype={r.dtype!r}: use '' (= model.dtype), float32, bfloat16 or float16.",
+  )
   rm = [int(r.mesh[k]) for k in ("data", "fsdp", "tensor")]
-  need(all(v >= 1 or v == -1 for v in rm) and rm.count(-1) <= 1,
-       f"rollout.mesh={dict(r.mesh)}: positive sizes, at most one -1 (the rest of a host's devices).")
+  need(
+    all(v >= 1 or v == -1 for v in rm) and rm.count(-1) <= 1,
+    f"rollout.mesh={dict(r.mesh)}: positive sizes, at most one -1 (the rest of a host's devices).",
+  )
 
-  need(0 <= a.clip_low < 1 or (a.loss == "cispo" and a.clip_low <= 1),
-       f"algo.clip_low={a.clip_low}: must be in [0, 1) (the lower bound is 1 - clip_low).")
+  need(
+    0 <= a.clip_low < 1 or (a.loss == "cispo" and a.clip_low <= 1),
+    f"algo.clip_low={a.clip_low}: must be in [0, 1) (the lower bound is 1 - clip_low).",
+  )
   need(a.clip_high > 0, f"algo.clip_high={a.clip_high}: must be > 0 (the upper bound is 1 + clip_high).")
   need(a.clip_c == 0 or a.clip_c > 1, f"algo.clip_c={a.clip_c}: the dual clip must be > 1, or 0 for off.")
   need(a.entropy_advantage_coef >= 0, f"algo.entropy_advantage_coef={a.entropy_advantage_coef}: must be >= 0.")
-  need(a.entropy_advantage_coef == 0 or a.loss == "aepo",
-       f"algo.entropy_advantage_coef={a.entropy_advantage_coef} only acts with algo.loss='aepo' "
-       f"(got {a.loss!r}); set it to 0.")
+  need(
+    a.entropy_advantage_coef == 0 or a.loss == "aepo",
+    f"algo.entropy_advantage_coef={a.entropy_advantage_coef} only acts with algo.loss='aepo' "
+    f"(got {a.loss!r}); set it to 0.",
+  )
   need(a.kl.coef >= 0, f"algo.kl.coef={a.kl.coef}: must be >= 0.")
   need(a.filter_metric in ("acc", "reward"), f"algo.filter_metric={a.filter_metric!r}: use 'acc' or 'reward'.")
   need(a.max_num_gen_batches >= 0, f"algo.max_num_gen_batches={a.max_num_gen_batches}: must be >= 0 (0 = no limit).")
-  need(not a.kl.use_in_reward or a.kl.coef > 0,
-       f"algo.kl.use_in_reward=True with algo.kl.coef={a.kl.coef}: the penalty would be zero; set a coef > 0.")
+  need(
+    not a.kl.use_in_reward or a.kl.coef > 0,
+    f"algo.kl.use_in_reward=True with algo.kl.coef={a.kl.coef}: the penalty would be zero; set a coef > 0.",
+  )
   need(a.overlong_buffer >= 0, f"algo.overlong_buffer={a.overlong_buffer}: must be >= 0.")
-  need(a.overlong_buffer < r.max_response_len,
-       f"algo.overlong_buffer={a.overlong_buffer} must be smaller than rollout.max_response_len={r.max_response_len}.")
+  need(
+    a.overlong_buffer < r.max_response_len,
+    f"algo.overlong_buffer={a.overlong_buffer} must be smaller than rollout.max_response_len={r.max_response_len}.",
+  )
 
   tc, b = config.tools, config.tools.browse
   if tc.search_mode == "browse":
-    need(bool(b.summarizer_url) and bool(b.summarizer_model),
-         "tools.search_mode='browse' needs tools.browse.summarizer_url (an OpenAI-compatible base URL, e.g. "
-         "http://127.0.0.1:8000/v1) and tools.browse.summarizer_model.")
-    need(bool(b.pages or tc.search_corpus or b.live),
-         "tools.search_mode='browse' needs a page store: tools.browse.pages (a directory or a corpus JSONL) or "
-         "tools.search_corpus, or tools.browse.live=True.")
-    need(b.max_pages >= 1 and b.page_chars >= 1,
-         f"tools.browse.max_pages={b.max_pages} and tools.browse.page_chars={b.page_chars} must be >= 1.")
-  need(bool(config.eval.judge_url) == bool(config.eval.judge_model),
-       "eval.judge_url and eval.judge_model go together (the OpenAI-compatible base URL and the model name).")
-  need(not (config.eval.judge_checkpoint and config.eval.judge_url),
-       "eval.judge_checkpoint serves a judge here, eval.judge_url uses one elsewhere: set one of them.")
+    need(
+      bool(b.summarizer_url) and bool(b.summarizer_model),
+      "tools.search_mode='browse' needs tools.browse.summarizer_url (an OpenAI-compatible base URL, e.g. "
+      "http://127.0.0.1:8000/v1) and tools.browse.summarizer_model.",
+    )
+    need(
+      bool(b.pages or tc.search_corpus or b.live),
+      "tools.search_mode='browse' needs a page store: tools.browse.pages (a directory or a corpus JSONL) or "
+      "tools.search_corpus, or tools.browse.live=True.",
+    )
+    need(
+      b.max_pages >= 1 and b.page_chars >= 1,
+      f"tools.browse.max_pages={b.max_pages} and tools.browse.page_chars={b.page_chars} must be >= 1.",
+    )
+  need(
+    bool(config.eval.judge_url) == bool(config.eval.judge_model),
+    "eval.judge_url and eval.judge_model go together (the OpenAI-compatible base URL and the model name).",
+  )
+  need(
+    not (config.eval.judge_checkpoint and config.eval.judge_url),
+    "eval.judge_checkpoint serves a judge here, eval.judge_url uses one elsewhere: set one of them.",
+  )
   o = config.optim
   need(o.lr > 0, f"optim.lr={o.lr}: must be > 0.")
   need(o.schedule in ("constant", "cosine", "linear"), f"optim.schedule={o.schedule!r}: constant, cosine or linear.")
-  need(o.warmup_steps >= 0 and o.grad_clip >= 0 and o.weight_decay >= 0,
-       "optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0.")
+  need(
+    o.warmup_steps >= 0 and o.grad_clip >= 0 and o.weight_decay >= 0,
+    "optim.warmup_steps, optim.grad_clip and optim.weight_decay must be >= 0.",
+  )
   need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1={o.b1}, optim.b2={o.b2}: must be in [0, 1).")
 
   need(d.prompts_per_step >= 1, f"data.prompts_per_step={d.prompts_per_step}: must be >= 1.")
-  need(t.ppo_mini_batch_size >= 1 and d.prompts_per_step % t.ppo_mini_batch_size == 0,
-       f"train.ppo_mini_batch_size={t.ppo_mini_batch_size} (prompts) must divide data.prompts_per_step="
-       f"{d.prompts_per_step}; pick a divisor.")
-  need(t.micro_batch_size >= 1 and (t.ppo_mini_batch_size * r.n) % t.micro_batch_size == 0,
-       f"train.micro_batch_size={t.micro_batch_size} (sequences) must divide ppo_mini_batch_size*n="
-       f"{t.ppo_mini_batch_size * r.n}; pick a divisor.")
+  need(
+    t.ppo_mini_batch_size >= 1 and d.prompts_per_step % t.ppo_mini_batch_size == 0,
+    f"train.ppo_mini_batch_size={t.ppo_mini_batch_size} (prompts) must divide data.prompts_per_step="
+    f"{d.prompts_per_step}; pick a divisor.",
+  )
+  need(
+    t.micro_batch_size >= 1 and (t.ppo_mini_batch_size * r.n) % t.micro_batch_size == 0,
+    f"train.micro_batch_size={t.micro_batch_size} (sequences) must divide ppo_mini_batch_size*n="
+    f"{t.ppo_mini_batch_size * r.n}; pick a divisor.",
+  )
   need(t.ppo_epochs >= 1, f"train.ppo_epochs={t.ppo_epochs}: must be >= 1.")
   need(t.steps > 0 or t.epochs > 0, "train.steps=0 needs train.epochs > 0 (or set train.steps).")
-  need(t.nan_limit >= 0 and t.log_every >= 1 and t.eval_every >= 0,
-       "train.nan_limit >= 0, train.log_every >= 1, train.eval_every >= 0.")
-  need(t.saved_logits_mb >= 0,
-       f"train.saved_logits_mb={t.saved_logits_mb}: must be >= 0 (MiB of logits kept for the backward; 0: none).")
-  need(0.0 <= t.logit_fraction <= 1.0,
-       f"train.logit_fraction={t.logit_fraction}: must be in [0, 1] (0: the LM head at every position).")
+  need(
+    t.nan_limit >= 0 and t.log_every >= 1 and t.eval_every >= 0,
+    "train.nan_limit >= 0, train.log_every >= 1, train.eval_every >= 0.",
+  )
+  need(
+    t.saved_logits_mb >= 0,
+    f"train.saved_logits_mb={t.saved_logits_mb}: must be >= 0 (MiB of logits kept for the backward; 0: none).",
+  )
+  need(
+    0.0 <= t.logit_fraction <= 1.0,
+    f"train.logit_fraction={t.logit_fraction}: must be in [0, 1] (0: the LM head at every position).",
+  )
   if s.enabled or config.mode == "sft":
     need(s.steps >= 1, f"sft.steps={s.steps}: must be >= 1 when SFT runs.")
     need(s.batch_size >= 1, f"sft.batch_size={s.batch_size}: demonstrations per step must be >= 1.")
     need(s.max_len >= 2, f"sft.max_len={s.max_len}: tokens per row must be >= 2 (a token and its target).")
     if s.packed_rows:
-      need(0 < s.packed_rows <= s.batch_size and s.micro_batch_size >= 1 and s.packed_rows % s.micro_batch_size == 0,
-           f"sft.packed_rows={s.packed_rows}: must be in [1, sft.batch_size={s.batch_size}] and a multiple of "
-           f"sft.micro_batch_size={s.micro_batch_size} (0 turns packing off).")
+      need(
+        0 < s.packed_rows <= s.batch_size and s.micro_batch_size >= 1 and s.packed_rows % s.micro_batch_size == 0,
+        f"sft.packed_rows={s.packed_rows}: must be in [1, sft.batch_size={s.batch_size}] and a multiple of "
+        f"sft.micro_batch_size={s.micro_batch_size} (0 turns packing off).",
+      )
     else:
-      need(s.micro_batch_size >= 1 and s.batch_size % s.micro_batch_size == 0,
-           f"sft.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={s.batch_size}.")
+      need(
+        s.micro_batch_size >= 1 and s.batch_size % s.micro_batch_size == 0,
+        f"sft.micro_batch_size={s.micro_batch_size} must divide sft.batch_size={s.batch_size}.",
+      )
     need(s.lr > 0 and 0 <= s.warmup_frac < 1, "sft.lr must be > 0 and sft.warmup_frac in [0, 1).")
     need(s.schedule in ("constant", "cosine", "linear"), f"sft.schedule={s.schedule!r}: constant, cosine or linear.")
-    need(s.source in ("suite", "synthetic") or str(s.source).lower().endswith((".jsonl", ".parquet")),
-         f"sft.source={s.source!r}: use 'suite', 'synthetic' or a .jsonl / .parquet file of chat traces (local or "
-         "gs://; docs/data.md).")
+    need(
+      s.source in ("suite", "synthetic") or str(s.source).lower().endswith((".jsonl", ".parquet")),
+      f"sft.source={s.source!r}: use 'suite', 'synthetic' or a .jsonl / .parquet file of chat traces (local or "
+      "gs://; docs/data.md).",
+    )
   su, ev = d.suite, config.eval
-  need(0.0 <= su.tool_demo_fraction <= 1.0,
-       f"data.suite.tool_demo_fraction={su.tool_demo_fraction}: the share of tool-using demos must be in [0, 1].")
+  need(
+    0.0 <= su.tool_demo_fraction <= 1.0,
+    f"data.suite.tool_demo_fraction={su.tool_demo_fraction}: the share of tool-using demos must be in [0, 1].",
+  )
   need(su.top_k >= 1, f"data.suite.top_k={su.top_k}: search pages per demo result must be >= 1.")
-  need(ev.batch_size >= 0 and ev.max_response_len >= 0 and ev.temperature >= 0,
-       "eval.batch_size, eval.max_response_len (0 = the defaults) and eval.temperature must be >= 0.")
+  need(
+    ev.batch_size >= 0 and ev.max_response_len >= 0 and ev.temperature >= 0,
+    "eval.batch_size, eval.max_response_len (0 = the defaults) and eval.temperature must be >= 0.",
+  )
   if config.mode == "sft" and not s.enabled:
     errs.append("mode='sft' with sft.enabled=False: set sft.enabled=True.")
   ck = config.checkpoint
@@ -495,8 +570,10 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
       shape = mesh_shape(config.mesh, num_devices)
       dp = shape["data"] * shape["fsdp"]
       if (t.micro_batch_size % dp) and (config.mode != "sft"):
-        errs.append(f"train.micro_batch_size={t.micro_batch_size} must be a multiple of the data-parallel size "
-                    f"mesh.data*mesh.fsdp={dp}.")
+        errs.append(
+          f"train.micro_batch_size={t.micro_batch_size} must be a multiple of the data-parallel size "
+          f"mesh.data*mesh.fsdp={dp}."
+        )
       if (s.enabled or config.mode == "sft") and s.micro_batch_size % dp:
         errs.append(f"sft.micro_batch_size={s.micro_batch_size} must be a multiple of mesh.data*mesh.fsdp={dp}.")
     except ConfigError as e:
@@ -510,6 +587,7 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
 
 # ---------------------------------------------------------------------------------------------------------
 # Loading.
+
 
 def load_config(path: str, arg: Optional[str] = None, overrides: Optional[dict] = None, **validate_kw):
   """Load `configs/x.py` (its `get_config(arg)`), apply {'rollout.n': 8, ...} overrides, validate."""
@@ -544,8 +622,9 @@ def set_key(config, dotted: str, value):
   node = config
   for i, p in enumerate(parents):
     if p not in node:
-      raise ConfigError(f"config key {'.'.join(parents[:i + 1])!r} does not exist"
-                        + _did_you_mean_key(p, node, ".".join(parents[:i])))
+      raise ConfigError(
+        f"config key {'.'.join(parents[: i + 1])!r} does not exist" + _did_you_mean_key(p, node, ".".join(parents[:i]))
+      )
     node = node[p]
   if leaf not in node and node is not config.get("model", {}).get("overrides"):
     raise ConfigError(f"config key {dotted!r} does not exist" + _did_you_mean_key(leaf, node, ".".join(parents)))
@@ -562,11 +641,12 @@ def split_model_overrides(argv: list) -> tuple[list, dict]:
   starts empty in most configs, and absl's config flags cannot add keys to it. Values are Python literals
   (`2`, `1e6`, `'bfloat16'`, `(2,)`) or else strings."""
   import ast
+
   rest, found = [], {}
   prefix = "--config.model.overrides."
   for arg in argv:
     if arg.startswith(prefix) and "=" in arg:
-      key, value = arg[len(prefix):].split("=", 1)
+      key, value = arg[len(prefix) :].split("=", 1)
       try:
         found[key] = ast.literal_eval(value)
       except (ValueError, SyntaxError):
@@ -592,8 +672,9 @@ def from_json(text: str) -> ml_collections.ConfigDict:
   saved = json.loads(text)
   config = base_config()
   config.unlock()
-  config.update_from_flattened_dict({k: v for k, v in _flatten(ml_collections.ConfigDict(saved)).items()
-                                     if k in _flatten(config)})
+  config.update_from_flattened_dict(
+    {k: v for k, v in _flatten(ml_collections.ConfigDict(saved)).items() if k in _flatten(config)}
+  )
   with config.model.overrides.unlocked():
     for k, v in saved.get("model", {}).get("overrides", {}).items():
       config.model.overrides[k] = tuple(v) if isinstance(v, list) else v  # ModelConfig must stay hashable

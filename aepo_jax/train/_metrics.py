@@ -8,6 +8,7 @@ Only process 0 writes; the other hosts of a pod get a no-op writer.
   writer.scalars(step, {"train/loss": 0.3})
   writer.histograms(step, {"actor/entropy": entropy_tokens})
 """
+
 from __future__ import annotations
 
 import atexit
@@ -58,8 +59,16 @@ def histogram(values, bins: int = 30) -> dict:
   if x.size == 0:
     return {"count": 0}
   counts, edges = np.histogram(x, bins=bins)
-  return {"count": int(x.size), "mean": float(x.mean()), "std": float(x.std()), "min": float(x.min()),
-          "max": float(x.max()), "p50": float(np.median(x)), "counts": counts.tolist(), "edges": edges.tolist()}
+  return {
+    "count": int(x.size),
+    "mean": float(x.mean()),
+    "std": float(x.std()),
+    "min": float(x.min()),
+    "max": float(x.max()),
+    "p50": float(np.median(x)),
+    "counts": counts.tolist(),
+    "edges": edges.tolist(),
+  }
 
 
 class JsonlWriter(MetricWriter):
@@ -128,6 +137,7 @@ class TensorboardWriter(MetricWriter):
 
   def _open(self):
     from tensorboardX import SummaryWriter
+
     # The suffix keeps rotated files of the same second apart (tensorboardX names files by time and host).
     self._tb = SummaryWriter(logdir=self._dir, flush_secs=30, filename_suffix=f".{self._files}")
     self._files += 1
@@ -238,12 +248,21 @@ def read_metrics(workdir: str, name: str = METRICS_FILE) -> list[dict]:
 def progress(total: int, desc: str, *, initial: int = 0, enabled: bool = True):
   """A tqdm bar over steps (disabled off process 0 or by config.metrics.progress)."""
   from tqdm.auto import tqdm
+
   return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True, leave=True)
 
 
 # Dense bfloat16 peak FLOP/s per chip by device kind (vendor documentation), for MFU.
-_PEAK_FLOPS = (("v6", 918e12), ("v5p", 459e12), ("v5 lite", 197e12), ("v5e", 197e12), ("v4", 275e12),
-               ("h200", 989e12), ("h100", 989e12), ("a100", 312e12))
+_PEAK_FLOPS = (
+  ("v6", 918e12),
+  ("v5p", 459e12),
+  ("v5 lite", 197e12),
+  ("v5e", 197e12),
+  ("v4", 275e12),
+  ("h200", 989e12),
+  ("h100", 989e12),
+  ("a100", 312e12),
+)
 
 
 def chip_peak_flops(device_kind: str) -> Optional[float]:
@@ -268,15 +287,19 @@ class Throughput:
 
   def __init__(self, total_steps: int, start_step: int, tokens_total: float = 0.0, peak_tflops: float = 0.0):
     import jax
+
     self.total, self.tokens_total = total_steps, float(tokens_total)
-    self.peak = (peak_tflops * 1e12 if peak_tflops else chip_peak_flops(jax.devices()[0].device_kind))
+    self.peak = peak_tflops * 1e12 if peak_tflops else chip_peak_flops(jax.devices()[0].device_kind)
     self.chips = jax.device_count()
     self.start_step, self.started = start_step, time.perf_counter()
 
   def step(self, step: int, step_s: float, tokens: float, flops: float) -> dict:
     self.tokens_total += tokens
-    out = {"perf/step_s": step_s, "perf/model_tflops": flops / max(step_s, 1e-9) / 1e12,
-           "perf/tokens_total": self.tokens_total}
+    out = {
+      "perf/step_s": step_s,
+      "perf/model_tflops": flops / max(step_s, 1e-9) / 1e12,
+      "perf/tokens_total": self.tokens_total,
+    }
     if self.peak:
       out["perf/mfu"] = flops / max(step_s, 1e-9) / (self.peak * self.chips)
     done = step - self.start_step

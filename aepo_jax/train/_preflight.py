@@ -10,6 +10,7 @@ Each problem names the key and the fix.
   problems = preflight(config)       # [] when the config can start
   check(config, probe=False)         # raises PreflightError listing every problem
 """
+
 from __future__ import annotations
 
 import json
@@ -45,10 +46,12 @@ class _Problems:
 
   def remote(self, key: str, path: str, fn: Callable[[], Optional[str]]):
     """`fn()` returns a problem or None; it may raise (reported) or hang (reported at the deadline)."""
-    bucket = str(path)[len("gs://"):].split("/")[0]
+    bucket = str(path)[len("gs://") :].split("/")[0]
     if not _BUCKET.fullmatch(bucket):  # e.g. the shipped configs' placeholder: no need to wait for GCS to say so
-      self.add(f"{key}={path!r}: {bucket!r} is not a GCS bucket name (lowercase letters, digits, '-', '_', '.'); "
-               f"set --config.{key}=gs://<your bucket>/...")
+      self.add(
+        f"{key}={path!r}: {bucket!r} is not a GCS bucket name (lowercase letters, digits, '-', '_', '.'); "
+        f"set --config.{key}=gs://<your bucket>/..."
+      )
       return
     self._remote.append((key, path, fn))
 
@@ -59,8 +62,10 @@ class _Problems:
       try:
         results[i] = fn()
       except Exception as e:  # noqa: BLE001 -- any failure to read it is the problem to report
-        results[i] = f"{key}: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); check the path and this " \
-                     "machine's GCS credentials (gcloud auth application-default login, or the VM's service account)."
+        results[i] = (
+          f"{key}: cannot read {path} ({type(e).__name__}: {str(e)[:200]}); check the path and this "
+          "machine's GCS credentials (gcloud auth application-default login, or the VM's service account)."
+        )
 
     # Daemon threads: a stat stuck probing for credentials must not keep the process alive at exit.
     threads = [threading.Thread(target=work, args=(i, *r), daemon=True) for i, r in enumerate(self._remote)]
@@ -71,8 +76,10 @@ class _Problems:
       t.join(max(0.0, deadline - time.monotonic()))
     for i, (key, path, _) in enumerate(self._remote):
       if i not in results:
-        self.add(f"{key}: could not check {path} within {self._timeout:g} s (no network or GCS credentials on "
-                 "this machine?); run the dry run where the job runs, or fix the path.")
+        self.add(
+          f"{key}: could not check {path} within {self._timeout:g} s (no network or GCS credentials on "
+          "this machine?); run the dry run where the job runs, or fix the path."
+        )
       elif results[i]:
         self.add(results[i])
     return self.items
@@ -80,6 +87,7 @@ class _Problems:
 
 def _gs_fs():
   import fsspec
+
   return fsspec.filesystem("gs")
 
 
@@ -89,10 +97,12 @@ def _is_gs(path) -> bool:
 
 def _hub_message(key: str, name: str) -> str:
   base = name.rstrip("/").split("/")[-1]
-  return (f"{key}={name!r} looks like a Hugging Face Hub id, and nothing is downloaded at run time. On a machine "
-          f"with network, run `huggingface-cli download {name} --local-dir {base}` (pip install huggingface_hub), "
-          f"copy that directory to every host or to gs://BUCKET/models/{base}, and pass "
-          f"--config.{key}=<that directory>.")
+  return (
+    f"{key}={name!r} looks like a Hugging Face Hub id, and nothing is downloaded at run time. On a machine "
+    f"with network, run `huggingface-cli download {name} --local-dir {base}` (pip install huggingface_hub), "
+    f"copy that directory to every host or to gs://BUCKET/models/{base}, and pass "
+    f"--config.{key}=<that directory>."
+  )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -100,6 +110,7 @@ def _hub_message(key: str, name: str) -> str:
 # ---------------------------------------------------------------------------------------------------------
 def _hf_config_problem(key: str, where: str, text: str) -> Optional[str]:
   from aepo_jax.model import from_hf_config
+
   try:
     from_hf_config(json.loads(text), source=where)
   except (ValueError, KeyError, NotImplementedError) as e:
@@ -110,6 +121,7 @@ def _hf_config_problem(key: str, where: str, text: str) -> Optional[str]:
 def _bundled_problem(key: str, name: str) -> Optional[str]:
   """A bundled name needs its converted cache directory or the pip package holding its GGUF."""
   from aepo_jax.model import _pretrained
+
   root = os.environ.get("AEPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aepo_jax")
   if os.path.isfile(os.path.join(root, name, _pretrained._DONE)):
     return None
@@ -123,40 +135,54 @@ def _bundled_problem(key: str, name: str) -> Optional[str]:
 def _model(config, p: _Problems):
   """model.name (and, when model.tokenizer is empty, the tokenizer that comes with it)."""
   from aepo_jax import model as model_lib
+
   mc = config.model
   name = str(mc.name)
   own_tokenizer = not mc.tokenizer and _needs_tokenizer(config)
   if mc.init == "random":
     if name not in model_lib.PRESETS:
-      p.add(f"model.name={name!r} is not a preset (model.init='random' builds a preset's shape)"
-            + did_you_mean(name, model_lib.PRESETS, otherwise=".") + f" Presets: {', '.join(sorted(model_lib.PRESETS))}"
-            "; or set model.init='pretrained' to load weights.")
+      p.add(
+        f"model.name={name!r} is not a preset (model.init='random' builds a preset's shape)"
+        + did_you_mean(name, model_lib.PRESETS, otherwise=".")
+        + f" Presets: {', '.join(sorted(model_lib.PRESETS))}"
+        "; or set model.init='pretrained' to load weights."
+      )
     if own_tokenizer:
-      p.add(f"model.tokenizer is empty and model.init='random' brings no tokenizer, which mode={config.mode!r} "
-            "needs; set --config.model.tokenizer=<directory with tokenizer.json>.")
+      p.add(
+        f"model.tokenizer is empty and model.init='random' brings no tokenizer, which mode={config.mode!r} "
+        "needs; set --config.model.tokenizer=<directory with tokenizer.json>."
+      )
     return
-  no_tokenizer = (f"model.name={name!r} has no tokenizer.json; set model.tokenizer to a directory (local or gs://) "
-                  "that holds the model's tokenizer.")
+  no_tokenizer = (
+    f"model.name={name!r} has no tokenizer.json; set model.tokenizer to a directory (local or gs://) "
+    "that holds the model's tokenizer."
+  )
   if name in model_lib.PRETRAINED:
     problem = _bundled_problem("model.name", name)
     if problem:
       p.add(problem)
   elif _is_gs(name):
+
     def remote():
       fs, root = _gs_fs(), name.rstrip("/")
       if not fs.exists(root + "/config.json"):
-        return (f"model.name={name!r}: {root}/config.json does not exist; give a gs:// directory holding a Hugging "
-                "Face checkpoint (config.json, *.safetensors, tokenizer files).")
+        return (
+          f"model.name={name!r}: {root}/config.json does not exist; give a gs:// directory holding a Hugging "
+          "Face checkpoint (config.json, *.safetensors, tokenizer files)."
+        )
       problem = _hf_config_problem("model.name", root + "/config.json", fs.cat(root + "/config.json").decode("utf-8"))
       if not problem and own_tokenizer and not fs.exists(root + "/tokenizer.json"):
         problem = no_tokenizer
       return problem
+
     p.remote("model.name", name, remote)
   elif os.path.isdir(name):
     cfg = os.path.join(name, "config.json")
     if not os.path.isfile(cfg):
-      p.add(f"model.name={name!r} is a directory without config.json; give a Hugging Face checkpoint directory "
-            "(config.json, *.safetensors, tokenizer files).")
+      p.add(
+        f"model.name={name!r} is a directory without config.json; give a Hugging Face checkpoint directory "
+        "(config.json, *.safetensors, tokenizer files)."
+      )
       return
     with open(cfg) as f:
       problem = _hf_config_problem("model.name", cfg, f.read())
@@ -169,9 +195,12 @@ def _model(config, p: _Problems):
   elif _HUB_ID.match(name) and not os.path.exists(name):
     p.add(_hub_message("model.name", name))
   else:
-    p.add(f"model.name={name!r} is neither a bundled model ({', '.join(sorted(model_lib.PRETRAINED))}), a local "
-          "Hugging Face directory with config.json, nor a gs:// one" + ("" if os.path.isabs(name) else
-          f" (relative paths resolve against {os.getcwd()})") + "; fix the name or the path.")
+    p.add(
+      f"model.name={name!r} is neither a bundled model ({', '.join(sorted(model_lib.PRETRAINED))}), a local "
+      "Hugging Face directory with config.json, nor a gs:// one"
+      + ("" if os.path.isabs(name) else f" (relative paths resolve against {os.getcwd()})")
+      + "; fix the name or the path."
+    )
 
 
 def _needs_tokenizer(config) -> bool:
@@ -182,28 +211,37 @@ def _needs_tokenizer(config) -> bool:
 def _tokenizer(config, p: _Problems):
   """model.tokenizer, when set: a directory (local or gs://) with tokenizer.json."""
   from aepo_jax import model as model_lib
+
   tok = str(config.model.tokenizer)
   if not tok:
     return
   key = "model.tokenizer"
   if tok in model_lib.PRETRAINED:
-    p.add(f"{key}={tok!r}: give a directory, or '' for the model's own; a bundled model's tokenizer is its "
-          f"directory, printed by `python -c \"from aepo_jax.model import pretrained_dir; "
-          f"print(pretrained_dir('{tok}'))\"`.")
+    p.add(
+      f"{key}={tok!r}: give a directory, or '' for the model's own; a bundled model's tokenizer is its "
+      f"directory, printed by `python -c \"from aepo_jax.model import pretrained_dir; "
+      f"print(pretrained_dir('{tok}'))\"`."
+    )
   elif _is_gs(tok):
+
     def remote():
       f = tok.rstrip("/") + "/tokenizer.json"
       return None if _gs_fs().exists(f) else f"{key}: {f} does not exist; the tokenizer directory needs tokenizer.json."
+
     p.remote(key, tok, remote)
   elif os.path.isdir(tok):
     if not os.path.isfile(os.path.join(tok, "tokenizer.json")):
-      p.add(f"{key}: {os.path.join(tok, 'tokenizer.json')} does not exist; point {key} at a directory holding "
-            "tokenizer.json (and tokenizer_config.json with the chat template).")
+      p.add(
+        f"{key}: {os.path.join(tok, 'tokenizer.json')} does not exist; point {key} at a directory holding "
+        "tokenizer.json (and tokenizer_config.json with the chat template)."
+      )
   elif _HUB_ID.match(tok):
     p.add(_hub_message(key, tok))
   else:
-    p.add(f"{key}={tok!r} does not exist; give a directory (local or gs://) holding tokenizer.json, or '' for the "
-          "model's own.")
+    p.add(
+      f"{key}={tok!r} does not exist; give a directory (local or gs://) holding tokenizer.json, or '' for the "
+      "model's own."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,14 +249,17 @@ def _tokenizer(config, p: _Problems):
 # ---------------------------------------------------------------------------------------------------------
 def _source(config, key: str, source, p: _Problems):
   from aepo_jax import data as data_lib
+
   source = str(source)
   if source == "suite":
     return
   if source in data_lib.ARPO_RL_FILES:
     path = data_lib.arpo_data_root() / "train" / f"{source}.parquet"
     if not path.exists():
-      p.add(f"{key}={source!r}: {path} does not exist; set $AEPO_ARPO_DATA to the ARPO data folder (train/, eval/; "
-            "docs/data.md) or give a .jsonl / .parquet path.")
+      p.add(
+        f"{key}={source!r}: {path} does not exist; set $AEPO_ARPO_DATA to the ARPO data folder (train/, eval/; "
+        "docs/data.md) or give a .jsonl / .parquet path."
+      )
     return
   if source in data_lib.BENCHMARKS:
     path = data_lib.arpo_data_root() / data_lib.BENCHMARKS[source].path
@@ -227,25 +268,41 @@ def _source(config, key: str, source, p: _Problems):
     return
   if data_lib.is_data_file(source):
     if _is_gs(source):
-      p.remote(key, source, lambda: None if data_lib.data_file_exists(source) else
-               f"{key}={source!r} does not exist; check the bucket and path.")
+      p.remote(
+        key,
+        source,
+        lambda: (
+          None if data_lib.data_file_exists(source) else f"{key}={source!r} does not exist; check the bucket and path."
+        ),
+      )
     elif not os.path.isfile(source):
-      p.add(f"{key}={source!r} does not exist" + ("" if os.path.isabs(source) else f" (relative to {os.getcwd()})")
-            + "; fix the path.")
+      p.add(
+        f"{key}={source!r} does not exist"
+        + ("" if os.path.isabs(source) else f" (relative to {os.getcwd()})")
+        + "; fix the path."
+      )
     else:  # a local file is read whole (prompt sets are small): a wrong field name shows now, not after SFT
       f = config.data.fields
       try:
-        data_lib.load_records(source, question_key=f.question, answer_key=f.answer, system_key=f.system,
-                              family=config.data.family if config.data.family in data_lib.FAMILIES else "qa")
+        data_lib.load_records(
+          source,
+          question_key=f.question,
+          answer_key=f.answer,
+          system_key=f.system,
+          family=config.data.family if config.data.family in data_lib.FAMILIES else "qa",
+        )
       except ValueError as e:
         p.add(f"{key}={source!r}: {e}")
     return
-  p.add(f"{key}={source!r} is not a data source: use 'suite', an ARPO RL file ({', '.join(data_lib.ARPO_RL_FILES)}), "
-        f"a benchmark ({', '.join(sorted(data_lib.BENCHMARKS))}) or a .jsonl / .parquet file (docs/data.md).")
+  p.add(
+    f"{key}={source!r} is not a data source: use 'suite', an ARPO RL file ({', '.join(data_lib.ARPO_RL_FILES)}), "
+    f"a benchmark ({', '.join(sorted(data_lib.BENCHMARKS))}) or a .jsonl / .parquet file (docs/data.md)."
+  )
 
 
 def _data(config, p: _Problems):
   from aepo_jax import data as data_lib
+
   d = config.data
   if config.mode != "sft":
     _source(config, "data.train", d.train, p)
@@ -268,8 +325,13 @@ def _data(config, p: _Problems):
     if not data_lib.is_data_file(src):
       p.add(f"sft.source={src!r}: use 'suite', 'synthetic' or a .jsonl / .parquet file of chat traces (docs/data.md).")
     elif _is_gs(src):
-      p.remote("sft.source", src, lambda: None if data_lib.data_file_exists(src) else
-               f"sft.source={src!r} does not exist; check the bucket and path.")
+      p.remote(
+        "sft.source",
+        src,
+        lambda: (
+          None if data_lib.data_file_exists(src) else f"sft.source={src!r} does not exist; check the bucket and path."
+        ),
+      )
     else:
       _file("sft.source", src, p)
 
@@ -290,16 +352,20 @@ def _url_problem(key: str, url: str) -> Optional[str]:
 
 def _probe(url: str) -> Optional[str]:
   from aepo_jax.tools import JsonClient
+
   try:
     JsonClient(timeout_s=5.0, retries=0).request("GET", url.rstrip("/") + "/health")
   except Exception as e:  # noqa: BLE001 -- any failure means the server is not usable
-    return (f"tools.search_url={url!r} did not answer GET /health ({e}); start the server "
-            "(python launch/retrieval_server.py ...) or fix the URL.")
+    return (
+      f"tools.search_url={url!r} did not answer GET /health ({e}); start the server "
+      "(python launch/retrieval_server.py ...) or fix the URL."
+    )
   return None
 
 
 def _tools(config, p: _Problems, probe: bool):
   from aepo_jax.tools import _web
+
   tc = config.tools
   for name in tc.names:
     if name not in ("python", "search"):
@@ -321,9 +387,11 @@ def _tools(config, p: _Problems, probe: bool):
   kind = tc.search_backend
   if kind not in backends:
     alias = {"cache": "replay", "http": "retrieval"}.get(kind)  # what the other name of the backend means
-    p.add(f"tools.search_backend={kind!r} is unknown"
-          + (f"; did you mean {alias!r}?" if alias else did_you_mean(kind, backends))
-          + f" (known: {', '.join(backends)}).")
+    p.add(
+      f"tools.search_backend={kind!r} is unknown"
+      + (f"; did you mean {alias!r}?" if alias else did_you_mean(kind, backends))
+      + f" (known: {', '.join(backends)})."
+    )
   elif kind == "retrieval":
     if not tc.search_url:
       p.add("tools.search_backend='retrieval' needs tools.search_url=http://HOST:PORT (launch/retrieval_server.py).")
@@ -338,10 +406,13 @@ def _tools(config, p: _Problems, probe: bool):
       _file("tools.search_corpus", tc.search_corpus, p)
     else:
       from aepo_jax.data import arpo_data_root
+
       cache = arpo_data_root() / "search_cache.json"
       if not cache.exists():
-        p.add(f"tools.search_backend='replay' reads tools.search_corpus, default {cache}, which does not exist; set "
-              "tools.search_corpus to a query -> result JSON file or $AEPO_ARPO_DATA to the ARPO data folder.")
+        p.add(
+          f"tools.search_backend='replay' reads tools.search_corpus, default {cache}, which does not exist; set "
+          "tools.search_corpus to a query -> result JSON file or $AEPO_ARPO_DATA to the ARPO data folder."
+        )
   elif kind in _web.WEB_BACKENDS:
     env = _web.WEB_BACKENDS[kind].DEFAULT_KEY_ENV
     if not os.environ.get(env):
@@ -357,6 +428,7 @@ def _file(key: str, path: str, p: _Problems):
 
 def _reward(config, p: _Problems):
   from aepo_jax import rewards as rewards_lib
+
   name = config.reward.name
   if not callable(getattr(rewards_lib, str(name), None)):
     p.add(f"reward.name={name!r} is not a function of aepo_jax.rewards; use 'deep_research'.")
@@ -365,9 +437,16 @@ def _reward(config, p: _Problems):
 def _workdir(config, p: _Problems):
   w = str(config.workdir)
   if _is_gs(w):
-    bucket = w[len("gs://"):].split("/")[0]
-    p.remote("workdir", w, lambda: None if _gs_fs().exists(bucket) else
-             f"workdir={w!r}: bucket gs://{bucket} does not exist or is not visible with this machine's credentials.")
+    bucket = w[len("gs://") :].split("/")[0]
+    p.remote(
+      "workdir",
+      w,
+      lambda: (
+        None
+        if _gs_fs().exists(bucket)
+        else f"workdir={w!r}: bucket gs://{bucket} does not exist or is not visible with this machine's credentials."
+      ),
+    )
   elif os.path.exists(w) and not os.path.isdir(w):
     p.add(f"workdir={w!r} is a file; give a directory.")
 

@@ -20,6 +20,7 @@ micro-batch in both modes, as in the official code.
 A non-finite loss or gradient norm skips the update (params and optimizer state unchanged) and reports
 `train/nonfinite_skipped` = 1; the trainer counts these and stops after its limit.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -33,8 +34,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from aepo_jax import objectives
-from aepo_jax.model import (ModelConfig, forward_hidden, param_shapes, param_shardings, resolve_attention_impl,
-                            unembed_matrix)
+from aepo_jax.model import (
+  ModelConfig,
+  forward_hidden,
+  param_shapes,
+  param_shardings,
+  resolve_attention_impl,
+  unembed_matrix,
+)
 from aepo_jax.parallel import DEFAULT_RULES, make_mesh, sharding_context
 from aepo_jax.train._batch import batch_sharding
 from aepo_jax.train._optim import current_lr
@@ -51,26 +58,30 @@ def _mesh(mesh: Optional[Mesh]) -> Mesh:
 # ----------------------------------------------------------------------------------------------------
 # Shardings and state
 # ----------------------------------------------------------------------------------------------------
-def opt_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,
-                        mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
+def opt_state_shardings(
+  model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES
+):
   """Optimizer-state shardings: moments like their parameters, counters and hyperparameters replicated."""
   mesh = _mesh(mesh)
   p_sh = param_shardings(model_config, mesh, rules)
   shapes = jax.eval_shape(optimizer.init, param_shapes(model_config))
   replicated = NamedSharding(mesh, PartitionSpec())
-  return optax.tree_map_params(optimizer, lambda _, s: s, shapes, p_sh,
-                               transform_non_params=lambda _: replicated)
+  return optax.tree_map_params(optimizer, lambda _, s: s, shapes, p_sh, transform_non_params=lambda _: replicated)
 
 
-def init_train_state(model_config: ModelConfig, params, optimizer: optax.GradientTransformation,
-                     mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
+def init_train_state(
+  model_config: ModelConfig,
+  params,
+  optimizer: optax.GradientTransformation,
+  mesh: Optional[Mesh] = None,
+  rules=DEFAULT_RULES,
+):
   """(params, opt_state) placed on the mesh. `params` are host or device arrays holding the same values
   on every process (same checkpoint or same seed); each process keeps only its own shards."""
   mesh = _mesh(mesh)
   p_sh = param_shardings(model_config, mesh, rules)
   params = jax.tree.map(_place, params, p_sh)
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(model_config, optimizer, mesh, rules)
-                      )(params)
+  opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(model_config, optimizer, mesh, rules))(params)
   return params, opt_state
 
 
@@ -89,9 +100,19 @@ def _shift_left(x_bt):
   return jnp.concatenate([x_bt[:, 1:], jnp.zeros_like(x_bt[:, :1])], axis=1)
 
 
-def next_token_logprobs(model_config, params, tokens_bt, attention_mask_bt, *, temperature=1.0,
-                        chunk=DEFAULT_LOGPROB_CHUNK, segment_ids_bt=None, where_bt=None, capacity: int = 0,
-                        saved_logits_mb: float = 0.0):
+def next_token_logprobs(
+  model_config,
+  params,
+  tokens_bt,
+  attention_mask_bt,
+  *,
+  temperature=1.0,
+  chunk=DEFAULT_LOGPROB_CHUNK,
+  segment_ids_bt=None,
+  where_bt=None,
+  capacity: int = 0,
+  saved_logits_mb: float = 0.0,
+):
   """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target).
   With `segment_ids_bt` (packed rows) the column before a segment's first token is meaningless too; callers mask
   it (an SFT segment starts with untrained prompt tokens). where_bt / capacity: only those columns are computed
@@ -99,9 +120,17 @@ def next_token_logprobs(model_config, params, tokens_bt, attention_mask_bt, *, t
   float32 logits of the forward when they take at most this many MiB (else it recomputes them)."""
   h_btd = forward_hidden(model_config, params, tokens_bt, None, attention_mask_bt, segment_ids_bt)
   w, layout = unembed_matrix(model_config, params)
-  return objectives.token_logprobs_and_entropy(h_btd, w, _shift_left(tokens_bt), temperature, chunk,
-                                               where_bt=where_bt, capacity=capacity, layout=layout,
-                                               max_saved_logits=int(saved_logits_mb * 2 ** 20) // 4)
+  return objectives.token_logprobs_and_entropy(
+    h_btd,
+    w,
+    _shift_left(tokens_bt),
+    temperature,
+    chunk,
+    where_bt=where_bt,
+    capacity=capacity,
+    layout=layout,
+    max_saved_logits=int(saved_logits_mb * 2**20) // 4,
+  )
 
 
 def logit_capacity(fraction: float, rows: int, length: int, multiple: int = 64) -> int:
@@ -117,8 +146,14 @@ def _unshift(x_bt):
   return jnp.concatenate([jnp.zeros_like(x_bt[:, :1]), x_bt[:, :-1]], axis=1)
 
 
-def make_logprob_fn(model_config: ModelConfig, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES, *,
-                    temperature: float = 1.0, chunk: int = DEFAULT_LOGPROB_CHUNK):
+def make_logprob_fn(
+  model_config: ModelConfig,
+  mesh: Optional[Mesh] = None,
+  rules=DEFAULT_RULES,
+  *,
+  temperature: float = 1.0,
+  chunk: int = DEFAULT_LOGPROB_CHUNK,
+):
   """Jitted `fn(params, tokens [K, mb, T], attention_mask [K, mb, T]) -> (log_prob, entropy) [K, mb, T]`.
 
   Aligned with the tokens (column t: log π(token t | tokens < t) at logits / temperature; column 0 is 0).
@@ -148,10 +183,10 @@ def logprob_mismatch_metrics(trainer_log_prob, sampler_log_prob, loss_mask):
   prob_diff = jnp.where(valid, jnp.abs(jnp.exp(trainer_log_prob) - jnp.exp(sampler_log_prob)), 0.0)
   n = jnp.maximum(jnp.sum(valid), 1)
   return {
-      "mismatch/logprob_abs_diff_mean": jnp.sum(diff) / n,
-      "mismatch/logprob_abs_diff_max": jnp.max(diff),
-      "mismatch/prob_abs_diff_mean": jnp.sum(prob_diff) / n,
-      "mismatch/prob_abs_diff_max": jnp.max(prob_diff),
+    "mismatch/logprob_abs_diff_mean": jnp.sum(diff) / n,
+    "mismatch/logprob_abs_diff_max": jnp.max(diff),
+    "mismatch/prob_abs_diff_mean": jnp.sum(prob_diff) / n,
+    "mismatch/prob_abs_diff_max": jnp.max(prob_diff),
   }
 
 
@@ -191,8 +226,10 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
   def _step(params, opt_state, batch):
     m_count = batch["tokens"].shape[0]
     if m_count != micro_batches:
-      raise ValueError(f"batch has {m_count} micro-batches but the step was built with micro_batches="
-                       f"{micro_batches}; use split_updates(batch, {micro_batches})")
+      raise ValueError(
+        f"batch has {m_count} micro-batches but the step was built with micro_batches="
+        f"{micro_batches}; use split_updates(batch, {micro_batches})"
+      )
     mask_all = _shift_left(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]))
     normalizer = objectives.loss_normalizer(mask_all, agg)
     total_seqs = jnp.maximum(objectives.num_sequences(mask_all), 1.0)
@@ -224,10 +261,11 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
 
     tokens_m = aux_m.pop("tokens")
     entropy_sum = aux_m.pop("entropy_sum")
-    sums = {k[len("sum:"):]: jnp.sum(aux_m.pop(k)) for k in list(aux_m) if k.startswith("sum:")}
+    sums = {k[len("sum:") :]: jnp.sum(aux_m.pop(k)) for k in list(aux_m) if k.startswith("sum:")}
     metrics = _combine_metrics(aux_m, tokens_m)
     metrics.update(sums)
-    metrics.update({
+    metrics.update(
+      {
         "train/loss": loss,
         "train/grad_norm": grad_norm,
         "train/update_norm": update_norm,  # of the optimizer's step (0 when skipped)
@@ -236,14 +274,14 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
         "train/tokens": jnp.sum(tokens_m),
         "train/sequences": objectives.num_sequences(mask_all),
         "actor/entropy_mean": jnp.sum(entropy_sum) / jnp.maximum(jnp.sum(tokens_m), 1.0),
-    })
+      }
+    )
     lr = current_lr(opt_state)
     if lr is not None:
       metrics["train/lr"] = lr
     return params, opt_state, metrics
 
-  return jax.jit(step, in_shardings=(p_sh, o_sh, b_sh), out_shardings=(p_sh, o_sh, replicated),
-                 donate_argnums=(0, 1))
+  return jax.jit(step, in_shardings=(p_sh, o_sh, b_sh), out_shardings=(p_sh, o_sh, replicated), donate_argnums=(0, 1))
 
 
 def _loss_agg(loss_fn, loss_hp):
@@ -253,12 +291,24 @@ def _loss_agg(loss_fn, loss_hp):
   return param.default if param is not None and param.default is not inspect.Parameter.empty else "token-mean"
 
 
-def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable], loss_hp: Optional[dict] = None,
-                     optimizer: optax.GradientTransformation, micro_batches: int, mesh: Optional[Mesh] = None,
-                     rules=DEFAULT_RULES, temperature: float = 1.0, kl_name: Optional[str] = None,
-                     kl_coef: float = 0.0, need_entropy: bool = False, logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
-                     aggregation: str = "global", logit_capacity: int = 0,
-                     saved_logits_mb: float = DEFAULT_SAVED_LOGITS_MB):
+def make_update_step(
+  model_config: ModelConfig,
+  *,
+  loss_fn: Union[str, Callable],
+  loss_hp: Optional[dict] = None,
+  optimizer: optax.GradientTransformation,
+  micro_batches: int,
+  mesh: Optional[Mesh] = None,
+  rules=DEFAULT_RULES,
+  temperature: float = 1.0,
+  kl_name: Optional[str] = None,
+  kl_coef: float = 0.0,
+  need_entropy: bool = False,
+  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+  aggregation: str = "global",
+  logit_capacity: int = 0,
+  saved_logits_mb: float = DEFAULT_SAVED_LOGITS_MB,
+):
   """The RL update step. batch: tokens, attention_mask, loss_mask, old_log_prob, advantages (+ ref_log_prob
   when kl_coef != 0), each [micro_batches, mb, T] and aligned with the tokens (see `_batch`).
 
@@ -285,19 +335,37 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
 
   def micro_loss(params, mb, normalizer, scale):
     mask = _shift_left(mb["loss_mask"])
-    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
-                                    temperature=temperature, chunk=logprob_chunk, where_bt=mask > 0,
-                                    capacity=logit_capacity, saved_logits_mb=saved_logits_mb)
-    pg_loss, metrics = fn(logp, _shift_left(mb["old_log_prob"]), _shift_left(mb["advantages"]), mask,
-                          entropy=jax.lax.stop_gradient(ent) if need_entropy else None,
-                          normalizer=normalizer, **hp)
+    logp, ent = next_token_logprobs(
+      model_config,
+      params,
+      mb["tokens"],
+      mb["attention_mask"],
+      temperature=temperature,
+      chunk=logprob_chunk,
+      where_bt=mask > 0,
+      capacity=logit_capacity,
+      saved_logits_mb=saved_logits_mb,
+    )
+    pg_loss, metrics = fn(
+      logp,
+      _shift_left(mb["old_log_prob"]),
+      _shift_left(mb["advantages"]),
+      mask,
+      entropy=jax.lax.stop_gradient(ent) if need_entropy else None,
+      normalizer=normalizer,
+      **hp,
+    )
     pg_loss = pg_loss * scale
     loss = pg_loss
     metrics = dict(metrics)
     metrics["sum:actor/pg_loss"] = pg_loss
     if use_kl:
-      kl_loss = objectives.kl_loss(logp, _shift_left(mb["ref_log_prob"]), mask, estimator=kl_name, agg=agg,
-                                   normalizer=normalizer) * scale
+      kl_loss = (
+        objectives.kl_loss(
+          logp, _shift_left(mb["ref_log_prob"]), mask, estimator=kl_name, agg=agg, normalizer=normalizer
+        )
+        * scale
+      )
       loss = loss + kl_coef * kl_loss
       metrics["sum:actor/kl_loss"] = kl_loss
     metrics.pop("actor/pg_loss", None)
@@ -309,10 +377,19 @@ def make_update_step(model_config: ModelConfig, *, loss_fn: Union[str, Callable]
   return _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches, agg, aggregation)
 
 
-def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransformation, micro_batches: int,
-                  mesh: Optional[Mesh] = None, rules=DEFAULT_RULES, temperature: float = 1.0,
-                  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK, aggregation: str = "global", logit_capacity: int = 0,
-                  saved_logits_mb: float = DEFAULT_SAVED_LOGITS_MB):
+def make_sft_step(
+  model_config: ModelConfig,
+  *,
+  optimizer: optax.GradientTransformation,
+  micro_batches: int,
+  mesh: Optional[Mesh] = None,
+  rules=DEFAULT_RULES,
+  temperature: float = 1.0,
+  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+  aggregation: str = "global",
+  logit_capacity: int = 0,
+  saved_logits_mb: float = DEFAULT_SAVED_LOGITS_MB,
+):
   """Cold-start SFT step: masked NLL, token-mean over the loss_mask (prompt and tool results excluded).
   batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T], and `segment_ids` when rows are packed
   (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens.
@@ -324,13 +401,25 @@ def make_sft_step(model_config: ModelConfig, *, optimizer: optax.GradientTransfo
     mask = _shift_left(mb["loss_mask"])
     if seg is not None:  # a target in another segment than its context (the next demo's first token)
       mask = mask * (_shift_left(seg) == seg)
-    logp, ent = next_token_logprobs(model_config, params, mb["tokens"], mb["attention_mask"],
-                                    temperature=temperature, chunk=logprob_chunk, segment_ids_bt=seg,
-                                    where_bt=mask > 0, capacity=logit_capacity, saved_logits_mb=saved_logits_mb)
+    logp, ent = next_token_logprobs(
+      model_config,
+      params,
+      mb["tokens"],
+      mb["attention_mask"],
+      temperature=temperature,
+      chunk=logprob_chunk,
+      segment_ids_bt=seg,
+      where_bt=mask > 0,
+      capacity=logit_capacity,
+      saved_logits_mb=saved_logits_mb,
+    )
     nll = objectives.aggregate(-logp, mask, "token-mean", normalizer) * scale
     valid = mask > 0
-    aux = {"sum:sft/nll": nll, "tokens": jnp.sum(valid).astype(jnp.float32),
-           "entropy_sum": jnp.sum(jnp.where(valid, jax.lax.stop_gradient(ent), 0.0))}
+    aux = {
+      "sum:sft/nll": nll,
+      "tokens": jnp.sum(valid).astype(jnp.float32),
+      "entropy_sum": jnp.sum(jnp.where(valid, jax.lax.stop_gradient(ent), 0.0)),
+    }
     return nll, aux
 
   return _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches, "token-mean", aggregation)

@@ -9,6 +9,7 @@ The RL step (spec §1.5): prompts -> rollouts (policy none|arpo|aepo) -> rewards
 from the rollout) -> old (+ ref) log-probs recomputed by the trainer -> ppo_epochs x mini-batches of one
 jitted update step with gradient accumulation over micro-batches -> metrics, checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,6 +46,7 @@ class _Preemption:
     if jax.process_count() == 1:
       return self.requested
     from jax.experimental import multihost_utils
+
     try:
       synced = multihost_utils.reached_preemption_sync_point(step)
     except RuntimeError:  # the preemption service is off (jax_enable_preemption_service)
@@ -77,6 +79,7 @@ def run(config, *, mode: Optional[str] = None) -> dict:
   # ---------------------------------------------------------------------------------------------------
   _config.validate(config, num_devices=jax.device_count())
   from aepo_jax.train import _preflight
+
   _preflight.check(config, probe=True)  # files, model, tokenizer, backends, URLs; a retrieval server's /health
   _check_sandbox(config, mode)  # before SFT: a sandbox that cannot start would otherwise fail only at RL
   workdir = config.workdir
@@ -127,6 +130,7 @@ def _check_sandbox(config, mode: str) -> None:
   if mode == "sft" or "python" not in tuple(config.tools.names):
     return
   from aepo_jax import tools
+
   isolation = tools.check_sandbox(allow_unsandboxed=config.tools.allow_unsandboxed)
   log.info("python tool sandbox: %s", isolation)
 
@@ -135,9 +139,10 @@ def _check_shared_workdir(config) -> None:
   """Every host writes checkpoints (and reads them back) in the workdir: a host-local path would split them."""
   if jax.process_count() > 1 and not str(config.workdir).startswith("gs://") and not config.checkpoint.shared_workdir:
     raise _config.ConfigError(
-        f"workdir={config.workdir!r} is a local path but this run has {jax.process_count()} hosts, which must all "
-        "see the same checkpoints: use gs://BUCKET/path, or set --config.checkpoint.shared_workdir=True if the path "
-        "is storage mounted on every host (NFS, Filestore; or processes on one machine).")
+      f"workdir={config.workdir!r} is a local path but this run has {jax.process_count()} hosts, which must all "
+      "see the same checkpoints: use gs://BUCKET/path, or set --config.checkpoint.shared_workdir=True if the path "
+      "is storage mounted on every host (NFS, Filestore; or processes on one machine)."
+    )
 
 
 def _check_batch_split(config, mesh) -> None:
@@ -145,8 +150,10 @@ def _check_batch_split(config, mesh) -> None:
   n = jax.process_count()
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
   if n > 1 and config.mode != "sft" and config.data.prompts_per_step < n:
-    raise _config.ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} is smaller than the {n} hosts; "
-                              f"every host rolls out at least one prompt per step: use at least {n}.")
+    raise _config.ConfigError(
+      f"data.prompts_per_step={config.data.prompts_per_step} is smaller than the {n} hosts; "
+      f"every host rolls out at least one prompt per step: use at least {n}."
+    )
   checks = []
   if config.mode != "sft":
     checks.append(("train.micro_batch_size", config.train.micro_batch_size))
@@ -155,16 +162,22 @@ def _check_batch_split(config, mesh) -> None:
   for key, mb in checks:
     if n > 1 and (mb % n or (mb // n) % max(rows // n, 1)):
       raise _config.ConfigError(
-          f"{key}={mb} must split into equal shares for the {n} hosts, each a multiple of the host's "
-          f"{max(rows // n, 1)} data-parallel devices; use a multiple of {n * max(rows // n, 1)}.")
+        f"{key}={mb} must split into equal shares for the {n} hosts, each a multiple of the host's "
+        f"{max(rows // n, 1)} data-parallel devices; use a multiple of {n * max(rows // n, 1)}."
+      )
 
 
 def _make_checkpointer(config, phase: str) -> _checkpoint.Checkpointer:
   ck = config.checkpoint
   return _checkpoint.Checkpointer(
-      f"{config.workdir}/checkpoints/{phase}", keep=ck.keep,
-      best_metric=ck.best_metric if phase == "rl" else "", best_mode=ck.best_mode, async_save=ck.async_save,
-      ocdbt=ck.ocdbt, compression=ck.compression)
+    f"{config.workdir}/checkpoints/{phase}",
+    keep=ck.keep,
+    best_metric=ck.best_metric if phase == "rl" else "",
+    best_mode=ck.best_mode,
+    async_save=ck.async_save,
+    ocdbt=ck.ocdbt,
+    compression=ck.compression,
+  )
 
 
 def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=False, on_corrupt=None):
@@ -177,8 +190,11 @@ def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=F
   params, opt_state = _step.init_train_state(model_cfg, params, optimizer, mesh)
   start_params = jax.tree.map(lambda x: x.copy(), params) if keep_start else None
   rng = np.asarray(jax.random.key_data(jax.random.key(seed)))
-  step, state, meta = ckpt.restore_newest_intact({"params": params, "opt_state": opt_state, "rng": rng}, config,
-                                                 on_corrupt=on_corrupt or config.checkpoint.on_corrupt)
+  step, state, meta = ckpt.restore_newest_intact(
+    {"params": params, "opt_state": opt_state, "rng": rng},
+    config,
+    on_corrupt=on_corrupt or config.checkpoint.on_corrupt,
+  )
   if step is None:
     return params, opt_state, rng, 0, {}, start_params
   log.info("resumed %s from step %d", ckpt.directory, step)
@@ -194,23 +210,31 @@ def _sft_final_params(config, model_cfg, params, mesh):
   ckpt = _make_checkpointer(config, "sft")
   step = ckpt.latest_step()
   if step is None:
-    log.warning("RL resumes with a KL reference but %s holds no SFT checkpoint; the reference is the "
-                "model as loaded (model.name), not the SFT result.", ckpt.directory)
+    log.warning(
+      "RL resumes with a KL reference but %s holds no SFT checkpoint; the reference is the "
+      "model as loaded (model.name), not the SFT result.",
+      ckpt.directory,
+    )
     return params
   # 'stop': an earlier SFT step as the KL reference would silently change the experiment.
-  params, *_ = _resume(ckpt, config, model_cfg, params, _sft_optimizer(config), mesh, config.sft.seed,
-                       on_corrupt="stop")
+  params, *_ = _resume(
+    ckpt, config, model_cfg, params, _sft_optimizer(config), mesh, config.sft.seed, on_corrupt="stop"
+  )
   ckpt.close()
   return params
 
 
-def _save(ckpt, step, params, opt_state, rng, data_state, config, model_cfg, extra=None, metrics=None,
-          force=False):
-  meta = {"step": step, "data_state": _checkpoint.encode_iterator_state(data_state),
-          "config": _config.to_json(config), "model_config": _checkpoint.model_config_to_json(model_cfg),
-          **(extra or {})}
-  ckpt.save(step, {"params": params, "opt_state": opt_state, "rng": np.asarray(rng)}, meta,
-            metrics=metrics, force=force)
+def _save(ckpt, step, params, opt_state, rng, data_state, config, model_cfg, extra=None, metrics=None, force=False):
+  meta = {
+    "step": step,
+    "data_state": _checkpoint.encode_iterator_state(data_state),
+    "config": _config.to_json(config),
+    "model_config": _checkpoint.model_config_to_json(model_cfg),
+    **(extra or {}),
+  }
+  ckpt.save(
+    step, {"params": params, "opt_state": opt_state, "rng": np.asarray(rng)}, meta, metrics=metrics, force=force
+  )
 
 
 def _check_finite(metrics: dict, nan_count: int, limit: int, step: int) -> int:
@@ -219,8 +243,10 @@ def _check_finite(metrics: dict, nan_count: int, limit: int, step: int) -> int:
   if skipped:
     log.warning("step %d: non-finite loss or gradient, update skipped (%d so far, limit %d)", step, nan_count, limit)
   if nan_count > limit:
-    raise TrainingError(f"{nan_count} updates had a non-finite loss or gradient norm (train.nan_limit={limit}); "
-                        "lower optim.lr, check the data for empty loss masks, or raise train.nan_limit.")
+    raise TrainingError(
+      f"{nan_count} updates had a non-finite loss or gradient norm (train.nan_limit={limit}); "
+      "lower optim.lr, check the data for empty loss masks, or raise train.nan_limit."
+    )
   return nan_count
 
 
@@ -230,8 +256,16 @@ def _check_finite(metrics: dict, nan_count: int, limit: int, step: int) -> int:
 def _sft_optimizer(config):
   s, o = config.sft, config.optim
   return _optim.make_optimizer(
-      s.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, grad_clip=o.grad_clip, schedule=s.schedule,
-      warmup_steps=int(s.warmup_frac * s.steps), total_steps=s.steps)
+    s.lr,
+    weight_decay=o.weight_decay,
+    b1=o.b1,
+    b2=o.b2,
+    eps=o.eps,
+    grad_clip=o.grad_clip,
+    schedule=s.schedule,
+    warmup_steps=int(s.warmup_frac * s.steps),
+    total_steps=s.steps,
+  )
 
 
 def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progress):
@@ -250,9 +284,14 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   pad_id = _wiring.pad_id(model_cfg, tokenizer)
   micro = (s.packed_rows or s.batch_size) // s.micro_batch_size
   rows = (s.packed_rows or s.batch_size) // micro
-  sft_step = _step.make_sft_step(model_cfg, optimizer=optimizer, micro_batches=micro, mesh=mesh,
-                                 logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len),
-                                 saved_logits_mb=config.train.saved_logits_mb)
+  sft_step = _step.make_sft_step(
+    model_cfg,
+    optimizer=optimizer,
+    micro_batches=micro,
+    mesh=mesh,
+    logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len),
+    saved_logits_mb=config.train.saved_logits_mb,
+  )
   nan_count = int(meta.get("nan_count", 0))
 
   bar = _metrics.progress(s.steps, "sft", initial=start, enabled=progress)
@@ -262,13 +301,21 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
     t0 = time.perf_counter()
     idx = next(loader)
     try:
-      batch = _batch.sft_batch([examples[i] for i in idx], micro_batch_size=s.micro_batch_size, pad_id=pad_id,
-                               seq_len=s.max_len, truncate=True, packed_rows=s.packed_rows or None)
+      batch = _batch.sft_batch(
+        [examples[i] for i in idx],
+        micro_batch_size=s.micro_batch_size,
+        pad_id=pad_id,
+        seq_len=s.max_len,
+        truncate=True,
+        packed_rows=s.packed_rows or None,
+      )
     except ValueError as e:
       if not s.packed_rows:
         raise
-      raise ValueError(f"SFT step {step + 1}: {e}. Raise sft.packed_rows (at most sft.batch_size="
-                       f"{s.batch_size}) or sft.max_len={s.max_len}, or set sft.packed_rows=0.") from e
+      raise ValueError(
+        f"SFT step {step + 1}: {e}. Raise sft.packed_rows (at most sft.batch_size="
+        f"{s.batch_size}) or sft.max_len={s.max_len}, or set sft.packed_rows=0."
+      ) from e
     params, opt_state, m = sft_step(params, opt_state, _batch.shard_batch(_batch.process_rows(batch), mesh))
     step += 1
     m = jax.device_get(m)
@@ -284,8 +331,18 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
     bar.set_postfix(nll=f"{float(m.get('sft/nll', float('nan'))):.3f}")
     stop = preempt.agreed(step)  # every host sees the same answer at the same step
     if step % config.checkpoint.every_steps == 0 or step == s.steps or stop:
-      _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg,
-            {"phase": "sft", "nan_count": nan_count, "tokens_total": perf.tokens_total}, force=stop)
+      _save(
+        ckpt,
+        step,
+        params,
+        opt_state,
+        rng,
+        loader.get_state(),
+        config,
+        model_cfg,
+        {"phase": "sft", "nan_count": nan_count, "tokens_total": perf.tokens_total},
+        force=stop,
+      )
     if stop:
       break
   bar.close()
@@ -302,12 +359,21 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   loader, num_train = _wiring.prompt_loader(config, tokenizer)
   total = t.steps or t.epochs * math.ceil(num_train / config.data.prompts_per_step)
   optimizer = _optim.make_optimizer(
-      o.lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, eps=o.eps, grad_clip=o.grad_clip,
-      schedule=o.schedule, warmup_steps=o.warmup_steps, total_steps=total * _updates_per_step(config),
-      min_lr_ratio=o.end_lr_fraction)
+    o.lr,
+    weight_decay=o.weight_decay,
+    b1=o.b1,
+    b2=o.b2,
+    eps=o.eps,
+    grad_clip=o.grad_clip,
+    schedule=o.schedule,
+    warmup_steps=o.warmup_steps,
+    total_steps=total * _updates_per_step(config),
+    min_lr_ratio=o.end_lr_fraction,
+  )
   # The KL reference is the RL start (the SFT result or the loaded model), also when the run resumes.
-  params, opt_state, rng, start, meta, ref_params = _resume(ckpt, config, model_cfg, params, optimizer, mesh,
-                                                            t.seed, keep_start=_needs_reference(config))
+  params, opt_state, rng, start, meta, ref_params = _resume(
+    ckpt, config, model_cfg, params, optimizer, mesh, t.seed, keep_start=_needs_reference(config)
+  )
   if meta.get("data_state") is not None:
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   nan_count = int(meta.get("nan_count", 0))
@@ -320,11 +386,20 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   seq_len = r.max_prompt_len + r.max_response_len
   mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
   update_step = _step.make_update_step(
-      model_cfg, loss_fn=a.loss, loss_hp=_wiring.loss_hparams(config), optimizer=optimizer,
-      micro_batches=mb_per_update, mesh=mesh, temperature=r.temperature, kl_name=a.kl.name,
-      kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef, need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
-      logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
-      saved_logits_mb=t.saved_logits_mb, aggregation=a.aggregation)
+    model_cfg,
+    loss_fn=a.loss,
+    loss_hp=_wiring.loss_hparams(config),
+    optimizer=optimizer,
+    micro_batches=mb_per_update,
+    mesh=mesh,
+    temperature=r.temperature,
+    kl_name=a.kl.name,
+    kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
+    need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
+    logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
+    saved_logits_mb=t.saved_logits_mb,
+    aggregation=a.aggregation,
+  )
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
 
   eval_rollout, judge = [], []  # built on first use
@@ -357,32 +432,40 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     # -- rollouts and rewards (DAPO dynamic sampling may generate several batches) --------------------------
     with timer("rollout"):
       weights = rollout.weights(params)  # the policy on this host's rollout devices (once per step)
-    traj, prompts, rewards_b, gen_metrics = _generate(config, loader, rollout, reward_fn, weights, rollout_key,
-                                                      pad_id, timer)
+    traj, prompts, rewards_b, gen_metrics = _generate(
+      config, loader, rollout, reward_fn, weights, rollout_key, pad_id, timer
+    )
     del weights  # the rollout copy is not kept through the update
     with timer("reward"):
       # Every host's trajectories on every host: from here on all hosts build the same global batch.
       traj, rewards_b = _batch.gather_trajectories(traj, rewards_b, pad_id=pad_id)
-      adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt),
-                                 tree=(traj.parent_b, traj.fork_pos_b)))
+      adv_bt = np.asarray(
+        adv_fn(
+          rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt), tree=(traj.parent_b, traj.fork_pos_b)
+        )
+      )
     # -- old / reference log-probs (recomputed by the trainer, spec §1.5) ------------------------------------
     with timer("logprob"):
       # The global batch in micro-batches as one host would build it; this host feeds its share of each.
       rows_multiple = t.micro_batch_size * mb_per_update
-      batch_np = _batch.trajectories_batch(traj, adv_bt, micro_batch_size=t.micro_batch_size, pad_id=pad_id,
-                                           seq_len=seq_len, rows_multiple=rows_multiple)
+      batch_np = _batch.trajectories_batch(
+        traj, adv_bt, micro_batch_size=t.micro_batch_size, pad_id=pad_id, seq_len=seq_len, rows_multiple=rows_multiple
+      )
       batch = _batch.shard_batch(_batch.process_rows(batch_np), mesh)
       batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"])
       if ref_params is not None:
         batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"])
-      mismatch = _step.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"],
-                                                batch["loss_mask"])
+      mismatch = _step.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"], batch["loss_mask"])
     if a.kl.use_in_reward:  # verl apply_kl_penalty: token rewards -coef * KL(old, ref), then the advantages again
       with timer("reward"):
         adv_bt, kl_metrics = _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh)
         adv_np = _batch.micro_batches(  # the same row layout as the batch; only the advantages are new
-            {"tokens": traj.tokens_bt, "advantages": adv_bt}, micro_batch_size=t.micro_batch_size, pad_id=pad_id,
-            seq_len=seq_len, rows_multiple=rows_multiple)["advantages"]
+          {"tokens": traj.tokens_bt, "advantages": adv_bt},
+          micro_batch_size=t.micro_batch_size,
+          pad_id=pad_id,
+          seq_len=seq_len,
+          rows_multiple=rows_multiple,
+        )["advantages"]
         batch["advantages"] = _batch.shard_batch(_batch.process_rows({"advantages": adv_np}), mesh)["advantages"]
         gen_metrics.update(kl_metrics)
     # -- updates: ppo_epochs x mini-batches --------------------------------------------------------------------
@@ -408,8 +491,9 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     scalars["perf/tokens_per_s"] = n_tok / max(step_s, 1e-9)
     all_tok = float(np.sum(traj.attention_mask_bt))  # old (+ ref) log-probs: 1 (+ 1) forward; updates: 3 each
     passes = 3 * t.ppo_epochs + 1 + (1 if ref_params is not None else 0)
-    scalars.update(perf.step(step, step_s, all_tok, _metrics.model_flops(model_cfg, all_tok, seq_len,
-                                                                          forward_passes=passes)))
+    scalars.update(
+      perf.step(step, step_s, all_tok, _metrics.model_flops(model_cfg, all_tok, seq_len, forward_passes=passes))
+    )
     if tools:
       tools.reset_metrics()
     if step % t.log_every == 0 or step == total:
@@ -425,10 +509,19 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       ev = evaluate(step)
     stop = preempt.agreed(step)  # every host sees the same answer at the same step
     if step % config.checkpoint.every_steps == 0 or step == total or stop or ev:
-      _save(ckpt, step, params, opt_state, rng, loader.get_state(), config, model_cfg,
-            {"phase": "rl", "nan_count": nan_count, "tokens_total": perf.tokens_total,
-             "metrics": {**scalars, **ev}}, metrics=ev or None,
-            force=stop)
+      _save(
+        ckpt,
+        step,
+        params,
+        opt_state,
+        rng,
+        loader.get_state(),
+        config,
+        model_cfg,
+        {"phase": "rl", "nan_count": nan_count, "tokens_total": perf.tokens_total, "metrics": {**scalars, **ev}},
+        metrics=ev or None,
+        force=stop,
+      )
     if stop:
       break
   bar.close()
@@ -460,6 +553,7 @@ def _generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):
     return traj, prompts, rewards_b, {}
   from aepo_jax import objectives
   from aepo_jax.rollout import concat_groups
+
   want = _wiring.host_share(config.data.prompts_per_step)
   kept, dropped = [], []  # (traj, group id, prompt, rewards of the group's rows)
   gen = 0
@@ -479,37 +573,56 @@ def _generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):
     need_more = len(kept) < want
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
+
       need_more = bool(np.any(multihost_utils.process_allgather(np.asarray([need_more]))))
     if not need_more:
       break
     if a.max_num_gen_batches and gen >= a.max_num_gen_batches:
-      log.warning("DAPO dynamic sampling: %d of %d groups with differing %s after %d generation batches "
-                  "(algo.max_num_gen_batches); filling with zero-variance groups.", len(kept), want,
-                  a.filter_metric, gen)
+      log.warning(
+        "DAPO dynamic sampling: %d of %d groups with differing %s after %d generation batches "
+        "(algo.max_num_gen_batches); filling with zero-variance groups.",
+        len(kept),
+        want,
+        a.filter_metric,
+        gen,
+      )
       break
   chosen = (kept + dropped)[:want]
   traj = concat_groups([(tr, [g]) for tr, g, _, _ in chosen], pad_id=pad_id)
-  metrics = {"rollout/gen_batches": float(gen),
-             "rollout/kept_group_fraction": len(kept) / max(len(kept) + len(dropped), 1),
-             "rollout/filter_underfilled": float(len(kept) < want)}
+  metrics = {
+    "rollout/gen_batches": float(gen),
+    "rollout/kept_group_fraction": len(kept) / max(len(kept) + len(dropped), 1),
+    "rollout/filter_underfilled": float(len(kept) < want),
+  }
   return traj, [p for _, _, p, _ in chosen], np.concatenate([r for _, _, _, r in chosen]), metrics
 
 
 def _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh):
   """Advantages with the token-level KL penalty −coef·KL(old, ref) in the reward (verl apply_kl_penalty)."""
   from aepo_jax import objectives
+
   kl = config.algo.kl
-  tok = objectives.kl_reward_penalty(batch["old_log_prob"], batch["ref_log_prob"], batch["loss_mask"],
-                                     coef=kl.coef, estimator=kl.name)
+  tok = objectives.kl_reward_penalty(
+    batch["old_log_prob"], batch["ref_log_prob"], batch["loss_mask"], coef=kl.coef, estimator=kl.name
+  )
   n, t = np.asarray(traj.loss_mask_bt).shape
   full = _batch.global_value(tok)  # the global batch's rows, in the layout of `traj` (every host's)
   token_rewards_bt = full.reshape(-1, full.shape[-1])[:n, :t]
   mask = np.asarray(traj.loss_mask_bt) > 0
-  adv_bt = np.asarray(adv_fn(rewards_b, np.asarray(traj.group_id_b), np.asarray(traj.loss_mask_bt),
-                             token_rewards_bt=token_rewards_bt, tree=(traj.parent_b, traj.fork_pos_b)))
+  adv_bt = np.asarray(
+    adv_fn(
+      rewards_b,
+      np.asarray(traj.group_id_b),
+      np.asarray(traj.loss_mask_bt),
+      token_rewards_bt=token_rewards_bt,
+      tree=(traj.parent_b, traj.fork_pos_b),
+    )
+  )
   penalty_b = np.sum(np.where(mask, token_rewards_bt, 0.0), axis=1)
-  return adv_bt, {"kl/reward_penalty_mean": float(np.mean(penalty_b)),
-                  "kl/reward_kl_token_mean": float(-np.sum(penalty_b) / max(mask.sum(), 1) / kl.coef)}
+  return adv_bt, {
+    "kl/reward_penalty_mean": float(np.mean(penalty_b)),
+    "kl/reward_kl_token_mean": float(-np.sum(penalty_b) / max(mask.sum(), 1) / kl.coef),
+  }
 
 
 def _updates_per_step(config) -> int:

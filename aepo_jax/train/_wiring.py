@@ -4,6 +4,7 @@ Each function here is the single integration point with one part of the system, 
 the algorithm and this file as the plumbing. Parts are imported lazily: an SFT-only run never imports
 the rollout engine or the tools.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -33,6 +34,7 @@ def load_model(config, mesh=None):
   (`model.load_hf(mesh=)`): no parameter is ever whole on one device, and no host copy outlives the load.
   """
   from aepo_jax import model as model_lib
+
   mc = config.model
   kw = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, **dict(mc.overrides))
   tokenizer = None
@@ -42,8 +44,7 @@ def load_model(config, mesh=None):
     if mesh is None:
       params = model_lib.init_params(cfg, key)
     else:
-      params = jax.jit(lambda k: model_lib.init_params(cfg, k),
-                       out_shardings=model_lib.param_shardings(cfg, mesh))(key)
+      params = jax.jit(lambda k: model_lib.init_params(cfg, k), out_shardings=model_lib.param_shardings(cfg, mesh))(key)
   elif str(mc.name).startswith("gs://") or os.path.isdir(mc.name):
     with _local_files(mc.name) as path:
       cfg, params = model_lib.load_hf(path, dtype=mc.param_dtype, mesh=mesh)
@@ -61,6 +62,7 @@ def load_model(config, mesh=None):
 
 def _tokenizer(path: str):
   from aepo_jax import model as model_lib
+
   return model_lib.Tokenizer.from_dir(path)
 
 
@@ -72,6 +74,7 @@ def _local_files(path: str):
     yield path
     return
   from etils import epath
+
   local = tempfile.mkdtemp(prefix="aepo_jax_model_")
   try:
     for f in epath.Path(path).iterdir():
@@ -97,6 +100,7 @@ def pad_id(model_cfg, tokenizer) -> int:
 def index_loader(num_examples: int, batch_size: int, *, seed: int):
   """Endless seeded shuffle of example indices, in batches; a Grain iterator with get_state/set_state."""
   import grain
+
   ds = grain.MapDataset.range(num_examples).shuffle(seed=seed).repeat().batch(batch_size)
   return iter(ds)
 
@@ -117,18 +121,23 @@ def sft_examples(config, tokenizer, model_cfg):
   'suite', or a .jsonl / .parquet file of chat traces (`trace_examples`)."""
   s = config.sft
   if s.source == "synthetic":
-    return synthetic_sft_examples(model_cfg.vocab_size, num=max(s.batch_size * 4, 16),
-                                  length=min(s.max_len, 32), seed=s.seed)
+    return synthetic_sft_examples(
+      model_cfg.vocab_size, num=max(s.batch_size * 4, 16), length=min(s.max_len, 32), seed=s.seed
+    )
   from aepo_jax import data as data_lib
+
   if tokenizer is None:
     raise ValueError(f"sft.source={s.source!r} needs a tokenizer; set model.tokenizer or use a pretrained model.")
   eos = int(model_cfg.eos_token_ids[0])
   if data_lib.is_data_file(s.source):
     return trace_examples(s.source, tokenizer, eos, max_len=s.max_len)
   if s.source != "suite":
-    raise ValueError(f"sft.source={s.source!r}: use 'suite' (the task suite's demonstrations), 'synthetic', or a "
-                     ".jsonl / .parquet file of chat traces (docs/data.md).")
+    raise ValueError(
+      f"sft.source={s.source!r}: use 'suite' (the task suite's demonstrations), 'synthetic', or a "
+      ".jsonl / .parquet file of chat traces (docs/data.md)."
+    )
   from aepo_jax.train import _batch
+
   out = []
   for demo in _suite(config).demos:
     # The prompt is the conversation before the assistant's turn, exactly as a rollout sees it; the turn
@@ -148,6 +157,7 @@ def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
   example is cut at max_len (LLaMA-Factory's cutoff_len); one with no loss token left is dropped and counted."""
   from aepo_jax import data as data_lib
   from aepo_jax.train import _batch
+
   out, dropped = [], 0
   for trace in data_lib.read_traces(path):
     msgs = trace.messages
@@ -155,8 +165,9 @@ def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
       if turn["role"] != "assistant":
         continue
       segments = [(tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=True), False)]
-      segments += [(tokenizer.encode_continuation(text), trained)
-                   for text, trained in data_lib.trace_segments(turn["content"])]
+      segments += [
+        (tokenizer.encode_continuation(text), trained) for text, trained in data_lib.trace_segments(turn["content"])
+      ]
       segments.append(([eos], True))
       tokens, mask = _batch.sft_example(segments)
       tokens, mask = tokens[:max_len], mask[:max_len].astype(np.int8)
@@ -165,8 +176,12 @@ def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
       else:
         dropped += 1
   if dropped:
-    log.warning("sft: %d assistant turns of %s have no token inside sft.max_len=%d (their context is longer) and "
-                "were dropped", dropped, path, max_len)
+    log.warning(
+      "sft: %d assistant turns of %s have no token inside sft.max_len=%d (their context is longer) and were dropped",
+      dropped,
+      path,
+      max_len,
+    )
   if not out:
     raise ValueError(f"sft.source={path!r}: no trainable turn within sft.max_len={max_len}; raise sft.max_len.")
   log.info("sft: %d examples from %s", len(out), path)
@@ -181,16 +196,19 @@ def _suite(config):
   key = (tuple(sorted(dict(config.data.suite).items())), config.data.template)
   if key not in _SUITES:
     from aepo_jax import data as data_lib
+
     corpus_dir = tempfile.mkdtemp(prefix="aepo_jax_suite_")
     atexit.register(shutil.rmtree, corpus_dir, ignore_errors=True)  # the corpus and its index die with the process
-    _SUITES[key] = data_lib.generate_suite(**dict(config.data.suite), corpus_dir=corpus_dir,
-                                           template=config.data.template)
+    _SUITES[key] = data_lib.generate_suite(
+      **dict(config.data.suite), corpus_dir=corpus_dir, template=config.data.template
+    )
   return _SUITES[key]
 
 
 def _examples(config, source: str, split: str):
   """Examples of a data source (syntax in base_config: suite | ARPO RL file | benchmark | .jsonl/.parquet)."""
   from aepo_jax import data as data_lib
+
   if source == "suite":
     suite = _suite(config)
     return list(suite.train if split == "train" else suite.heldout)
@@ -200,11 +218,14 @@ def _examples(config, source: str, split: str):
     return data_lib.load_benchmark(source)
   if data_lib.is_data_file(source):
     f = config.data.fields
-    return data_lib.load_records(source, question_key=f.question, answer_key=f.answer, system_key=f.system,
-                                 family=config.data.family)
-  raise ValueError(f"data source {source!r} is unknown: use 'suite', an ARPO RL file "
-                   f"({', '.join(data_lib.ARPO_RL_FILES)}), a benchmark ({', '.join(sorted(data_lib.BENCHMARKS))}) "
-                   "or a .jsonl / .parquet path (docs/data.md).")
+    return data_lib.load_records(
+      source, question_key=f.question, answer_key=f.answer, system_key=f.system, family=config.data.family
+    )
+  raise ValueError(
+    f"data source {source!r} is unknown: use 'suite', an ARPO RL file "
+    f"({', '.join(data_lib.ARPO_RL_FILES)}), a benchmark ({', '.join(sorted(data_lib.BENCHMARKS))}) "
+    "or a .jsonl / .parquet path (docs/data.md)."
+  )
 
 
 def host_share(total: int, process_index: Optional[int] = None, process_count: Optional[int] = None) -> int:
@@ -219,10 +240,17 @@ def prompt_loader(config, tokenizer):
   """(iterator of prompt batches with get_state/set_state, number of training prompts); this host's shard, with
   `host_share(data.prompts_per_step)` prompts per batch."""
   from aepo_jax import data as data_lib
+
   examples = _examples(config, config.data.train, "train")
-  loader = data_lib.make_loader(examples, batch_size=host_share(config.data.prompts_per_step), seed=config.data.seed,
-                                shuffle=config.data.shuffle, shard_index=jax.process_index(),
-                                shard_count=jax.process_count(), drop_remainder=True)
+  loader = data_lib.make_loader(
+    examples,
+    batch_size=host_share(config.data.prompts_per_step),
+    seed=config.data.seed,
+    shuffle=config.data.shuffle,
+    shard_index=jax.process_index(),
+    shard_count=jax.process_count(),
+    drop_remainder=True,
+  )
   return loader, len(examples)
 
 
@@ -231,12 +259,15 @@ def prompt_loader(config, tokenizer):
 # ---------------------------------------------------------------------------------------------------------
 def make_toolset(config, mode: str = "train"):
   from aepo_jax import tools as tools_lib
+
   tc = config.tools
   tools = {}
   if "python" in tc.names:
     tools["python"] = tools_lib.PythonTool(
-        timeout_s=tc.python_timeout, allow_unsandboxed=tc.allow_unsandboxed,
-        limits=tools_lib.PythonLimits(memory_mb=tc.python_memory_mb, max_output_chars=tc.python_max_output))
+      timeout_s=tc.python_timeout,
+      allow_unsandboxed=tc.allow_unsandboxed,
+      limits=tools_lib.PythonLimits(memory_mb=tc.python_memory_mb, max_output_chars=tc.python_max_output),
+    )
   if "search" in tc.names:
     corpus = tc.search_corpus or None
     if tc.search_backend == "local" and corpus is None:
@@ -244,6 +275,7 @@ def make_toolset(config, mode: str = "train"):
     opts = {"url": tc.search_url or None}
     if tc.search_backend == "replay":  # a query -> result cache: search_corpus, else ARPO's search_cache.json
       from aepo_jax.data import arpo_data_root
+
       opts["path"] = corpus or str(arpo_data_root() / "search_cache.json")
     else:
       opts["corpus"] = corpus
@@ -252,35 +284,59 @@ def make_toolset(config, mode: str = "train"):
       b = tc.browse
       pages = b.pages or (corpus if tc.search_backend != "replay" else None)
       tools["search"] = tools_lib.BrowseTool(
-          backend, tools_lib.ChatClient(b.summarizer_url, b.summarizer_model),
-          pages=tools_lib.PageStore(pages) if pages else None, topk=tc.search_topk, max_pages=b.max_pages,
-          page_chars=b.page_chars, live=b.live)
+        backend,
+        tools_lib.ChatClient(b.summarizer_url, b.summarizer_model),
+        pages=tools_lib.PageStore(pages) if pages else None,
+        topk=tc.search_topk,
+        max_pages=b.max_pages,
+        page_chars=b.page_chars,
+        live=b.live,
+      )
     else:
       tools["search"] = tools_lib.SearchTool(backend, topk=tc.search_topk)
   if not tools:
     return None
-  return tools_lib.ToolSet(tools, mode=mode, call_limit=tc.call_limit, retry_count=tc.retry_count,
-                           timeout_s=tc.python_timeout + 30.0, max_workers=tc.max_workers)
+  return tools_lib.ToolSet(
+    tools,
+    mode=mode,
+    call_limit=tc.call_limit,
+    retry_count=tc.retry_count,
+    timeout_s=tc.python_timeout + 30.0,
+    max_workers=tc.max_workers,
+  )
 
 
 def policy_config(config):
   """rollout.* -> the rollout part's PolicyConfig (spec §1.7, §2.1)."""
   from aepo_jax.rollout import PolicyConfig
+
   r = config.rollout
   return PolicyConfig(
-      n=r.n, initial_rollouts=r.initial_rollouts, beam_size=r.beam_size, entropy_weight=r.entropy_weight,
-      branch_threshold=r.branch_probability, entropy_window=r.entropy_window, estimator=r.entropy_estimator,
-      mode=r.mode, penalty_slope=r.consecutive_penalty, penalty_counts_refills=r.penalize_refills,
-      enable_dynamic_rollouts=r.enable_dynamic_rollouts, premonitor_beta=r.premonitor_beta,
-      probe_tokens=r.probe_tokens)
+    n=r.n,
+    initial_rollouts=r.initial_rollouts,
+    beam_size=r.beam_size,
+    entropy_weight=r.entropy_weight,
+    branch_threshold=r.branch_probability,
+    entropy_window=r.entropy_window,
+    estimator=r.entropy_estimator,
+    mode=r.mode,
+    penalty_slope=r.consecutive_penalty,
+    penalty_counts_refills=r.penalize_refills,
+    enable_dynamic_rollouts=r.enable_dynamic_rollouts,
+    premonitor_beta=r.premonitor_beta,
+    probe_tokens=r.probe_tokens,
+  )
 
 
 def prompt_ids(config, tokenizer, example) -> list:
   from aepo_jax.data import build_messages
+
   ids = tokenizer.apply_chat_template(build_messages(example, config.data.template), add_generation_prompt=True)
   if len(ids) > config.rollout.max_prompt_len:
-    raise ValueError(f"a prompt has {len(ids)} tokens > rollout.max_prompt_len={config.rollout.max_prompt_len}; "
-                     "raise it or shorten the template.")
+    raise ValueError(
+      f"a prompt has {len(ids)} tokens > rollout.max_prompt_len={config.rollout.max_prompt_len}; "
+      "raise it or shorten the template."
+    )
   return ids
 
 
@@ -293,16 +349,29 @@ class Rollout:
     traj = rollout(weights, prompts, key)        # host-local: no cross-host collective inside the tool loop
   """
 
-  def __init__(self, config, model_cfg, tokenizer, tools, *, policy_name: Optional[str] = None,
-               temperature: Optional[float] = None, n: Optional[int] = None, result_mode: str = "train",
-               prompts_per_call: Optional[int] = None, max_response_len: Optional[int] = None):
+  def __init__(
+    self,
+    config,
+    model_cfg,
+    tokenizer,
+    tools,
+    *,
+    policy_name: Optional[str] = None,
+    temperature: Optional[float] = None,
+    n: Optional[int] = None,
+    result_mode: str = "train",
+    prompts_per_call: Optional[int] = None,
+    max_response_len: Optional[int] = None,
+  ):
     from aepo_jax import model as model_lib
     from aepo_jax import rollout as rollout_lib
     from aepo_jax.parallel import local_mesh
+
     r = config.rollout
     pc = policy_config(config)
     if n is not None:
       import dataclasses
+
       pc = dataclasses.replace(pc, n=n, initial_rollouts=min(pc.initial_rollouts, n))
     self.config, self.tokenizer = config, tokenizer
     self.policy = rollout_lib.rollout_policy(policy_name or r.policy, pc)
@@ -317,28 +386,51 @@ class Rollout:
     engine_cfg = model_cfg.replace(param_dtype=self.dtype)
     self.shardings = model_lib.param_shardings(engine_cfg, self.mesh)
     self.engine = rollout_lib.make_engine(
-        engine_cfg, max_slots=slots, max_len=r.max_prompt_len + response_len, tokenizer=tokenizer,
-        stop_strings=[f"</{t}>" for t in tags],
-        sampling=rollout_lib.SamplingParams(temperature=r.temperature if temperature is None else temperature,
-                                            top_p=r.top_p, top_k=r.top_k, min_p=r.min_p,
-                                            repetition_penalty=r.repetition_penalty),
-        entropy_window=r.entropy_window, topk_entropy=r.topk_entropy, mesh=self.mesh, prefill_chunk=r.prefill_chunk,
-        prefill_rows=r.prefill_rows)
-    self.loop = rollout_lib.AgentLoop(self.engine, tokenizer, tools, rollout_lib.AgentConfig(
-        max_response_len=response_len, max_tool_calls=config.tools.call_limit, chunk_steps=r.decode_chunk,
-        tool_tags=tags, result_mode=result_mode), pad_id=pad_id(model_cfg, tokenizer))
+      engine_cfg,
+      max_slots=slots,
+      max_len=r.max_prompt_len + response_len,
+      tokenizer=tokenizer,
+      stop_strings=[f"</{t}>" for t in tags],
+      sampling=rollout_lib.SamplingParams(
+        temperature=r.temperature if temperature is None else temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        min_p=r.min_p,
+        repetition_penalty=r.repetition_penalty,
+      ),
+      entropy_window=r.entropy_window,
+      topk_entropy=r.topk_entropy,
+      mesh=self.mesh,
+      prefill_chunk=r.prefill_chunk,
+      prefill_rows=r.prefill_rows,
+    )
+    self.loop = rollout_lib.AgentLoop(
+      self.engine,
+      tokenizer,
+      tools,
+      rollout_lib.AgentConfig(
+        max_response_len=response_len,
+        max_tool_calls=config.tools.call_limit,
+        chunk_steps=r.decode_chunk,
+        tool_tags=tags,
+        result_mode=result_mode,
+      ),
+      pad_id=pad_id(model_cfg, tokenizer),
+    )
 
   def weights(self, params):
     """The policy on this host's rollout devices (the same arrays when they already are; see to_host_local)."""
     from aepo_jax.parallel import to_host_local
+
     return to_host_local(params, self.shardings, self.dtype)
 
   def __call__(self, weights, prompts, key):
     if jax.process_count() > 1:  # hosts sample independently of each other
       key = jax.random.fold_in(key, jax.process_index())
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
-    return self.loop.rollout(weights, [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts], self.policy,
-                             seed=seed)
+    return self.loop.rollout(
+      weights, [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts], self.policy, seed=seed
+    )
 
 
 def make_rollout(config, model_cfg, tokenizer, tools, **kw) -> Rollout:
@@ -353,24 +445,32 @@ def make_reward(config):
   Each response is scored in a `rewards.shared_pool()` worker within `reward.timeout_s`: a response that takes longer, or crashes its worker, scores 0 and the step goes on.
   """
   from aepo_jax import rewards as rewards_lib
+
   score = getattr(rewards_lib, config.reward.name)
   timeout_s = config.reward.timeout_s
 
   def reward(traj, prompts):
     answers = [prompts[g].answers for g in np.asarray(traj.group_id_b)]
-    results = rewards_lib.shared_pool().map_results(score, list(zip(traj.response_text, answers)),
-                                                    timeout_s=timeout_s)
+    results = rewards_lib.shared_pool().map_results(score, list(zip(traj.response_text, answers)), timeout_s=timeout_s)
     failed = [res for res in results if res.status != "ok"]
     if failed:
-      log.warning("reward: %d of %d responses scored 0 (%s: %s)", len(failed), len(results), failed[0].status,
-                  failed[0].error)
+      log.warning(
+        "reward: %d of %d responses scored 0 (%s: %s)", len(failed), len(results), failed[0].status, failed[0].error
+      )
     r = np.asarray([res.value if res.status == "ok" else 0.0 for res in results], np.float32)
     if config.algo.overlong_buffer:  # DAPO overlong shaping (spec §3.2)
       from aepo_jax import objectives
-      r = r + np.asarray(objectives.overlong_reward_penalty(
-          np.asarray(traj.response_len_b), max_response_length=config.rollout.max_response_len,
-          buffer_length=config.algo.overlong_buffer, penalty_factor=config.algo.overlong_factor))
+
+      r = r + np.asarray(
+        objectives.overlong_reward_penalty(
+          np.asarray(traj.response_len_b),
+          max_response_length=config.rollout.max_response_len,
+          buffer_length=config.algo.overlong_buffer,
+          penalty_factor=config.algo.overlong_factor,
+        )
+      )
     return r
+
   return reward
 
 
@@ -384,6 +484,7 @@ def advantage_fn(config):
   shared by branches the mean advantage of the trajectories sharing it.
   """
   from aepo_jax import objectives
+
   name = config.algo.advantage
   fn = objectives.advantage(name)
   defaults = objectives.advantage_defaults(name)
@@ -402,9 +503,12 @@ def advantage_fn(config):
     if config.algo.attribution == "soft":
       return out
     if tree is None:
-      raise ValueError("algo.attribution='hard' needs the branching tree: call the advantage function with "
-                       "tree=(traj.parent_b, traj.fork_pos_b), or set algo.attribution='soft'.")
+      raise ValueError(
+        "algo.attribution='hard' needs the branching tree: call the advantage function with "
+        "tree=(traj.parent_b, traj.fork_pos_b), or set algo.attribution='soft'."
+      )
     return objectives.hard_attribution(out, mask_bt, *tree)
+
   return adv
 
 
@@ -414,8 +518,11 @@ def correct_b(traj, prompts) -> np.ndarray:
   Each answer is checked in a `rewards.shared_pool()` worker within the pool's timeout; one over it counts as wrong.
   """
   from aepo_jax import rewards as rewards_lib
-  items = [(text, prompts[int(g)].answers, prompts[int(g)].family)
-           for text, g in zip(traj.response_text, np.asarray(traj.group_id_b))]
+
+  items = [
+    (text, prompts[int(g)].answers, prompts[int(g)].family)
+    for text, g in zip(traj.response_text, np.asarray(traj.group_id_b))
+  ]
   ok = rewards_lib.shared_pool().map(rewards_lib.eval_correct, items, default=False)
   return np.asarray([float(bool(v)) for v in ok], np.float32)
 
@@ -423,11 +530,17 @@ def correct_b(traj, prompts) -> np.ndarray:
 def loss_hparams(config) -> dict:
   """algo.* -> the keyword hyperparameters the configured loss accepts (spec §1.5, §2.2, §3)."""
   from aepo_jax import objectives
+
   a = config.algo
   accepted = objectives.policy_loss_defaults(a.loss)
-  candidates = {"clip_low": a.clip_low, "clip_high": a.clip_high, "clip_c": a.clip_c or None, "agg": a.agg,
-                "entropy_advantage_coef": a.entropy_advantage_coef,
-                "preserve_high_clip_grad": a.preserve_high_clip_grad}
+  candidates = {
+    "clip_low": a.clip_low,
+    "clip_high": a.clip_high,
+    "clip_c": a.clip_c or None,
+    "agg": a.agg,
+    "entropy_advantage_coef": a.entropy_advantage_coef,
+    "preserve_high_clip_grad": a.preserve_high_clip_grad,
+  }
   return {k: v for k, v in candidates.items() if k in accepted}
 
 
@@ -436,24 +549,28 @@ def loss_hparams(config) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def rollout_metrics(traj, rewards_b, adv_bt) -> dict:
   mask = np.asarray(traj.loss_mask_bt) > 0
-  out = {"reward/mean": float(np.mean(rewards_b)), "reward/std": float(np.std(rewards_b)),
-         "reward/format_errors": float(np.mean(rewards_b < 0)),
-         "rollout/response_len_mean": float(np.mean(traj.response_len_b)),
-         "rollout/tool_calls_mean": float(np.mean(traj.num_tool_calls_b)),
-         "rollout/trajectories": float(len(rewards_b)),
-         "actor/advantage_mean": float(np.mean(np.asarray(adv_bt)[mask])) if mask.any() else 0.0,
-         "rollout/sampler_entropy_mean": float(np.mean(np.asarray(traj.sampler_entropy_bt)[mask])) if mask.any()
-         else 0.0}
+  out = {
+    "reward/mean": float(np.mean(rewards_b)),
+    "reward/std": float(np.std(rewards_b)),
+    "reward/format_errors": float(np.mean(rewards_b < 0)),
+    "rollout/response_len_mean": float(np.mean(traj.response_len_b)),
+    "rollout/tool_calls_mean": float(np.mean(traj.num_tool_calls_b)),
+    "rollout/trajectories": float(len(rewards_b)),
+    "actor/advantage_mean": float(np.mean(np.asarray(adv_bt)[mask])) if mask.any() else 0.0,
+    "rollout/sampler_entropy_mean": float(np.mean(np.asarray(traj.sampler_entropy_bt)[mask])) if mask.any() else 0.0,
+  }
   out.update({k if "/" in k else f"rollout/{k}": float(v) for k, v in dict(traj.stats).items()})
   return out
 
 
 def rollout_histograms(traj, adv_bt) -> dict:
   mask = np.asarray(traj.loss_mask_bt) > 0
-  return {"actor/entropy": np.asarray(traj.sampler_entropy_bt)[mask],
-          "actor/advantage": np.asarray(adv_bt)[mask],
-          "rollout/response_len": np.asarray(traj.response_len_b),
-          "rollout/tool_calls": np.asarray(traj.num_tool_calls_b)}
+  return {
+    "actor/entropy": np.asarray(traj.sampler_entropy_bt)[mask],
+    "actor/advantage": np.asarray(adv_bt)[mask],
+    "rollout/response_len": np.asarray(traj.response_len_b),
+    "rollout/tool_calls": np.asarray(traj.num_tool_calls_b),
+  }
 
 
 def serve_judge(config):
@@ -465,9 +582,11 @@ def serve_judge(config):
     return config, None
   from aepo_jax import eval as eval_lib
   from aepo_jax.serve import Server
+
   policy = eval_lib.load_policy(ckpt, dtype=config.model.dtype)
-  server = Server(policy.config, policy.params, policy.tokenizer, model_name=ckpt, max_slots=8, max_len=8192,
-                  port=0).start()
+  server = Server(
+    policy.config, policy.params, policy.tokenizer, model_name=ckpt, max_slots=8, max_len=8192, port=0
+  ).start()
   server.warmup()
   log.info("judge %s served at %s", ckpt, server.url)
   config = config.copy_and_resolve_references()
@@ -479,9 +598,17 @@ def serve_judge(config):
 def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
   """The validation rollout (policy 'none', n = 1, eval.temperature: greedy by default)."""
   e = config.eval
-  return Rollout(config, model_cfg, tokenizer, tools, policy_name="none", temperature=e.temperature, n=1,
-                 prompts_per_call=max(host_share(e.batch_size or config.data.prompts_per_step), 1),
-                 max_response_len=e.max_response_len or None)
+  return Rollout(
+    config,
+    model_cfg,
+    tokenizer,
+    tools,
+    policy_name="none",
+    temperature=e.temperature,
+    n=1,
+    prompts_per_call=max(host_share(e.batch_size or config.data.prompts_per_step), 1),
+    max_response_len=e.max_response_len or None,
+  )
 
 
 def evaluate(config, rollout: Rollout, params) -> dict:
@@ -494,15 +621,27 @@ def evaluate(config, rollout: Rollout, params) -> dict:
   per source at the end (the only collectives: that and copying the weights)."""
   from aepo_jax import eval as eval_lib
   from aepo_jax import rewards as rewards_lib
+
   e = config.eval
   policy = eval_lib.Policy(rollout.engine.config, rollout.weights(params), rollout.tokenizer, "in-training")
   judge = rewards_lib.OpenAICompatibleJudge(e.judge_url, e.judge_model) if e.judge_url else None
   # The loop brings the engine, tools and result format of training; the settings only batch, template and seed.
-  settings = eval_lib.EvalSettings(n=1, batch_size=rollout.prompts_per_call,
-                                   max_prompt_len=config.rollout.max_prompt_len, template=config.data.template,
-                                   seed=jax.process_index())
-  evaluator = eval_lib.Evaluator(policy, None, eval_lib.Scorer(judge, timeout_s=config.reward.timeout_s), settings,
-                                 show_progress=False, loop=rollout.loop, rollout_policy=rollout.policy)
+  settings = eval_lib.EvalSettings(
+    n=1,
+    batch_size=rollout.prompts_per_call,
+    max_prompt_len=config.rollout.max_prompt_len,
+    template=config.data.template,
+    seed=jax.process_index(),
+  )
+  evaluator = eval_lib.Evaluator(
+    policy,
+    None,
+    eval_lib.Scorer(judge, timeout_s=config.reward.timeout_s),
+    settings,
+    show_progress=False,
+    loop=rollout.loop,
+    rollout_policy=rollout.policy,
+  )
   limit = e.num_prompts or config.data.val_size
   sources = {}
   for source in config.data.val:

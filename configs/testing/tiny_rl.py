@@ -6,6 +6,7 @@ Hardware: any CPU. Data/model: the generated suite, a 2-layer random model, the 
 Time: about a minute, most of it compilation. Used by tests/train/test_rl_loop.py.
 Expected: every phase runs and writes its metrics and checkpoints; nothing is learnt (the model is random).
 """
+
 from aepo_jax.train import base_config, load_sibling
 
 tiny_sft = load_sibling(__file__, "tiny_sft")

@@ -6,6 +6,7 @@ Time: well under a minute, most of it compilation.
 Expected: sft/nll falls from ln(256) = 5.55 to about 5.2 in 12 steps; rerunning the same command after a kill
   resumes from the last checkpoint and reaches bit-identical parameters (tests/train/test_resume.py).
 """
+
 from aepo_jax.train import base_config
 
 
@@ -14,9 +15,20 @@ def tiny_model(c, *, vocab_size: int, eos_id: int):
   c.model.name = "smollm2-135m"
   c.model.init = "random"
   with c.model.overrides.unlocked():
-    c.model.overrides.update(dict(num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4,
-                                  num_kv_heads=2, head_dim=8, vocab_size=vocab_size, pad_token_id=0,
-                                  eos_token_ids=(eos_id,), bos_token_id=None))
+    c.model.overrides.update(
+      dict(
+        num_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=vocab_size,
+        pad_token_id=0,
+        eos_token_ids=(eos_id,),
+        bos_token_id=None,
+      )
+    )
   c.mesh.data = -1
   return c
 

@@ -1,5 +1,6 @@
 """Plain helpers of the eval tests (fixtures live in conftest.py; this module has a unique name so that
 `from eval_helpers import ...` never picks up another part's conftest)."""
+
 import json
 import os
 import socket
@@ -11,8 +12,9 @@ from aepo_jax.data import Example
 from aepo_jax.eval import EvalSettings
 
 # One engine shape for all in-process eval tests, so the engine compiles once per session (greedy).
-SETTINGS = EvalSettings(n=2, temperature=0.0, max_prompt_len=256, max_response_len=200, batch_size=4,
-                        chunk_steps=8, template="compact")
+SETTINGS = EvalSettings(
+  n=2, temperature=0.0, max_prompt_len=256, max_response_len=200, batch_size=4, chunk_steps=8, template="compact"
+)
 
 
 def bigram_params(config, params, tokenizer, transitions: dict):
@@ -23,7 +25,7 @@ def bigram_params(config, params, tokenizer, transitions: dict):
   p["layers"]["self_attn"]["o_proj"]["kernel"][:] = 0
   p["layers"]["mlp"]["down_proj"]["kernel"][:] = 0
   emb = p["embed_tokens"]["embedding"]
-  normed = emb / np.sqrt(np.mean(emb ** 2, axis=-1, keepdims=True) + config.rms_norm_eps)
+  normed = emb / np.sqrt(np.mean(emb**2, axis=-1, keepdims=True) + config.rms_norm_eps)
   w = np.zeros_like(p["lm_head"]["kernel"])
   for a, b in transitions.items():
     w[:, b] += 10.0 * normed[a] / config.hidden_size
@@ -41,10 +43,17 @@ def short_examples(n=3, family="math", answer="18"):
 
 def save_checkpoint(directory, config, params, tok_dir, step=3, ocdbt=True):
   from aepo_jax.train import _checkpoint
+
   ckpt = _checkpoint.Checkpointer(directory, async_save=False, ocdbt=ocdbt)
-  ckpt.save(step, {"params": params}, {"model_config": _checkpoint.model_config_to_json(config),
-                                       "config": json.dumps({"model": {"name": "tiny", "tokenizer": tok_dir}})},
-            force=True)
+  ckpt.save(
+    step,
+    {"params": params},
+    {
+      "model_config": _checkpoint.model_config_to_json(config),
+      "config": json.dumps({"model": {"name": "tiny", "tokenizer": tok_dir}}),
+    },
+    force=True,
+  )
   ckpt.close()
 
 
@@ -60,6 +69,7 @@ def toy_data_root(root):
   os.makedirs(d, exist_ok=True)
   with open(os.path.join(d, "test.jsonl"), "w") as f:
     for i in range(6):
-      f.write(json.dumps({"idx": i, "question": f"What is {i} plus {18 - i}?", "answer": f"{i}+{18-i}=18\n#### 18"})
-              + "\n")
+      f.write(
+        json.dumps({"idx": i, "question": f"What is {i} plus {18 - i}?", "answer": f"{i}+{18 - i}=18\n#### 18"}) + "\n"
+      )
   return root

@@ -1,4 +1,5 @@
 """Benchmark selection by name / family / 'all', and the requirement checks that run before compute."""
+
 import pytest
 
 from aepo_jax.data import BENCHMARKS

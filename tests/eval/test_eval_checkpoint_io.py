@@ -1,5 +1,6 @@
 """Loading the policy to evaluate: Orbax training checkpoints (params only, config and tokenizer from meta),
 HF directories and the tokenizer override."""
+
 import os
 import shutil
 
@@ -18,7 +19,11 @@ def _same(a, b):
 
 
 def test_orbax_params_config_and_tokenizer_from_meta(orbax_ckpt, tiny_config, tiny_params, tokenizer):
-  for path in (orbax_ckpt, os.path.join(orbax_ckpt, "checkpoints", "rl"), os.path.join(orbax_ckpt, "checkpoints", "rl", "3")):
+  for path in (
+    orbax_ckpt,
+    os.path.join(orbax_ckpt, "checkpoints", "rl"),
+    os.path.join(orbax_ckpt, "checkpoints", "rl", "3"),
+  ):
     pol = load_policy(path)
     assert pol.config == tiny_config and pol.source.endswith("step 3")
     _same(pol.params, tiny_params)
@@ -50,6 +55,7 @@ def test_hf_directory_and_tokenizer_override(tmp_path, tiny_config, tiny_params,
 
 def test_orbax_without_a_tokenizer_names_the_flag(tmp_path, tiny_config, tiny_params):
   from aepo_jax.train import _checkpoint
+
   d = str(tmp_path / "checkpoints" / "rl")
   ckpt = _checkpoint.Checkpointer(d, async_save=False)
   ckpt.save(1, {"params": tiny_params}, {"model_config": _checkpoint.model_config_to_json(tiny_config)}, force=True)
@@ -64,10 +70,12 @@ def _largest_state_file(step_dir):
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no_manifest"])
-def test_damaged_checkpoint_is_one_clear_error_naming_the_others(tmp_path, tiny_config, tiny_params, tok_dir, capfd,
-                                                                 manifest):
+def test_damaged_checkpoint_is_one_clear_error_naming_the_others(
+  tmp_path, tiny_config, tiny_params, tok_dir, capfd, manifest
+):
   """A truncated data file used to print pages of 'Event loop is closed' before a TensorStore trace."""
   from aepo_jax.eval._checkpoint_io import CheckpointDamagedError
+
   d = str(tmp_path / "checkpoints" / "rl")
   save_checkpoint(d, tiny_config, tiny_params, tok_dir, step=1)
   save_checkpoint(d, tiny_config, tiny_params, tok_dir, step=2)
@@ -90,6 +98,7 @@ def test_damaged_checkpoint_is_one_clear_error_naming_the_others(tmp_path, tiny_
 def test_unreachable_gcs_checkpoint_fails_in_seconds(monkeypatch):
   import socket
   import time
+
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     closed = f"http://127.0.0.1:{s.getsockname()[1]}"

@@ -1,5 +1,6 @@
 """A data file of your own as an evaluation benchmark: checked before compute, read with the configured field
 names, reported under its file name, and scored against its answers."""
+
 import importlib.util
 import json
 import os
@@ -13,8 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _file(tmp_path):
   path = tmp_path / "mine.jsonl"
-  path.write_text("".join(json.dumps({"problem": f"What is {i} plus 1?", "solutions": [str(i + 1)]}) + "\n"
-                          for i in range(3)))
+  path.write_text(
+    "".join(json.dumps({"problem": f"What is {i} plus 1?", "solutions": [str(i + 1)]}) + "\n" for i in range(3))
+  )
   return str(path)
 
 
@@ -34,9 +36,19 @@ def test_cli_evaluates_a_data_file(orbax_ckpt, tmp_path, capsys):
   cli = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(cli)
   out = str(tmp_path / "out")
-  argv = [f"--checkpoint={orbax_ckpt}", f"--benchmarks={_file(tmp_path)}", "--n=1", "--k=1", "--temperature=0",
-          "--max_prompt_len=256", "--max_response_len=8", "--batch_size=2", "--template=compact", "--noprogress",
-          f"--output={out}"]
+  argv = [
+    f"--checkpoint={orbax_ckpt}",
+    f"--benchmarks={_file(tmp_path)}",
+    "--n=1",
+    "--k=1",
+    "--temperature=0",
+    "--max_prompt_len=256",
+    "--max_response_len=8",
+    "--batch_size=2",
+    "--template=compact",
+    "--noprogress",
+    f"--output={out}",
+  ]
   assert cli.main(argv + ["--question_field=question"]) == 2  # the file has no 'question' field
   err = capsys.readouterr().err
   assert "mine.jsonl:1: field 'question': missing" in err and "--question_field" in err

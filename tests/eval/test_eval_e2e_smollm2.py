@@ -1,6 +1,7 @@
 """End to end on SmolLM2-135M-Instruct, offline: math and QA sets through the CLI with the python tool live and
 the search tool on the cache replay; every answer scored by its family's scorer. Low accuracy is expected (the
 untuned model does not follow the tool protocol, docs/environment.md); the point is that it runs and is scored."""
+
 import json
 import os
 
@@ -16,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.timeout(1500)
 def test_smollm2_math_and_qa_offline(tmp_path):
   import importlib.util
+
   spec = importlib.util.spec_from_file_location("evaluate_cli", os.path.join(ROOT, "launch", "evaluate.py"))
   cli = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(cli)
@@ -30,9 +32,21 @@ def test_smollm2_math_and_qa_offline(tmp_path):
     tools.shutdown()
 
   out = str(tmp_path / "smol")
-  rc = cli.main(["--checkpoint=smollm2-135m-instruct", "--benchmarks=gsm8k,math500,bamboogle", "--limit=2", "--n=1",
-                 "--k=1", "--search_backend=replay", "--max_prompt_len=512", "--max_response_len=64", "--batch_size=2",
-                 f"--output={out}", "--noprogress"])
+  rc = cli.main(
+    [
+      "--checkpoint=smollm2-135m-instruct",
+      "--benchmarks=gsm8k,math500,bamboogle",
+      "--limit=2",
+      "--n=1",
+      "--k=1",
+      "--search_backend=replay",
+      "--max_prompt_len=512",
+      "--max_response_len=64",
+      "--batch_size=2",
+      f"--output={out}",
+      "--noprogress",
+    ]
+  )
   assert rc == 0
   summary = json.load(open(os.path.join(out, "summary.json")))
   assert set(summary["benchmarks"]) == {"gsm8k", "math500", "bamboogle"}
@@ -52,4 +66,5 @@ def test_smollm2_math_and_qa_offline(tmp_path):
 
 def _state():
   from aepo_jax.tools import CallState
+
   return CallState()

@@ -1,4 +1,5 @@
 """A checkpoint on gs:// (the local GCS emulator) evaluates exactly like the same checkpoint on local disk."""
+
 import jax
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ def _strip(records):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_gs_checkpoint_gives_identical_results(gcs_emulator, orbax_ckpt, tiny_config, tiny_params, tok_dir,
-                                               tmp_path, monkeypatch):
+def test_gs_checkpoint_gives_identical_results(
+  gcs_emulator, orbax_ckpt, tiny_config, tiny_params, tok_dir, tmp_path, monkeypatch
+):
   monkeypatch.setenv("AEPO_ARPO_DATA", toy_data_root(str(tmp_path / "data")))
   gs_dir = f"{gcs_emulator}/run"
   # ocdbt=False: the emulator intermittently fails tensorstore's conditional OCDBT manifest writes

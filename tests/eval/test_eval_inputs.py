@@ -1,4 +1,5 @@
 """Bad input fails before any compute, with a message that names the input and the fix."""
+
 import http.server
 import importlib.util
 import json
@@ -26,8 +27,10 @@ def _launch():
 @pytest.fixture()
 def no_compute(monkeypatch):
   """Any attempt to load weights fails the test."""
+
   def forbidden(*a, **k):
     raise AssertionError("weights were loaded although the input is bad")
+
   monkeypatch.setattr(_checkpoint_io, "load_policy", forbidden)
   monkeypatch.setattr("aepo_jax.model.load_hf", forbidden)
   monkeypatch.setattr("aepo_jax.model.load_pretrained", forbidden)
@@ -64,6 +67,7 @@ def judge_server():
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     servers.append(srv)
     return f"http://127.0.0.1:{srv.server_address[1]}/v1"
+
   yield start
   for s in servers:
     s.shutdown()
@@ -118,16 +122,20 @@ def test_judge_that_does_not_answer_fails_fast(no_compute, orbax_ckpt, judge_ser
 
 def test_retrieval_server_that_does_not_answer(no_compute, orbax_ckpt):
   with pytest.raises(EvalInputError, match="GET /health"):
-    check_inputs(orbax_ckpt, "bamboogle", search_backend="retrieval",
-                 search_options={"url": f"http://127.0.0.1:{free_port()}"})
+    check_inputs(
+      orbax_ckpt, "bamboogle", search_backend="retrieval", search_options={"url": f"http://127.0.0.1:{free_port()}"}
+    )
 
 
-@pytest.mark.parametrize("argv,expect", [
+@pytest.mark.parametrize(
+  "argv,expect",
+  [
     (["--benchmarks=gsm8k,nope"], "unknown benchmark 'nope'"),
     (["--benchmarks=gaia"], "need a search backend"),
     (["--benchmarks=hotpotqa"], "--search_backend=none"),
     (["--benchmarks=gsm8k", "--k=1,5", "--n=2"], "--n >= 5"),
-])
+  ],
+)
 def test_cli_errors_before_compute(no_compute, orbax_ckpt, tmp_path, capsys, argv, expect):
   rc = _launch().main([f"--checkpoint={orbax_ckpt}", f"--output={tmp_path / 'out'}", "--noprogress"] + argv)
   assert rc == 2

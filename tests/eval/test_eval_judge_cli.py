@@ -1,5 +1,6 @@
 """launch/evaluate.py --judge_url against a local OpenAI-compatible judge that answers by rule: QA answers are
 scored by the judge OR math equivalence (the evaluation protocol, spec §2.5), and --nojudge_qa falls back to EM."""
+
 import importlib.util
 import json
 import os
@@ -17,12 +18,14 @@ WORDS = {"two": "2", "eighteen": "18", "nineteen": "19"}
 
 def _answers(body):
   prompt = body["messages"][0]["content"]
-  return (re.search(r"Labeled Answer: (.*)", prompt).group(1).strip(),
-          re.search(r"Predicted Answer: (.*)", prompt).group(1).strip())
+  return (
+    re.search(r"Labeled Answer: (.*)", prompt).group(1).strip(),
+    re.search(r"Predicted Answer: (.*)", prompt).group(1).strip(),
+  )
 
 
 def _rule(body):
-  """"Correct" iff the labeled and predicted answers name the same number."""
+  """ "Correct" iff the labeled and predicted answers name the same number."""
   labeled, pred = _answers(body)
   norm = lambda s: WORDS.get(s.lower(), s)
   return "Correct" if norm(labeled) == norm(pred) else "Incorrect"
@@ -56,12 +59,28 @@ def _cli():
 def test_judge_scores_a_qa_subset(answering_ckpt, judge, tmp_path):
   judge_url, requests = judge
   qa = tmp_path / "qa.jsonl"  # the model always answers 18
-  qa.write_text("".join(json.dumps({"question": f"Question {i}?", "answer": a}) + "\n"
-                        for i, a in enumerate(["eighteen", ["18"], "nineteen", "Eighteen"])))
-  argv = [f"--checkpoint={answering_ckpt}", f"--benchmarks={qa}", "--data_family=qa", "--n=1", "--k=1",
-          "--temperature=0", "--max_prompt_len=256", "--max_response_len=64", "--batch_size=2",
-          "--template=compact", "--allow_unsandboxed", "--noprogress", f"--judge_url={judge_url}",
-          "--judge_model=rule-judge"]
+  qa.write_text(
+    "".join(
+      json.dumps({"question": f"Question {i}?", "answer": a}) + "\n"
+      for i, a in enumerate(["eighteen", ["18"], "nineteen", "Eighteen"])
+    )
+  )
+  argv = [
+    f"--checkpoint={answering_ckpt}",
+    f"--benchmarks={qa}",
+    "--data_family=qa",
+    "--n=1",
+    "--k=1",
+    "--temperature=0",
+    "--max_prompt_len=256",
+    "--max_response_len=64",
+    "--batch_size=2",
+    "--template=compact",
+    "--allow_unsandboxed",
+    "--noprogress",
+    f"--judge_url={judge_url}",
+    "--judge_model=rule-judge",
+  ]
   cli = _cli()
   assert cli.main(argv + [f"--output={tmp_path / 'judged'}"]) == 0
   recs = [r for r in read_records(str(tmp_path / "judged" / "qa.jsonl"))]
@@ -69,12 +88,17 @@ def test_judge_scores_a_qa_subset(answering_ckpt, judge, tmp_path):
   assert [r["extracted"] for r in recs] == ["18"] * 4
   # the evaluation's tool-result format, without newlines (spec §2.5)
   assert all(r["response"].startswith("<python>1</python><result>1</result><answer>") for r in recs)
-  assert [(r["scorer"], r["score"]) for r in recs] == [("judge", 1.0), ("math_equal", 1.0), ("judge", 0.0),
-                                                       ("judge", 1.0)]
+  assert [(r["scorer"], r["score"]) for r in recs] == [
+    ("judge", 1.0),
+    ("math_equal", 1.0),
+    ("judge", 0.0),
+    ("judge", 1.0),
+  ]
   assert [r["em"] for r in recs] == [0.0, 1.0, 0.0, 0.0]  # EM is recorded, but the judge decides
   assert len(requests) == 4 and all(b["model"] == "rule-judge" for b in requests)  # 3 answers + the health probe
-  assert sorted(_asked(requests)) == sorted([("rule-judge", "eighteen", "18"), ("rule-judge", "nineteen", "18"),
-                                             ("rule-judge", "Eighteen", "18")])
+  assert sorted(_asked(requests)) == sorted(
+    [("rule-judge", "eighteen", "18"), ("rule-judge", "nineteen", "18"), ("rule-judge", "Eighteen", "18")]
+  )
   summary = json.load(open(tmp_path / "judged" / "summary.json"))
   assert summary["benchmarks"]["qa"]["pass@1"] == pytest.approx(0.75)
 
@@ -88,6 +112,16 @@ def test_judge_scores_a_qa_subset(answering_ckpt, judge, tmp_path):
 def test_a_judge_that_does_not_answer_fails_before_the_model_loads(answering_ckpt, tmp_path, capsys):
   qa = tmp_path / "qa.jsonl"
   qa.write_text(json.dumps({"question": "q?", "answer": "a"}) + "\n")
-  assert _cli().main([f"--checkpoint={answering_ckpt}", f"--benchmarks={qa}", "--judge_url=http://127.0.0.1:9/v1",
-                      "--judge_model=m", f"--output={tmp_path / 'out'}"]) == 2
+  assert (
+    _cli().main(
+      [
+        f"--checkpoint={answering_ckpt}",
+        f"--benchmarks={qa}",
+        "--judge_url=http://127.0.0.1:9/v1",
+        "--judge_model=m",
+        f"--output={tmp_path / 'out'}",
+      ]
+    )
+    == 2
+  )
   assert "did not answer a health probe" in capsys.readouterr().err

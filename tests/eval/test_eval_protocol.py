@@ -1,6 +1,7 @@
 """The evaluation protocol on the real engine (spec §2.5 / §4), driven by scripted tiny policies:
 per-tool limits with the official refusal text (the model continues), `<result>{text}</result>` formatting,
 answer extraction and scoring, the per-example record, and the stop sequences of the tool tags."""
+
 import dataclasses
 import json
 
@@ -8,7 +9,6 @@ from aepo_jax.eval import Evaluator, Policy, Scorer, tool_calls_from_text
 from aepo_jax.tools import PYTHON_LIMIT_MESSAGE, ToolSet
 
 from eval_helpers import SETTINGS, short_examples
-
 
 
 def _evaluator(config, params, tokenizer, settings=SETTINGS, tool=lambda code: "42"):
@@ -23,7 +23,7 @@ def test_stop_sequences_cover_merged_left_contexts(tiny_config, tiny_params, tok
   for left in ("", " ", ")", "x"):
     for tag in ("python", "search"):
       ids = tokenizer.encode_continuation(f"{left}</{tag}>")
-      assert any(ids[-len(s):] == s for s in seqs), (left, tag, ids, seqs)
+      assert any(ids[-len(s) :] == s for s in seqs), (left, tag, ids, seqs)
   for s in seqs:
     assert "</python>" in tokenizer.decode(s) or "</search>" in tokenizer.decode(s)
   assert ev.loop.engine.eos_ids[0] == tokenizer.eos_id  # the tokenizer's end of turn first, then the model's
@@ -41,20 +41,22 @@ def test_one_tool_call_then_correct_answer_is_scored(tiny_config, scripted, toke
     assert r["num_tool_calls"] == 1
     assert (r["extracted"], r["correct"], r["score"], r["scorer"]) == ("18", True, 1.0, "math_verify")
   on_disk = [json.loads(line) for line in open(tmp_path / "toy.jsonl")]
-  assert len(on_disk) == 6 and all(set(d) >= {"question", "response", "tool_calls", "extracted", "score", "scorer"}
-                                   for d in on_disk)
+  assert len(on_disk) == 6 and all(
+    set(d) >= {"question", "response", "tool_calls", "extracted", "score", "scorer"} for d in on_disk
+  )
 
 
-def test_calls_beyond_the_python_limit_get_the_refusal_and_the_model_continues(tiny_config, scripted, tokenizer,
-                                                                              tmp_path):
+def test_calls_beyond_the_python_limit_get_the_refusal_and_the_model_continues(
+  tiny_config, scripted, tokenizer, tmp_path
+):
   calls = []
   ev = _evaluator(tiny_config, scripted["loop"], tokenizer, tool=lambda code: calls.append(code) or "42")
   rec = ev.run("toy", short_examples(1), str(tmp_path / "loop.jsonl"))[0]
   parsed = tool_calls_from_text(rec["response"])
   results = [c["result"] for c in parsed]
-  assert results[:5] == ["42"] * 5                         # spec §2.5: at most 5 python calls run
+  assert results[:5] == ["42"] * 5  # spec §2.5: at most 5 python calls run
   assert len(results) >= 6 and set(results[5:]) == {PYTHON_LIMIT_MESSAGE}  # then refusals, not the end
-  assert len(calls) == 2 * 5                               # two samples, five real calls each
+  assert len(calls) == 2 * 5  # two samples, five real calls each
   assert rec["stop_reason"] == "length" and rec["response_len"] == SETTINGS.max_response_len
   assert rec["score"] == 0.0 and rec["extracted"] == ""
 
@@ -70,14 +72,16 @@ def test_a_prompt_longer_than_the_limit_is_recorded_wrong_not_dropped(tiny_confi
 def test_trainer_validation_metrics(tiny_config, scripted, tokenizer):
   """aepo_jax.eval.evaluate, what train/_wiring.evaluate calls: per-source accuracy, reward and tool calls."""
   from aepo_jax.eval import evaluate
+
   one = dataclasses.replace(SETTINGS, n=1)
   ev = _evaluator(tiny_config, scripted["answer"], tokenizer, settings=one)
   out = evaluate(ev, {"toy": short_examples(4), "wrong": short_examples(2, answer="19")})
   assert out["eval/toy/accuracy"] == 1.0 and out["eval/wrong/accuracy"] == 0.0
   assert out["eval/toy/tool_calls"] == out["eval/wrong/tool_calls"] == 1.0
   assert out["eval/accuracy"] == 0.5
-  assert sorted(out) == ["eval/accuracy"] + [f"eval/{n}/{k}" for n in ("toy", "wrong")
-                                             for k in ("accuracy", "reward", "tool_calls")]
+  assert sorted(out) == ["eval/accuracy"] + [
+    f"eval/{n}/{k}" for n in ("toy", "wrong") for k in ("accuracy", "reward", "tool_calls")
+  ]
 
 
 def test_validation_on_hosts_answers_its_share_and_sums_over_hosts(monkeypatch):
@@ -94,8 +98,16 @@ def test_validation_on_hosts_answers_its_share_and_sums_over_hosts(monkeypatch):
 
     def run(self, name, examples, path=None):
       self.seen += [ex.id for ex in examples]
-      return [{"id": ex.id, "answers": list(ex.answers), "score": 1.0, "num_tool_calls": 1,
-               "response": "<answer>\\boxed{18}</answer>"} for ex in examples]
+      return [
+        {
+          "id": ex.id,
+          "answers": list(ex.answers),
+          "score": 1.0,
+          "num_tool_calls": 1,
+          "response": "<answer>\\boxed{18}</answer>",
+        }
+        for ex in examples
+      ]
 
   host0 = np.asarray([3.0, 0.0, 0.0, 3.0])  # three answers, none right, three tool calls
   monkeypatch.setattr(jax, "process_index", lambda: 1)

@@ -1,4 +1,5 @@
 """Run summaries (Pass@k per benchmark from the JSONL records) and the side-by-side comparison."""
+
 import os
 
 import pytest
@@ -8,10 +9,24 @@ from aepo_jax.eval import compare, load_summary, summarize_records, write_summar
 
 def _records(outcomes, bench="gsm8k"):
   """outcomes[q] = per-sample 0/1."""
-  return [{"benchmark": bench, "id": f"{bench}:{q}", "sample": k, "correct": bool(c), "score": float(c),
-           "scorer": "math_verify", "extracted": "1" if c else "", "num_tool_calls": 1, "response_len": 10,
-           "em": None, "f1": None, "judge_error": None}
-          for q, row in enumerate(outcomes) for k, c in enumerate(row)]
+  return [
+    {
+      "benchmark": bench,
+      "id": f"{bench}:{q}",
+      "sample": k,
+      "correct": bool(c),
+      "score": float(c),
+      "scorer": "math_verify",
+      "extracted": "1" if c else "",
+      "num_tool_calls": 1,
+      "response_len": 10,
+      "em": None,
+      "f1": None,
+      "judge_error": None,
+    }
+    for q, row in enumerate(outcomes)
+    for k, c in enumerate(row)
+  ]
 
 
 def test_pass_at_k_from_records_matches_hand_computation():
@@ -37,8 +52,13 @@ def test_k_above_n_is_left_out():
 def _run(tmp_path, name, outcomes):
   d = tmp_path / name
   d.mkdir()
-  write_summary(str(d), {"gsm8k": _records(outcomes), "bamboogle": _records(outcomes[::-1], "bamboogle")},
-                ks=[1, 5], families={"gsm8k": "math", "bamboogle": "qa"}, meta={"checkpoint": name})
+  write_summary(
+    str(d),
+    {"gsm8k": _records(outcomes), "bamboogle": _records(outcomes[::-1], "bamboogle")},
+    ks=[1, 5],
+    families={"gsm8k": "math", "bamboogle": "qa"},
+    meta={"checkpoint": name},
+  )
   return str(d)
 
 
@@ -53,7 +73,7 @@ def test_summary_files_and_compare_table_and_png(tmp_path):
   md, png = compare([a, b], str(tmp_path / "cmp"))
   assert "runA pass@1" in md and "runB pass@1" in md and "runB pass@5" in md
   row = next(line for line in md.splitlines() if line.startswith("| gsm8k"))
-  assert row.split("|")[2:4] == [" 20.0 ", " 50.0 "]       # pass@1 of A, B
+  assert row.split("|")[2:4] == [" 20.0 ", " 50.0 "]  # pass@1 of A, B
   assert os.path.getsize(png) > 1000 and open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   assert open(str(tmp_path / "cmp") + ".md").read() == md
 
@@ -65,6 +85,7 @@ def test_compare_names_a_directory_without_summary(tmp_path):
 
 def test_cli_compare(tmp_path, capsys):
   import importlib.util
+
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   spec = importlib.util.spec_from_file_location("evaluate_cli", os.path.join(root, "launch", "evaluate.py"))
   cli = importlib.util.module_from_spec(spec)

@@ -1,5 +1,6 @@
 """Resume: an interrupted evaluation, rerun, ends with every (question, sample) exactly once, and (greedy) the
 same answers as an uninterrupted run. In-process interruption (fast) and a killed subprocess (slow)."""
+
 import json
 import os
 import signal
@@ -71,6 +72,7 @@ def test_judge_failures_are_rescored_on_resume(tiny_config, scripted, tokenizer,
       if self.fail:
         raise ConnectionError("judge down")
       return True
+
   exs = short_examples(2, family="deep_search", answer="eighteen")
   path = str(tmp_path / "ds.jsonl")
   tools = ToolSet({"python": lambda code: "42"}, mode="eval", retry_count=1)
@@ -82,8 +84,18 @@ def test_judge_failures_are_rescored_on_resume(tiny_config, scripted, tokenizer,
   assert [r["response"] for r in second] == [r["response"] for r in first]  # not regenerated, only re-judged
 
 
-CLI = ["--benchmarks=gsm8k", "--limit=6", "--n=2", "--k=2", "--temperature=0", "--max_prompt_len=256",
-       "--max_response_len=200", "--batch_size=4", "--template=compact", "--noprogress"]
+CLI = [
+  "--benchmarks=gsm8k",
+  "--limit=6",
+  "--n=2",
+  "--k=2",
+  "--temperature=0",
+  "--max_prompt_len=256",
+  "--max_response_len=200",
+  "--batch_size=4",
+  "--template=compact",
+  "--noprogress",
+]
 
 
 @pytest.mark.slow
@@ -94,8 +106,13 @@ def test_killed_subprocess_then_rerun_has_no_duplicates_or_gaps(orbax_ckpt, tmp_
   path = os.path.join(out, "gsm8k.jsonl")
   env = dict(os.environ, AEPO_ARPO_DATA=data, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "evaluate.py"), f"--checkpoint={orbax_ckpt}",
-                           f"--output={out}"] + CLI, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  proc = subprocess.Popen(
+    [sys.executable, os.path.join(ROOT, "launch", "evaluate.py"), f"--checkpoint={orbax_ckpt}", f"--output={out}"]
+    + CLI,
+    env=env,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+  )
   deadline = time.time() + 400
   lines = 0
   while time.time() < deadline and proc.poll() is None:
@@ -108,7 +125,9 @@ def test_killed_subprocess_then_rerun_has_no_duplicates_or_gaps(orbax_ckpt, tmp_
   proc.wait()
   killed_at = len(read_records(path))
   assert 4 <= killed_at < 12, killed_at
-  spec = __import__("importlib.util").util.spec_from_file_location("evaluate_cli", os.path.join(ROOT, "launch", "evaluate.py"))
+  spec = __import__("importlib.util").util.spec_from_file_location(
+    "evaluate_cli", os.path.join(ROOT, "launch", "evaluate.py")
+  )
   cli = __import__("importlib.util").util.module_from_spec(spec)
   spec.loader.exec_module(cli)
   assert cli.main([f"--checkpoint={orbax_ckpt}", f"--output={out}"] + CLI) == 0

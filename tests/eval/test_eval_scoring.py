@@ -1,5 +1,6 @@
 """Which scorer decides each family (spec §2.5), transient judge failures recorded per example, and the bounds on
 one example's scoring (a pool timeout for the offline checks, a deadline for the judge)."""
+
 import time
 
 import pytest
@@ -29,8 +30,16 @@ class FakeJudge:
     return self.verdict
 
 
-@pytest.mark.parametrize("pred,gold,ok", [("025", "25", True), ("\\frac{1}{2}", "0.5", True), ("1,000", "1000", True),
-                                          ("\\frac{14}{3}", "\\frac{14}{3}", True), ("7", "8", False)])
+@pytest.mark.parametrize(
+  "pred,gold,ok",
+  [
+    ("025", "25", True),
+    ("\\frac{1}{2}", "0.5", True),
+    ("1,000", "1000", True),
+    ("\\frac{14}{3}", "\\frac{14}{3}", True),
+    ("7", "8", False),
+  ],
+)
 def test_math_by_math_verify_with_integer_normalisation(pred, gold, ok):
   out = Scorer().score(_ex("math", [gold]), _ans(pred))
   assert (out["correct"], out["score"], out["scorer"], out["extracted"]) == (ok, float(ok), "math_verify", pred)
@@ -43,7 +52,7 @@ def test_math_without_an_answer_is_wrong():
 
 def test_qa_em_and_f1_over_aliases():
   ex = _ex("qa", ["Barack Obama", "Obama"])
-  out = Scorer().score(ex, _ans("the Obama"))          # normalisation drops articles
+  out = Scorer().score(ex, _ans("the Obama"))  # normalisation drops articles
   assert (out["em"], out["f1"], out["correct"], out["scorer"]) == (1.0, 1.0, True, "em")
   out = Scorer().score(ex, _ans("Michelle Obama"))
   assert out["em"] == 0.0 and out["f1"] == pytest.approx(2 * 0.5 * 1 / 1.5)  # best alias: 'Obama' (P=.5, R=1)

@@ -1,5 +1,6 @@
 """Evaluating a gs:// HF directory copies it to a temporary directory that is gone once weights and tokenizer are
 read (no /tmp/aepo_eval_* left behind); the gs:// export that wrote it leaves nothing either."""
+
 import os
 import tempfile
 
@@ -10,8 +11,9 @@ from aepo_jax.eval import load_policy, load_tokenizer
 from aepo_jax.model import copy_tokenizer_files, save_hf
 
 
-def test_gs_hf_directory_leaves_no_temporary_files(gcs_emulator, tiny_config, tiny_params, tok_dir, tmp_path,
-                                                   monkeypatch):
+def test_gs_hf_directory_leaves_no_temporary_files(
+  gcs_emulator, tiny_config, tiny_params, tok_dir, tmp_path, monkeypatch
+):
   tmp = tmp_path / "tmp"
   tmp.mkdir()
   monkeypatch.setattr(tempfile, "tempdir", str(tmp))

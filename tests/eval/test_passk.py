@@ -1,4 +1,5 @@
 """Pass@k: hand-computed cases, brute-force enumeration, best-of-k and bootstrap behaviour."""
+
 import itertools
 import math
 
@@ -8,10 +9,17 @@ import pytest
 from aepo_jax.eval._passk import best_of_k, bootstrap_ci, mean_pass_at_k, pass_at_k, summarize
 
 
-@pytest.mark.parametrize("n,c,k,expected", [
-    (1, 1, 1, 1.0), (1, 0, 1, 0.0), (5, 1, 1, 0.2), (5, 2, 5, 1.0), (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+@pytest.mark.parametrize(
+  "n,c,k,expected",
+  [
+    (1, 1, 1, 1.0),
+    (1, 0, 1, 0.0),
+    (5, 1, 1, 0.2),
+    (5, 2, 5, 1.0),
+    (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
     (10, 3, 5, 1 - math.comb(7, 5) / math.comb(10, 5)),
-])
+  ],
+)
 def test_hand_computed(n, c, k, expected):
   assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 

@@ -1,5 +1,6 @@
 """launch/evaluate.py speaks absl flags like the other launchers: defaults in --help, errors before any model
 loads, and the argparse spellings of earlier versions (--search-backend, --no-progress, --compare A B) still work."""
+
 import importlib.util
 import os
 import subprocess
@@ -19,30 +20,86 @@ def cli():
 
 
 def test_help_shows_every_flag_with_its_default():
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "evaluate.py"), "--help"], capture_output=True,
-                       text=True, timeout=120)
+  out = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "launch", "evaluate.py"), "--help"], capture_output=True, text=True, timeout=120
+  )
   assert out.returncode == 0
-  for flag, default in (("benchmarks", "'math'"), ("k", "'1,5'"), ("temperature", "'0.6'"), ("top_p", "'0.95'"),
-                        ("top_k", "'20'"), ("min_p", "'0.0'"), ("repetition_penalty", "'1.1'"),
-                        ("max_tokens_per_call", "'4096'"), ("max_response_len", "'8192'"), ("max_prompt_len", "'2048'"),
-                        ("batch_size", "'8'"), ("seed", "'0'"), ("data_family", "'qa'")):
+  for flag, default in (
+    ("benchmarks", "'math'"),
+    ("k", "'1,5'"),
+    ("temperature", "'0.6'"),
+    ("top_p", "'0.95'"),
+    ("top_k", "'20'"),
+    ("min_p", "'0.0'"),
+    ("repetition_penalty", "'1.1'"),
+    ("max_tokens_per_call", "'4096'"),
+    ("max_response_len", "'8192'"),
+    ("max_prompt_len", "'2048'"),
+    ("batch_size", "'8'"),
+    ("seed", "'0'"),
+    ("data_family", "'qa'"),
+  ):
     section = out.stdout.split(f"--{flag}:", 1)[1].split("\n  --", 1)[0]
     assert f"(default: {default})" in section, (flag, section)
   assert "--[no]progress" in out.stdout and "--[no]allow_unsandboxed" in out.stdout
 
 
 def test_old_spellings_parse_to_the_absl_flags(cli):
-  old = ["--checkpoint", "ck", "--search-backend", "replay", "--max-response-len", "64", "--top-p=0.5", "--no-progress",
-         "--allow-unsandboxed", "--compare", "a", "b", "--output", "o"]
+  old = [
+    "--checkpoint",
+    "ck",
+    "--search-backend",
+    "replay",
+    "--max-response-len",
+    "64",
+    "--top-p=0.5",
+    "--no-progress",
+    "--allow-unsandboxed",
+    "--compare",
+    "a",
+    "b",
+    "--output",
+    "o",
+  ]
   assert cli.parse(old) == []
-  old_values = {k: cli.FLAGS[k].value for k in ("checkpoint", "search_backend", "max_response_len", "top_p", "progress",
-                                                "allow_unsandboxed", "compare", "output")}
-  new = ["--checkpoint=ck", "--search_backend=replay", "--max_response_len=64", "--top_p=0.5", "--noprogress",
-         "--allow_unsandboxed", "--compare=a,b", "--output=o"]
+  old_values = {
+    k: cli.FLAGS[k].value
+    for k in (
+      "checkpoint",
+      "search_backend",
+      "max_response_len",
+      "top_p",
+      "progress",
+      "allow_unsandboxed",
+      "compare",
+      "output",
+    )
+  }
+  new = [
+    "--checkpoint=ck",
+    "--search_backend=replay",
+    "--max_response_len=64",
+    "--top_p=0.5",
+    "--noprogress",
+    "--allow_unsandboxed",
+    "--compare=a,b",
+    "--output=o",
+  ]
   assert cli.parse(new) == []
-  assert {k: cli.FLAGS[k].value for k in old_values} == old_values == {
-      "checkpoint": "ck", "search_backend": "replay", "max_response_len": 64, "top_p": 0.5, "progress": False,
-      "allow_unsandboxed": True, "compare": ["a", "b"], "output": "o"}
+  assert (
+    {k: cli.FLAGS[k].value for k in old_values}
+    == old_values
+    == {
+      "checkpoint": "ck",
+      "search_backend": "replay",
+      "max_response_len": 64,
+      "top_p": 0.5,
+      "progress": False,
+      "allow_unsandboxed": True,
+      "compare": ["a", "b"],
+      "output": "o",
+    }
+  )
   cli.parse([])  # a new parse starts from the defaults
   assert cli.FLAGS["max_response_len"].value == 8192 and cli.FLAGS["progress"].value is True
 

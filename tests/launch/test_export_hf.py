@@ -1,6 +1,7 @@
 """launch/export_hf.py: a training checkpoint exports to a directory that transformers loads as is (model,
 tokenizer, chat template) with the project's logits; the base model's generation_config.json is carried over;
 gs:// in and out go through the bucket; a missing checkpoint is an error that creates nothing."""
+
 import importlib.util
 import json
 import os
@@ -39,14 +40,19 @@ def export_cli():
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
   from aepo_jax.testing import tiny_tokenizer
+
   return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _save_run(workdir, config, model_cfg, params, step=2, ocdbt=True):
   """What the trainer writes: state {'params'}, meta {'config', 'model_config'}."""
   ckpt = _checkpoint.Checkpointer(f"{workdir}/checkpoints/rl", async_save=False, ocdbt=ocdbt)
-  ckpt.save(step, {"params": params}, {"config": _config.to_json(config),
-                                       "model_config": _checkpoint.model_config_to_json(model_cfg)}, force=True)
+  ckpt.save(
+    step,
+    {"params": params},
+    {"config": _config.to_json(config), "model_config": _checkpoint.model_config_to_json(model_cfg)},
+    force=True,
+  )
   ckpt.close()
   return workdir
 
@@ -54,8 +60,12 @@ def _save_run(workdir, config, model_cfg, params, step=2, ocdbt=True):
 def _tiny_run(tmp_path, tok_dir, **overrides):
   """A checkpoint of configs/testing/tiny_rl.py (random init, model.tokenizer = the tiny tokenizer)."""
   from aepo_jax.train import _wiring
-  config = load_config(os.path.join(ROOT, "configs", "testing", "tiny_rl.py"), num_devices=None,
-                       overrides={"workdir": str(tmp_path / "run"), "model.tokenizer": tok_dir, **overrides})
+
+  config = load_config(
+    os.path.join(ROOT, "configs", "testing", "tiny_rl.py"),
+    num_devices=None,
+    overrides={"workdir": str(tmp_path / "run"), "model.tokenizer": tok_dir, **overrides},
+  )
   model_cfg, params, _ = _wiring.load_model(config)
   params = jax.device_get(params)
   return _save_run(config.workdir, config, model_cfg, params), model_cfg, params
@@ -99,8 +109,9 @@ def test_named_model_run_ships_the_bundled_tokenizer_and_generation_config(tmp_p
   chat template and generation_config.json (a tiny checkpoint with SmolLM2's vocabulary stands in for it)."""
   base = model_lib.pretrained_dir("smollm2-135m-instruct")
   config = _config.base_config()  # model.name = the bundled SmolLM2, init = pretrained
-  model_cfg = model_lib.preset("smollm2-135m", num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4,
-                               num_kv_heads=2, head_dim=8)
+  model_cfg = model_lib.preset(
+    "smollm2-135m", num_layers=2, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8
+  )
   params = jax.device_get(model_lib.init_params(model_cfg, jax.random.PRNGKey(1)))
   workdir = _save_run(str(tmp_path / "run"), config, model_cfg, params, step=5)
   out = str(tmp_path / "hf")
@@ -115,6 +126,7 @@ def _hf_base(tmp_path, tok_dir):
   """A local HF model directory as users bring one: weights, tokenizer with the chat template in
   chat_template.jinja (the transformers >= 4.43 layout), and sampling defaults in generation_config.json."""
   from aepo_jax.testing import tiny_hf_checkpoint
+
   base = tiny_hf_checkpoint("qwen3", str(tmp_path / "base"))
   shutil.copy(os.path.join(tok_dir, "tokenizer.json"), base)
   with open(os.path.join(tok_dir, "tokenizer_config.json")) as f:
@@ -143,11 +155,13 @@ def test_hf_directory_run_carries_sampling_defaults_and_chat_template_file(tmp_p
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["torch_dtype"] == "bfloat16"
   import transformers
+
   gen = transformers.GenerationConfig.from_pretrained(out)
   assert (gen.temperature, gen.top_p, gen.top_k, gen.do_sample) == (0.6, 0.95, 20, True)
   theirs = transformers.AutoTokenizer.from_pretrained(out)
-  assert theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == \
-      model_lib.Tokenizer.from_dir(base).render_chat(MESSAGES)
+  assert theirs.apply_chat_template(
+    MESSAGES, tokenize=False, add_generation_prompt=True
+  ) == model_lib.Tokenizer.from_dir(base).render_chat(MESSAGES)
 
 
 def test_missing_checkpoint_is_an_error_that_creates_nothing(tmp_path, tok_dir, export_cli):
@@ -163,8 +177,18 @@ def test_missing_checkpoint_is_an_error_that_creates_nothing(tmp_path, tok_dir, 
   with pytest.raises(export_cli.ExportError, match="not empty; choose a new directory or pass --overwrite"):
     export_cli.export(workdir, str(tmp_path / "full"))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "export_hf.py"), f"--checkpoint={missing}",
-                         f"--output={tmp_path / 'out'}"], capture_output=True, text=True, env=env, timeout=180)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "launch", "export_hf.py"),
+      f"--checkpoint={missing}",
+      f"--output={tmp_path / 'out'}",
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=180,
+  )
   assert proc.returncode != 0 and f"--checkpoint={str(missing)!r} does not exist" in proc.stderr, proc.stderr[-2000:]
   assert not (tmp_path / "runs").exists() and not (tmp_path / "out").exists()
 
@@ -173,22 +197,46 @@ def test_gs_checkpoint_to_gs_output_through_the_command_line(tmp_path, tok_dir, 
   """Checkpoint in the bucket, export into the bucket (no ./gs:/ directory appears), then the bucket's files
   load in transformers."""
   import fsspec
+
   workdir, model_cfg, params = _tiny_run(tmp_path, tok_dir)
   remote_run = f"gs://{BUCKET}/export-run"
-  _save_run(remote_run, load_config(os.path.join(ROOT, "configs", "testing", "tiny_rl.py"), num_devices=None,
-                                    overrides={"model.tokenizer": tok_dir}),
-            model_cfg, params, step=4, ocdbt=False)  # one zarr per leaf: see test_checkpoint_gcs.py
+  _save_run(
+    remote_run,
+    load_config(
+      os.path.join(ROOT, "configs", "testing", "tiny_rl.py"), num_devices=None, overrides={"model.tokenizer": tok_dir}
+    ),
+    model_cfg,
+    params,
+    step=4,
+    ocdbt=False,
+  )  # one zarr per leaf: see test_checkpoint_gcs.py
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "export_hf.py"),
-                         f"--checkpoint={remote_run}", f"--output=gs://{BUCKET}/export/hf", "--max_shard_mb=0.05"],
-                        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "launch", "export_hf.py"),
+      f"--checkpoint={remote_run}",
+      f"--output=gs://{BUCKET}/export/hf",
+      "--max_shard_mb=0.05",
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=str(tmp_path),
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"exported {remote_run}/checkpoints/rl/4 to gs://{BUCKET}/export/hf" in proc.stdout
   assert not (tmp_path / "gs:").exists()
   fs = fsspec.filesystem("gs")
   names = sorted(os.path.basename(p) for p in fs.ls(f"{BUCKET}/export/hf", refresh=True))
-  assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tokenizer.json",
-          "tokenizer_config.json"} <= set(names) and sum(n.endswith(".safetensors") for n in names) > 1
+  assert {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+  } <= set(names) and sum(n.endswith(".safetensors") for n in names) > 1
   local = tmp_path / "downloaded"
   fs.get(f"{BUCKET}/export/hf/", str(local), recursive=True)
   _check_loads_as_is(str(local), model_cfg, params, tok_dir)

@@ -1,4 +1,5 @@
 """Tiny random HF checkpoints shared by the model tests (built once per session)."""
+
 import pytest
 
 from aepo_jax import testing

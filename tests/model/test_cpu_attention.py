@@ -1,6 +1,7 @@
 """The CPU training-attention kernel (aepo_jax/model/_cpu_attention.py): values and gradients against the XLA
 path (`_decoder._attend_recompute`, itself checked against autodiff and transformers in test_grad_parity.py)
 for causal, padded, packed and empty-row masks, inside the full model, and the rules that select it."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +33,7 @@ def _mask(b, t, kind):
     return causal & valid[:, None, :]
   if kind == "right_pad":
     valid = np.ones((b, t), bool)
-    valid[-1, t - 7:] = False
+    valid[-1, t - 7 :] = False
     return causal & valid[:, None, :] & valid[:, :, None]
   if kind == "packed":  # three segments per row: block-diagonal causal
     seg = np.minimum(np.arange(t) // max(1, t // 3), 2)
@@ -46,7 +47,8 @@ def _check(b, t, kh, g, d, kind, seed=0, mask=None):
   q, k, v, dout = _inputs(b, t, kh, g, d, seed)
   mask = jnp.asarray(_mask(b, t, kind) if mask is None else mask)
   ref = lambda q, k, v: _decoder._attend_recompute(  # noqa: E731
-      q.reshape(b, t, kh, g, d), k, v, mask).reshape(b, t, kh * g, d)
+    q.reshape(b, t, kh, g, d), k, v, mask
+  ).reshape(b, t, kh * g, d)
   ker = lambda q, k, v: _cpu_attention.attention(q, k, v, mask)  # noqa: E731
   want, want_vjp = jax.vjp(ref, q, k, v)
   got, got_vjp = jax.vjp(ker, q, k, v)
@@ -62,8 +64,10 @@ def test_kernel_builds_and_loads():
 
 
 @pytest.mark.parametrize("kind", ["causal", "left_pad", "right_pad", "packed", "random"])
-@pytest.mark.parametrize("b,t,kh,g,d", [(2, 37, 2, 3, 16), (3, 50, 3, 3, 64), (1, 16, 1, 1, 32), (2, 70, 1, 7, 16),
-                                         (1, 5, 1, 2, 16), (2, 33, 2, 2, 128)])
+@pytest.mark.parametrize(
+  "b,t,kh,g,d",
+  [(2, 37, 2, 3, 16), (3, 50, 3, 3, 64), (1, 16, 1, 1, 32), (2, 70, 1, 7, 16), (1, 5, 1, 2, 16), (2, 33, 2, 2, 128)],
+)
 def test_values_and_gradients_match_xla(b, t, kh, g, d, kind):
   _check(b, t, kh, g, d, kind)
 
@@ -124,9 +128,19 @@ def test_bad_inputs_are_named():
 
 
 def _tiny(impl, family="qwen2"):
-  return ModelConfig(family=family, vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                     num_kv_heads=2, head_dim=16, attention_bias=family == "qwen2", qk_norm=family == "qwen3",
-                     attention_impl=impl)
+  return ModelConfig(
+    family=family,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    attention_bias=family == "qwen2",
+    qk_norm=family == "qwen3",
+    attention_impl=impl,
+  )
 
 
 def test_model_logits_and_gradients_match_the_xla_path(family="qwen3"):
@@ -184,13 +198,17 @@ def test_resolve_picks_the_kernel_only_where_it_applies():
 def test_training_step_runs_through_the_kernel_on_one_device():
   from aepo_jax.train._step import init_train_state, make_sft_step
   import optax
+
   cfg = _tiny("auto")
   opt = optax.sgd(1e-2)
   step = make_sft_step(cfg, optimizer=opt, micro_batches=1)
   params, opt_state = init_train_state(cfg, init_params(cfg, jax.random.PRNGKey(0)), opt)
   rng = np.random.default_rng(0)
-  batch = {"tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 2, 16)), jnp.int32),
-           "attention_mask": jnp.ones((1, 2, 16), jnp.int32), "loss_mask": jnp.ones((1, 2, 16), jnp.int32)}
+  batch = {
+    "tokens": jnp.asarray(rng.integers(0, cfg.vocab_size, (1, 2, 16)), jnp.int32),
+    "attention_mask": jnp.ones((1, 2, 16), jnp.int32),
+    "loss_mask": jnp.ones((1, 2, 16), jnp.int32),
+  }
   assert "aepo_train_attention_bwd" in step.lower(params, opt_state, batch).as_text()
   _, _, metrics = step(params, opt_state, batch)
   assert np.isfinite(float(metrics["sft/nll"]))

@@ -1,5 +1,6 @@
 """A truncated or damaged GGUF names the file and the fix (the reader's own error, "cannot reshape array of size
 427712 into shape (1536,360)", said neither)."""
+
 import os
 
 import gguf

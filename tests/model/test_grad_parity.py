@@ -7,6 +7,7 @@ the parameter gradients are checked against torch's autograd, not only the logit
 as a safetensors "checkpoint" next to the config and read back with `load_hf`, which maps every tensor to our
 layout with the same (linear) transposes and reshapes as the weights.
 """
+
 import os
 import shutil
 
@@ -40,8 +41,9 @@ def _batch(t=16, seed=0):
 def _torch_grads(path, tokens, mask, positions, weights, out_dir):
   hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
   hf.train()  # dropout is 0 in the tiny configs
-  logits = hf(torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions),
-              use_cache=False).logits
+  logits = hf(
+    torch.tensor(tokens), attention_mask=torch.tensor(mask), position_ids=torch.tensor(positions), use_cache=False
+  ).logits
   (logits * torch.tensor(weights)).sum().backward()
   grads = {name: p.grad.detach().contiguous() for name, p in hf.named_parameters()}
   os.makedirs(out_dir, exist_ok=True)

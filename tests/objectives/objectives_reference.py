@@ -4,6 +4,7 @@ verl `core_algos.py` / `torch_functional.py` (agg_loss, compute_policy_loss, GSP
 RLOO / REINFORCE++ estimators, kl_penalty, masked_whiten) and the AEPO fork's
 `compute_policy_loss_entropy_balanced_clipping` (spec §2.2-2.3). Loops are kept as in the originals.
 """
+
 from collections import defaultdict
 
 import numpy as np
@@ -25,8 +26,7 @@ def agg_loss(loss, m, mode):
   raise ValueError(mode)
 
 
-def ppo_dual_clip(old, new, adv, m, clip_low, clip_high, clip_c=3.0, mode="token-mean",
-                  entropy=None, entropy_coef=0.0):
+def ppo_dual_clip(old, new, adv, m, clip_low, clip_high, clip_c=3.0, mode="token-mean", entropy=None, entropy_coef=0.0):
   """verl compute_policy_loss with the AEPO fork's entropy-aware advantage (value only)."""
   if entropy is not None and entropy_coef:
     valid = entropy[m.astype(bool)]
@@ -39,8 +39,7 @@ def ppo_dual_clip(old, new, adv, m, clip_low, clip_high, clip_c=3.0, mode="token
   l1 = -adv * ratio
   l2 = -adv * np.clip(ratio, 1 - clip_low, 1 + clip_high)
   c1 = np.maximum(l1, l2)
-  out = {"pg_clipfrac": masked_mean((l2 > l1).astype(float), m),
-         "ppo_kl": masked_mean(-neg_kl, m)}
+  out = {"pg_clipfrac": masked_mean((l2 > l1).astype(float), m), "ppo_kl": masked_mean(-neg_kl, m)}
   if clip_c is not None:
     l3 = -adv * clip_c
     c2 = np.minimum(l3, c1)

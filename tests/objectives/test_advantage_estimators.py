@@ -1,4 +1,5 @@
 """Advantage estimators against NumPy transcriptions of verl's estimators."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,8 +56,7 @@ def test_grpo_unbiased_std_by_hand():
 def test_rloo_matches_verl():
   mask = _mask(1)
   got = obj.advantage("rloo")(REWARDS, GROUPS, mask)
-  np.testing.assert_allclose(got, ref.rloo_outcome_advantage(REWARDS, GROUPS, mask), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(got, ref.rloo_outcome_advantage(REWARDS, GROUPS, mask), rtol=1e-5, atol=1e-6)
 
 
 def test_reinforce_pp_matches_verl_with_holes_and_discount():
@@ -70,8 +70,7 @@ def test_reinforce_pp_matches_verl_with_holes_and_discount():
   # The hole in row 1 cuts the return: tokens before it share one value, different from after.
   returns = obj.discounted_returns(jnp.asarray(token_r), jnp.asarray(mask), 1.0)
   assert float(returns[1, 0]) == 0.0 and float(returns[1, 3]) == REWARDS[1]
-  through = obj.discounted_returns(jnp.asarray(token_r), jnp.asarray(mask), 1.0,
-                                   reset_at_mask=False)
+  through = obj.discounted_returns(jnp.asarray(token_r), jnp.asarray(mask), 1.0, reset_at_mask=False)
   assert float(through[1, 0]) == REWARDS[1]
 
 
@@ -90,8 +89,7 @@ def test_reinforce_pp_token_rewards_kl_penalty():
 def test_reinforce_pp_baseline_matches_verl():
   mask = _mask(4)
   got = obj.advantage("reinforce_pp_baseline")(REWARDS, GROUPS, mask)
-  np.testing.assert_allclose(got, ref.reinforce_pp_baseline(REWARDS, GROUPS, mask), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(got, ref.reinforce_pp_baseline(REWARDS, GROUPS, mask), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", obj.list_advantages())
@@ -106,8 +104,7 @@ def test_zero_outside_mask_jit_vmap_deterministic(name):
   masks2 = np.stack([mask, _mask(6)])
   batched = jax.vmap(obj.advantage(name))(rewards2, np.stack([GROUPS, GROUPS]), masks2)
   for i in range(2):
-    np.testing.assert_allclose(batched[i], fn(rewards2[i], GROUPS, masks2[i]), rtol=1e-6,
-                               atol=1e-7)
+    np.testing.assert_allclose(batched[i], fn(rewards2[i], GROUPS, masks2[i]), rtol=1e-6, atol=1e-7)
 
 
 def test_group_ids_are_relabel_invariant():
@@ -117,12 +114,15 @@ def test_group_ids_are_relabel_invariant():
   np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("args, match", [
+@pytest.mark.parametrize(
+  "args, match",
+  [
     ((REWARDS[:, None], GROUPS, np.ones((11, 2))), r"rewards must be one scalar per sequence"),
     ((REWARDS, GROUPS[:5], np.ones((11, 2))), "group_ids shape"),
     ((REWARDS, GROUPS.astype(np.float32), np.ones((11, 2))), "group_ids must be integers"),
     ((REWARDS, GROUPS, np.ones((5, 2))), "mask must be"),
-])
+  ],
+)
 def test_bad_inputs_are_named(args, match):
   with pytest.raises(ValueError, match=match):
     obj.advantage("grpo")(*args)

@@ -1,4 +1,5 @@
 """Chunked log-prob/entropy against a dense reference; gradients flow through the chunks."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +30,7 @@ def test_entropy_from_logits_matches_definition():
   logits = np.random.default_rng(1).normal(0, 3, (4, 5, V)).astype(np.float32)
   p = np.exp(logits - logits.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  np.testing.assert_allclose(obj.entropy_from_logits(logits), -(p * np.log(p)).sum(-1),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(obj.entropy_from_logits(logits), -(p * np.log(p)).sum(-1), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(obj.entropy_from_logits(np.zeros((1, V))), [np.log(V)], rtol=1e-6)
 
 
@@ -55,12 +55,13 @@ def test_callable_unembed_equals_matrix():
 # The three ways to give the unembedding: [V, D] matrix, [D, V] kernel (both the custom-VJP path), a function
 # (JAX's autodiff through the checkpointed chunk).
 _HEADS = {
-    "vd": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, e, *a, **k),
-    "dv": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, e.T, *a, layout="dv", **k),
-    "fn": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, lambda x: x @ e.T, *a, **k),
-    "vd_saved": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, e, *a, max_saved_logits=B * T * V, **k),
-    "dv_saved": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, e.T, *a, layout="dv",
-                                                                     max_saved_logits=B * T * V, **k),
+  "vd": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, e, *a, **k),
+  "dv": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, e.T, *a, layout="dv", **k),
+  "fn": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, lambda x: x @ e.T, *a, **k),
+  "vd_saved": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(h, e, *a, max_saved_logits=B * T * V, **k),
+  "dv_saved": lambda h, e, *a, **k: obj.token_logprobs_and_entropy(
+    h, e.T, *a, layout="dv", max_saved_logits=B * T * V, **k
+  ),
 }
 
 
@@ -74,11 +75,10 @@ def test_gradients_match_dense(head):
     def f(h, e):
       logp, ent = fn(h, e)
       return jnp.sum(logp * w_logp) + jnp.sum(ent * w_ent)
+
     return f
 
-  chunked = jax.jit(jax.grad(objective(
-      lambda h, e: _HEADS[head](h, e, targets, 0.8, chunk_size=3)),
-      argnums=(0, 1)))
+  chunked = jax.jit(jax.grad(objective(lambda h, e: _HEADS[head](h, e, targets, 0.8, chunk_size=3)), argnums=(0, 1)))
   dense = jax.grad(objective(lambda h, e: _dense(h, e, targets, 0.8)), argnums=(0, 1))
   for got, want in zip(chunked(hidden, emb), dense(hidden, emb)):
     assert np.any(np.asarray(got) != 0)
@@ -99,11 +99,13 @@ def test_only_selected_positions_match_dense_values_and_gradients():
     return jnp.sum(logp * w) + jnp.sum(ent * w), (logp, ent)
 
   want_logp, want_ent = _dense(hidden, emb, targets, 0.8)
-  want_grads = jax.grad(lambda h, e: jnp.sum((lambda r: r[0] * w + r[1] * w)(_dense(h, e, targets, 0.8))),
-                        argnums=(0, 1))(hidden, emb)
+  want_grads = jax.grad(
+    lambda h, e: jnp.sum((lambda r: r[0] * w + r[1] * w)(_dense(h, e, targets, 0.8))), argnums=(0, 1)
+  )(hidden, emb)
   for capacity in (n, n + 5):
-    (_, (logp, ent)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
-                                      static_argnums=2)(hidden, emb, capacity)
+    (_, (logp, ent)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)(
+      hidden, emb, capacity
+    )
     np.testing.assert_allclose(logp, jnp.where(where, want_logp, 0.0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent, jnp.where(where, want_ent, 0.0), rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, want_grads):
@@ -119,8 +121,11 @@ def test_saved_logits_skip_the_recompute():
   hidden, emb, targets = _inputs()
 
   def dots(saved):
-    f = jax.jit(jax.grad(lambda e: jnp.sum(obj.token_logprobs_and_entropy(
-        hidden, e, targets, chunk_size=3, max_saved_logits=saved)[0])))
+    f = jax.jit(
+      jax.grad(
+        lambda e: jnp.sum(obj.token_logprobs_and_entropy(hidden, e, targets, chunk_size=3, max_saved_logits=saved)[0])
+      )
+    )
     return f.lower(emb).as_text().count("dot_general")
 
   assert dots(B * T * V) == dots(B * T * V - 1) - 1
@@ -132,8 +137,7 @@ def test_peak_logits_are_one_chunk():
   hidden = jnp.zeros((1, t, 8))
   emb = jnp.zeros((v, 8))
   targets = jnp.zeros((1, t), jnp.int32)
-  f = jax.jit(jax.grad(lambda e: jnp.sum(sum(obj.token_logprobs_and_entropy(
-      hidden, e, targets, chunk_size=c)))))
+  f = jax.jit(jax.grad(lambda e: jnp.sum(sum(obj.token_logprobs_and_entropy(hidden, e, targets, chunk_size=c)))))
   hlo = f.lower(emb).compile().as_text()
   assert f"[1,{t},{v}]" not in hlo and f"[{t},{v}]" not in hlo
   assert f"[1,{c},{v}]" in hlo or f"[{c},{v}]" in hlo

@@ -1,4 +1,5 @@
 """ARPO's hard advantage attribution (spec §1.4): shared prefix tokens get the mean advantage of their sharers."""
+
 import numpy as np
 import pytest
 
@@ -30,20 +31,20 @@ def test_hand_made_tree():
   fork = np.array([-1, 5, 8, 3, -1], np.int32)
   a_b = np.array([1.0, -1.0, 2.0, 0.5, 3.0], np.float32)
   mask = np.ones((5, 12), np.int32)
-  mask[:, :2] = 0          # the prompt
-  mask[:3, 6] = 0          # a tool result inside the prefix rows 0-2 share
+  mask[:, :2] = 0  # the prompt
+  mask[:3, 6] = 0  # a tool result inside the prefix rows 0-2 share
   adv = a_b[:, None] * mask
   out = np.asarray(obj.hard_attribution(adv, mask, parent, fork))
   np.testing.assert_allclose(out[:, :2], 0.0)
-  np.testing.assert_allclose(out[:4, 2], 0.625)                     # shared by 0, 1, 2, 3
-  np.testing.assert_allclose(out[:3, 3:5], 2 / 3, rtol=1e-6)        # 3 left at 3: shared by 0, 1, 2
-  np.testing.assert_allclose(out[3, 3:], 0.5)                      # row 3's own tokens
+  np.testing.assert_allclose(out[:4, 2], 0.625)  # shared by 0, 1, 2, 3
+  np.testing.assert_allclose(out[:3, 3:5], 2 / 3, rtol=1e-6)  # 3 left at 3: shared by 0, 1, 2
+  np.testing.assert_allclose(out[3, 3:], 0.5)  # row 3's own tokens
   np.testing.assert_allclose(out[0, 5:], np.where(mask[0, 5:], 1.0, 0.0))  # row 0 alone from 5
-  np.testing.assert_allclose(out[1:3, 5], 0.5)                     # 1 and 2 share 5..7
-  np.testing.assert_allclose(out[1:3, 6], 0.0)                     # the tool result stays out of the loss
+  np.testing.assert_allclose(out[1:3, 5], 0.5)  # 1 and 2 share 5..7
+  np.testing.assert_allclose(out[1:3, 6], 0.0)  # the tool result stays out of the loss
   np.testing.assert_allclose(out[1, 8:], -1.0)
   np.testing.assert_allclose(out[2, 8:], 2.0)
-  np.testing.assert_allclose(out[4], adv[4])                       # a tree of one: soft = hard
+  np.testing.assert_allclose(out[4], adv[4])  # a tree of one: soft = hard
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -77,6 +78,7 @@ def test_shape_errors_name_the_inputs():
 
 def test_config_key_selects_hard_attribution():
   from aepo_jax.train import _wiring, base_config
+
   parent = np.array([-1, 0, -1, -1], np.int32)
   fork = np.array([-1, 4, -1, -1], np.int32)
   rewards, groups = np.array([1.0, 0.0, 0.5, 0.2], np.float32), np.array([0, 0, 1, 1], np.int32)
@@ -89,6 +91,6 @@ def test_config_key_selects_hard_attribution():
   with pytest.raises(ValueError, match=r"tree=\(traj.parent_b, traj.fork_pos_b\)"):
     hard_fn(rewards, groups, mask)
   hard = np.asarray(hard_fn(rewards, groups, mask, tree=(parent, fork)))
-  np.testing.assert_allclose(hard[:2, :4], 0.0, atol=1e-6)   # rows 0 and 1 share 4 tokens: (Â + (-Â)) / 2
+  np.testing.assert_allclose(hard[:2, :4], 0.0, atol=1e-6)  # rows 0 and 1 share 4 tokens: (Â + (-Â)) / 2
   np.testing.assert_allclose(hard[:, 4:], soft[:, 4:])
   np.testing.assert_allclose(hard[2:], soft[2:])

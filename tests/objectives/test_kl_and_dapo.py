@@ -1,4 +1,5 @@
 """KL estimators against verl's kl_penalty; DAPO's group filter and overlong shaping."""
+
 import jax
 import numpy as np
 import pytest
@@ -13,8 +14,7 @@ def test_kl_estimators_match_verl(name):
   logp = rng.normal(-2, 1.5, (3, 8)).astype(np.float32)
   ref_logp = (logp + rng.normal(0, 2.0, (3, 8))).astype(np.float32)
   ref_logp[0, 0] = logp[0, 0] + 30.0  # exercises the ±20 / ±10 clamps of low_var_kl
-  np.testing.assert_allclose(obj.kl(name)(logp, ref_logp), ref.kl_penalty(logp, ref_logp, name),
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(obj.kl(name)(logp, ref_logp), ref.kl_penalty(logp, ref_logp, name), rtol=1e-5, atol=1e-6)
 
 
 def test_k3_is_nonnegative_and_zero_at_equality():
@@ -37,8 +37,7 @@ def test_kl_reward_penalty_is_minus_coef_kl_on_valid_tokens():
   logp = np.array([[-1.0, -2.0, -3.0]], np.float32)
   ref_logp = np.array([[-1.5, -1.0, 0.0]], np.float32)
   mask = np.array([[1, 1, 0]], np.float32)
-  np.testing.assert_allclose(obj.kl_reward_penalty(logp, ref_logp, mask, coef=0.1),
-                             [[-0.05, 0.1, 0.0]], rtol=1e-6)
+  np.testing.assert_allclose(obj.kl_reward_penalty(logp, ref_logp, mask, coef=0.1), [[-0.05, 0.1, 0.0]], rtol=1e-6)
 
 
 def test_dynamic_sampling_keeps_groups_with_signal_and_singletons():

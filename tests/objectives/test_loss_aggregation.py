@@ -1,4 +1,5 @@
 """Aggregation modes against verl's agg_loss, and exact gradient accumulation over micro-batches."""
+
 import functools
 
 import jax
@@ -21,8 +22,7 @@ def _batch(seed=0, b=6, t=7):
 @pytest.mark.parametrize("mode", obj.AGG_MODES)
 def test_modes_match_verl_agg_loss(mode):
   loss, mask = _batch()
-  np.testing.assert_allclose(obj.aggregate(loss, mask, mode), ref.agg_loss(loss, mask, mode),
-                             rtol=1e-6)
+  np.testing.assert_allclose(obj.aggregate(loss, mask, mode), ref.agg_loss(loss, mask, mode), rtol=1e-6)
 
 
 def test_mode_definitions_by_hand():
@@ -39,8 +39,9 @@ def test_all_padding_rows_change_nothing():
   pad_loss = np.concatenate([loss, np.full((2, loss.shape[1]), np.nan, np.float32)])
   pad_mask = np.concatenate([mask, np.zeros((2, mask.shape[1]), np.float32)])
   for mode in obj.AGG_MODES:
-    np.testing.assert_allclose(obj.aggregate(pad_loss, pad_mask, mode),
-                               obj.aggregate(loss, mask, mode), rtol=1e-6, err_msg=mode)
+    np.testing.assert_allclose(
+      obj.aggregate(pad_loss, pad_mask, mode), obj.aggregate(loss, mask, mode), rtol=1e-6, err_msg=mode
+    )
 
 
 # A tiny "policy": logits = hidden @ W.T, so the accumulated gradient is the one a trainer would apply
@@ -71,26 +72,26 @@ def _setup(seed=0):
 def _loss(w_vd, hidden, targets, old, adv, mask, *, name, mode, normalizer=None, **hp):
   logp, ent = _logp_entropy(hidden, w_vd, targets)
   kw = {"entropy": ent} if name == "aepo" else {}
-  return obj.policy_loss(name)(logp, old, adv, mask, agg=mode, normalizer=normalizer, **kw,
-                               **hp)[0]
+  return obj.policy_loss(name)(logp, old, adv, mask, agg=mode, normalizer=normalizer, **kw, **hp)[0]
 
 
-@pytest.mark.parametrize("name, mode", [("aepo", mode) for mode in obj.AGG_MODES] + [
-    ("ppo", "token-mean"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")])
+@pytest.mark.parametrize(
+  "name, mode",
+  [("aepo", mode) for mode in obj.AGG_MODES]
+  + [("ppo", "token-mean"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")],
+)
 def test_micro_batch_accumulation_reproduces_full_batch_gradient(name, mode):
   w, hidden, targets, old, adv, mask = _setup()
   hp = {}
   if name == "aepo":  # entropy statistics taken once over the whole mini-batch
     _, ent = _logp_entropy(hidden, w, targets)
     hp = dict(zip(("entropy_mean", "entropy_std"), obj.entropy_stats(ent, mask)))
-  full = jax.jit(jax.grad(functools.partial(_loss, name=name, mode=mode, **hp)))(
-      w, hidden, targets, old, adv, mask)
+  full = jax.jit(jax.grad(functools.partial(_loss, name=name, mode=mode, **hp)))(w, hidden, targets, old, adv, mask)
   normalizer = obj.loss_normalizer(mask, mode)
   micro_grad = jax.jit(jax.grad(functools.partial(_loss, name=name, mode=mode, **hp)))
   acc = jnp.zeros_like(w)
   for sl in (slice(0, 4), slice(4, 6), slice(6, 8)):  # uneven token counts, two shapes
-    acc += micro_grad(w, hidden[sl], targets[sl], old[sl], adv[sl], mask[sl],
-                      normalizer=normalizer)
+    acc += micro_grad(w, hidden[sl], targets[sl], old[sl], adv[sl], mask[sl], normalizer=normalizer)
   np.testing.assert_allclose(acc, full, rtol=2e-5, atol=1e-7)
 
 
@@ -100,11 +101,11 @@ def test_verl_dynamic_bsz_weighting_is_a_sequence_weighted_mean_of_micro_token_m
   loss = jax.jit(functools.partial(_loss, name="ppo", mode="token-mean"))
   micro = (slice(0, 4), slice(4, 8))
   n_total = obj.num_sequences(mask)
-  verl = sum(loss(w, hidden[s], targets[s], old[s], adv[s], mask[s])
-             * obj.dynamic_bsz_scale(mask[s], n_total) for s in micro)
+  verl = sum(
+    loss(w, hidden[s], targets[s], old[s], adv[s], mask[s]) * obj.dynamic_bsz_scale(mask[s], n_total) for s in micro
+  )
   logp, _ = _logp_entropy(hidden, w, targets)
-  per_token, _ = obj.clipped_token_loss(jnp.exp(logp - old), adv, mask, clip_low=0.2,
-                                        clip_high=0.2, clip_c=3.0)
+  per_token, _ = obj.clipped_token_loss(jnp.exp(logp - old), adv, mask, clip_low=0.2, clip_high=0.2, clip_c=3.0)
   want = sum(obj.masked_mean(per_token[s], mask[s]) * mask[s].shape[0] / B for s in micro)
   np.testing.assert_allclose(verl, want, rtol=1e-5)
   assert abs(float(verl) - float(loss(w, hidden, targets, old, adv, mask))) > 1e-4

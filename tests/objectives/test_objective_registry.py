@@ -1,4 +1,5 @@
 """Registries, and every loss under jit, vmap and repeated calls."""
+
 import functools
 
 import jax
@@ -12,15 +13,17 @@ from aepo_jax.objectives._registry import POLICY_LOSSES
 
 def test_registered_names():
   assert obj.list_policy_losses() == sorted(
-      ["ppo", "grpo", "arpo", "dapo", "gspo", "gppo", "cispo", "aepo", "reinforce"])
+    ["ppo", "grpo", "arpo", "dapo", "gspo", "gppo", "cispo", "aepo", "reinforce"]
+  )
   assert obj.list_advantages() == ["grpo", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
   assert {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"} == set(obj.list_kl_estimators())
   assert obj.policy_loss("grpo") is obj.policy_loss("ppo") is obj.policy_loss("arpo")
 
 
 def test_defaults_are_the_spec_values():
-  assert obj.policy_loss_defaults("ppo") == dict(clip_low=0.2, clip_high=0.2, clip_c=3.0,
-                                                 agg="token-mean", normalizer=None)
+  assert obj.policy_loss_defaults("ppo") == dict(
+    clip_low=0.2, clip_high=0.2, clip_c=3.0, agg="token-mean", normalizer=None
+  )
   d = obj.policy_loss_defaults("aepo")
   assert (d["entropy_advantage_coef"], d["preserve_high_clip_grad"], d["clip_c"]) == (0.2, True, 3.0)
   assert obj.policy_loss_defaults("dapo")["clip_high"] == 0.28
@@ -47,8 +50,9 @@ def test_register_new_loss_and_refuse_name_clash():
   try:
     assert obj.policy_loss("test_only_half_ppo") is half
     new, old, adv, mask, _ = _batch(6)
-    np.testing.assert_allclose(half(new, old, adv, mask)[0],
-                               0.5 * obj.policy_loss("ppo")(new, old, adv, mask)[0], rtol=1e-6)
+    np.testing.assert_allclose(
+      half(new, old, adv, mask)[0], 0.5 * obj.policy_loss("ppo")(new, old, adv, mask)[0], rtol=1e-6
+    )
     with pytest.raises(ValueError, match="already registered"):
       obj.register_policy_loss("ppo")(half)
   finally:  # keep the global registry as the other tests expect it
@@ -93,8 +97,14 @@ def test_metrics_are_finite_scalars_with_prefix(name):
   new, old, adv, mask, ent = _batch(4)
   loss, metrics = obj.policy_loss(name)(new, old, adv, mask, entropy=ent)
   assert jnp.shape(loss) == ()
-  for key in ("actor/pg_clipfrac_upper", "actor/pg_clipfrac_lower", "actor/dual_clipfrac",
-              "actor/ppo_kl", "actor/ratio_mean", "actor/pg_loss"):
+  for key in (
+    "actor/pg_clipfrac_upper",
+    "actor/pg_clipfrac_lower",
+    "actor/dual_clipfrac",
+    "actor/ppo_kl",
+    "actor/ratio_mean",
+    "actor/pg_loss",
+  ):
     assert key in metrics, key
   for k, v in metrics.items():
     assert k.startswith("actor/") and jnp.shape(v) == () and np.isfinite(float(v)), k

@@ -1,4 +1,5 @@
 """Policy losses: values on hand-made arrays, analytic per-token gradient weights, AEPO == PPO forward."""
+
 import functools
 
 import jax
@@ -16,10 +17,8 @@ from aepo_jax import objectives as obj
 #   row 0, A = +1: r = 1.1 (inside), 1.5 (upper-clipped), 0.5 (below 1-ε_l: unclipped for A>0)
 #   row 1, A = −1: r = 0.9 (inside), 0.5 (lower-clipped), 2.0 (above 1+ε_h: unclipped for A<0),
 #                  4.0 (dual-clipped, r > c)
-RATIO = np.array([[1.1, 7.0, 1.5, 0.5, 1.0],
-                  [0.9, 0.5, 9.0, 2.0, 4.0]], np.float32)
-MASK = np.array([[1, 0, 1, 1, 0],
-                 [1, 1, 0, 1, 1]], np.float32)
+RATIO = np.array([[1.1, 7.0, 1.5, 0.5, 1.0], [0.9, 0.5, 9.0, 2.0, 4.0]], np.float32)
+MASK = np.array([[1, 0, 1, 1, 0], [1, 1, 0, 1, 1]], np.float32)
 ADV = np.array([[1.0] * 5, [-1.0] * 5], np.float32)
 OLD = np.zeros_like(RATIO)
 NEW = np.log(RATIO)
@@ -63,7 +62,9 @@ def test_ppo_value_and_metrics_by_hand():
   assert float(metrics["actor/pg_loss"]) == float(loss)
 
 
-@pytest.mark.parametrize("name, kw, weights", [
+@pytest.mark.parametrize(
+  "name, kw, weights",
+  [
     ("ppo", {}, PPO_F),
     ("grpo", {}, PPO_F),
     ("aepo", {"entropy_advantage_coef": 0.0}, AEPO_F),
@@ -74,7 +75,8 @@ def test_ppo_value_and_metrics_by_hand():
     ("dapo", {}, [1.1, 0.0, 0.5, 0.9, 0.0, 2.0, 4.0]),
     ("cispo", {"clip_low": 0.2, "clip_high": 0.2}, CISPO_F),
     ("reinforce", {}, [1.0] * 7),
-])
+  ],
+)
 def test_gradient_equals_analytic_token_weights(name, kw, weights):
   got = _grad_logp(obj.policy_loss(name), **kw)
   np.testing.assert_allclose(got, _expected_grad(_valid(weights)), rtol=1e-5, atol=1e-7)
@@ -140,8 +142,7 @@ def test_aepo_entropy_advantage_gradient_weights():
   h_hat = (entropy - valid.mean()) / valid.std(ddof=1)
   adv_t = ADV * (1 + 0.2 * h_hat)
   aepo = obj.policy_loss("aepo")
-  got = np.asarray(jax.grad(lambda lp: aepo(lp, OLD, ADV, MASK, entropy=jnp.asarray(entropy))[0])(
-      jnp.asarray(NEW)))
+  got = np.asarray(jax.grad(lambda lp: aepo(lp, OLD, ADV, MASK, entropy=jnp.asarray(entropy))[0])(jnp.asarray(NEW)))
   want = _expected_grad(_valid(AEPO_F), adv=adv_t)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
   # The factor is detached: no gradient reaches the entropy.
@@ -197,16 +198,19 @@ def test_masked_positions_never_contribute(name):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), scale=st.floats(0.01, 2.0),
-       clip=st.sampled_from([(0.2, 0.2, 3.0), (0.2, 0.28, None), (0.1, 0.3, 1.5)]))
+@given(
+  seed=st.integers(0, 2**31 - 1),
+  scale=st.floats(0.01, 2.0),
+  clip=st.sampled_from([(0.2, 0.2, 3.0), (0.2, 0.28, None), (0.1, 0.3, 1.5)]),
+)
 def test_property_aepo_with_both_features_off_is_ppo(seed, scale, clip):
   new, old, adv, mask, entropy = _random_batch(seed, scale=scale)
   clip_low, clip_high, clip_c = clip
   hp = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c)
   ppo = lambda lp: obj.policy_loss("ppo")(lp, old, adv, mask, **hp)  # noqa: E731
   aepo = lambda lp: obj.policy_loss("aepo")(  # noqa: E731
-      lp, old, adv, mask, entropy=entropy, entropy_advantage_coef=0.0,
-      preserve_high_clip_grad=False, **hp)
+    lp, old, adv, mask, entropy=entropy, entropy_advantage_coef=0.0, preserve_high_clip_grad=False, **hp
+  )
   (lp_, mp), gp = jax.value_and_grad(ppo, has_aux=True)(jnp.asarray(new))
   (la, ma), ga = jax.value_and_grad(aepo, has_aux=True)(jnp.asarray(new))
   assert float(la) == float(lp_)
@@ -218,12 +222,15 @@ def test_property_aepo_with_both_features_off_is_ppo(seed, scale, clip):
   assert float(la2) == float(lp_)
 
 
-@pytest.mark.parametrize("bad, match", [
+@pytest.mark.parametrize(
+  "bad, match",
+  [
     (dict(clip_low=1.5), "clip_low=1.5"),
     (dict(clip_high=-0.1), "clip_high=-0.1"),
     (dict(clip_c=0.5), "clip_c=0.5"),
     (dict(agg="token-sum"), "unknown aggregation mode"),
-])
+  ],
+)
 def test_bad_hyperparameters_are_named(bad, match):
   with pytest.raises(ValueError, match=match):
     obj.policy_loss("ppo")(NEW, OLD, ADV, MASK, **bad)

@@ -1,5 +1,6 @@
 """Two JAX processes (4 fake CPU devices each, gloo collectives) load one checkpoint sharded over an 8-device
 mesh: each process fills only its own shards, and the sharded forward equals the single-process one."""
+
 import json
 import os
 import socket
@@ -55,8 +56,16 @@ def test_two_process_sharded_load_and_forward(tmp_path):
   path = testing.tiny_hf_checkpoint("llama_rope", tmp_path / "ckpt")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(port), str(i), path, str(tmp_path / f"out{i}.npy")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _WORKER, str(port), str(i), path, str(tmp_path / f"out{i}.npy")],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     results = [p.communicate(timeout=300) for p in procs]
   finally:

@@ -9,6 +9,7 @@
   device;
 * a host-local copy of global parameters (`parallel.to_host_local`) equals them, in the rollout dtype.
 """
+
 import contextlib
 import re
 
@@ -24,8 +25,16 @@ from aepo_jax.train._batch import batch_sharding
 
 # Sizes chosen to be recognisable in HLO shapes: 24 global rows per micro-batch (3 per device over data x fsdp = 8,
 # or 6 over 4), 40 tokens; no model dimension is 24, 40 or 960 (= 24 x 40).
-CFG = model_lib.preset("qwen3-0.6b", num_layers=2, hidden_size=64, intermediate_size=176, num_heads=4, num_kv_heads=2,
-                       head_dim=16, vocab_size=320)
+CFG = model_lib.preset(
+  "qwen3-0.6b",
+  num_layers=2,
+  hidden_size=64,
+  intermediate_size=176,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  vocab_size=320,
+)
 ROWS, T = 24, 40
 
 
@@ -37,11 +46,16 @@ def _lowered_update(mesh):
   opt = _optim.make_optimizer(1e-3)
   step = _step.make_update_step(CFG, loss_fn="ppo", optimizer=opt, micro_batches=1, mesh=mesh)
   params = _abstract(model_lib.param_shapes(CFG), model_lib.param_shardings(CFG, mesh))
-  opt_state = _abstract(jax.eval_shape(opt.init, model_lib.param_shapes(CFG)), _step.opt_state_shardings(CFG, opt, mesh))
+  opt_state = _abstract(
+    jax.eval_shape(opt.init, model_lib.param_shapes(CFG)), _step.opt_state_shardings(CFG, opt, mesh)
+  )
   b_sh = batch_sharding(mesh)
-  batch = {k: jax.ShapeDtypeStruct((1, ROWS, T), jnp.int32 if k in ("tokens", "attention_mask", "loss_mask")
-                                   else jnp.float32, sharding=b_sh)
-           for k in ("tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages")}
+  batch = {
+    k: jax.ShapeDtypeStruct(
+      (1, ROWS, T), jnp.int32 if k in ("tokens", "attention_mask", "loss_mask") else jnp.float32, sharding=b_sh
+    )
+    for k in ("tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages")
+  }
   return step.lower(params, opt_state, batch)
 
 
@@ -87,6 +101,7 @@ def test_no_buffer_of_the_update_step_holds_all_global_rows(mesh_2x2x2):
 def _decode_all_gathers(mesh):
   """Shapes of the all-gathers inside the while loops of the compiled decode program on `mesh`."""
   from aepo_jax.rollout import Engine
+
   engine = Engine(CFG, max_slots=8, max_len=64, eos_ids=(0,), mesh=mesh, cpu_kernels=False)
   weights = _abstract(model_lib.param_shapes(CFG), model_lib.param_shardings(CFG, mesh))
   hlo = engine.lower_decode(weights, 4).compile().as_text()
@@ -113,26 +128,31 @@ def _weight_shapes():
 def test_decode_loop_gathers_no_layer_weight_on_a_tensor_parallel_rollout_mesh():
   weights = _weight_shapes()
   tensor = local_mesh({"data": 1, "fsdp": 1, "tensor": 2}, jax.devices()[:2])
-  gathered = [s for s in _decode_all_gathers(tensor) if s[s.index("["):] in weights]
+  gathered = [s for s in _decode_all_gathers(tensor) if s[s.index("[") :] in weights]
   assert not gathered, f"weights all-gathered inside the decode loop: {gathered}"
   # The engine on an fsdp mesh (weights split like the training state) gathers them every step: the check sees it.
   fsdp = local_mesh({"data": 1, "fsdp": 2, "tensor": 1}, jax.devices()[:2])
-  assert [s for s in _decode_all_gathers(fsdp) if s[s.index("["):] in weights]
+  assert [s for s in _decode_all_gathers(fsdp) if s[s.index("[") :] in weights]
 
 
 @pytest.mark.parametrize("source", ["random", "hf"])
 def test_model_loads_sharded_onto_the_mesh(tmp_path, source):
   from aepo_jax.train import base_config
   from aepo_jax.train._wiring import load_model
+
   mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   config = base_config()
   if source == "random":
     config.model.init, config.model.name = "random", "qwen3-0.6b"
-    config.model.overrides.update(dict(num_layers=2, hidden_size=64, intermediate_size=176, num_heads=4,
-                                       num_kv_heads=2, head_dim=16, vocab_size=320))
+    config.model.overrides.update(
+      dict(
+        num_layers=2, hidden_size=64, intermediate_size=176, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=320
+      )
+    )
     config.model.tokenizer = ""
   else:
     from aepo_jax.testing import tiny_hf_checkpoint, tiny_tokenizer
+
     config.model.name = tiny_hf_checkpoint("qwen3", tmp_path / "hf")
     config.model.tokenizer = tiny_tokenizer(tmp_path / "tok")
   cfg, params, _ = load_model(config, mesh)
@@ -141,13 +161,16 @@ def test_model_loads_sharded_onto_the_mesh(tmp_path, source):
     assert len(x.sharding.device_set) == 8, (path, x.sharding)  # on the whole mesh, never one device
     assert x.sharding.is_equivalent_to(sh, x.ndim), (path, x.sharding, sh)
   big = [x for x in jax.tree.leaves(params) if x.size >= 4096]  # the matrices (norm scales stay replicated)
-  assert big and all(np.prod(x.sharding.shard_shape(x.shape)) < np.prod(x.shape) for x in big)  # each device holds a part
+  assert big and all(
+    np.prod(x.sharding.shard_shape(x.shape)) < np.prod(x.shape) for x in big
+  )  # each device holds a part
 
 
 def test_host_local_copy_equals_the_global_parameters():
   mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   params = jax.jit(lambda k: model_lib.init_params(CFG, k), out_shardings=model_lib.param_shardings(CFG, mesh))(
-      jax.random.PRNGKey(0))
+    jax.random.PRNGKey(0)
+  )
   rollout_mesh = local_mesh({"data": 1, "fsdp": 1, "tensor": 2}, jax.devices()[:2])
   shardings = model_lib.param_shardings(CFG.replace(param_dtype="bfloat16"), rollout_mesh)
   local = to_host_local(params, shardings, "bfloat16")

@@ -1,4 +1,5 @@
 """Sharded forward == unsharded forward on 8 fake CPU devices; sharded load_hf places params as the rules say."""
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -9,8 +10,17 @@ from aepo_jax import model, parallel, testing
 
 # Tiny dims divisible by every mesh axis used here (heads 4, mlp 128, vocab 320, embed 64); 2 KV heads do not
 # divide tensor=4, so the rules' divisibility fallback replicates them.
-CONFIG = model.ModelConfig(family="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True)
+CONFIG = model.ModelConfig(
+  family="qwen2",
+  vocab_size=320,
+  hidden_size=64,
+  intermediate_size=128,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  attention_bias=True,
+)
 TOL = 1e-5  # only the reduction order changes
 
 
@@ -40,8 +50,10 @@ def test_sharded_forward_equals_unsharded(reference, shape):
   tokens, mask = _inputs()
   batch = NamedSharding(mesh, P(("data", "fsdp")))
   with mesh, nn.logical_axis_rules(parallel.DEFAULT_RULES):
-    fwd = jax.jit(lambda p, x, m: model.forward(CONFIG, p, x, attention_mask=m),
-                  out_shardings=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")))
+    fwd = jax.jit(
+      lambda p, x, m: model.forward(CONFIG, p, x, attention_mask=m),
+      out_shardings=NamedSharding(mesh, P(("data", "fsdp"), None, "tensor")),
+    )
     logits = fwd(sharded, jax.device_put(tokens, batch), jax.device_put(mask, batch))
   assert len(logits.sharding.device_set) == 8
   valid = mask.astype(bool)
@@ -54,8 +66,9 @@ def test_sharded_load_hf_places_params(tmp_path):
   config, params = model.load_hf(path, mesh=mesh)
   _, plain = model.load_hf(path)
   expected = model.param_shardings(config, mesh)
-  jax.tree.map(lambda x, s: (x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(f"{x.sharding} != {s}")),
-               params, expected)
+  jax.tree.map(
+    lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(f"{x.sharding} != {s}"), params, expected
+  )
   assert params["embed_tokens"]["embedding"].sharding.spec == P("tensor", "fsdp")
   assert params["layers"]["mlp"]["down_proj"]["kernel"].sharding.spec == P(None, "tensor", "fsdp")
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params, plain)
@@ -65,8 +78,15 @@ def test_sharded_load_hf_places_params(tmp_path):
 
 
 def test_initialize_distributed_is_noop_on_one_host(monkeypatch):
-  for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "TPU_WORKER_HOSTNAMES",
-              "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+  for key in (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+  ):
     monkeypatch.delenv(key, raising=False)
   assert parallel.initialize_distributed() == (0, 1)
   assert not jax.distributed.is_initialized()

@@ -1,4 +1,5 @@
 """use_cpu_xla_flags: adds the XLA:CPU defaults, never overrides the user's own setting, and XLA accepts them."""
+
 import os
 import subprocess
 import sys
@@ -21,8 +22,10 @@ def test_adds_missing_flags_and_keeps_the_users():
 def test_xla_accepts_the_flags():
   """XLA aborts the process on an unknown flag: a fresh interpreter compiles and runs a dot with them."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
-  code = ("from aepo_jax.parallel import use_cpu_xla_flags; use_cpu_xla_flags(); import jax, jax.numpy as jnp; "
-          "x = jnp.ones((64, 64)); print(float(jax.jit(lambda a: jax.nn.logsumexp(a @ a, -1).sum())(x)))")
+  code = (
+    "from aepo_jax.parallel import use_cpu_xla_flags; use_cpu_xla_flags(); import jax, jax.numpy as jnp; "
+    "x = jnp.ones((64, 64)); print(float(jax.jit(lambda a: jax.nn.logsumexp(a @ a, -1).sum())(x)))"
+  )
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert abs(float(out.stdout.split()[-1]) - 64 * (64 + 4.1588830833596715)) < 1e-2
@@ -31,6 +34,7 @@ def test_xla_accepts_the_flags():
 def test_cpu_flags_stay_off_other_platforms(monkeypatch):
   """XLA:TPU and XLA:GPU reject unknown flags: on them the CPU flags are not set (and JAX_PLATFORMS is left)."""
   from aepo_jax.parallel import platform_is_cpu, use_cpu_xla_flags
+
   monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
   monkeypatch.setenv("JAX_PLATFORMS", "tpu")
   assert not platform_is_cpu()

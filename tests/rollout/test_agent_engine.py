@@ -3,6 +3,7 @@
 Tool calls are forced by a tiny vocabulary: token 2 decodes to a whole `<python>1+1</python>` call and is the
 engine's stop sequence, so a random model calls the tool about once per 16 tokens.
 """
+
 import threading
 import time
 
@@ -18,8 +19,18 @@ from aepo_jax.tools import ToolSet
 
 VOCAB = ["<pad>", "<eos>", "<python>1+1</python>", " <result>\n", "\n</result>", "2"] + list("abcdefghij")
 PAD, EOS, CALL, R_OPEN, R_CLOSE, TWO = range(6)
-CONFIG = ModelConfig(family="llama", vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_layers=2,
-                     num_heads=4, num_kv_heads=2, head_dim=8, eos_token_ids=(EOS,), pad_token_id=PAD)
+CONFIG = ModelConfig(
+  family="llama",
+  vocab_size=len(VOCAB),
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  eos_token_ids=(EOS,),
+  pad_token_id=PAD,
+)
 
 
 class VocabTokenizer:
@@ -51,8 +62,9 @@ _ENGINES = {}
 
 def _loop(max_slots=8, tool=lambda code: "2", chunk=8):
   if max_slots not in _ENGINES:  # one engine per size: its jitted functions compile once per module
-    _ENGINES[max_slots] = Engine(CONFIG, max_slots=max_slots, max_len=96, eos_ids=[EOS], stop_sequences=[[CALL]],
-                                 entropy_window=20, topk_entropy=4)
+    _ENGINES[max_slots] = Engine(
+      CONFIG, max_slots=max_slots, max_len=96, eos_ids=[EOS], stop_sequences=[[CALL]], entropy_window=20, topk_entropy=4
+    )
   engine = _ENGINES[max_slots]
   tools = ToolSet({"python": tool}, call_limit=10, retry_count=1, max_workers=8)
   cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=chunk, tool_tags=("python",))
@@ -79,13 +91,13 @@ def test_multi_turn_arpo_on_real_engine(params, mode):
     ent = -(np.exp(logp) * logp).sum(-1)
     for b in range(len(tr)):
       p0, n = tr.prompt_len_b[b], tr.response_len_b[b]
-      toks, mask = tr.tokens_bt[b, p0:p0 + n], tr.loss_mask_bt[b, p0:p0 + n]
+      toks, mask = tr.tokens_bt[b, p0 : p0 + n], tr.loss_mask_bt[b, p0 : p0 + n]
       # Tool-result tokens (mask 0) are exactly the formatted results, each right after a call.
       zero = np.nonzero(mask == 0)[0]
       assert len(zero) % 3 == 0
       for start in zero[::3]:
-        assert toks[start - 1] == CALL and toks[start:start + 3].tolist() == [R_OPEN, TWO, R_CLOSE]
-      assert (tr.loss_mask_bt[b, p0 + n:] == 0).all() and (tr.loss_mask_bt[b, :p0] == 0).all()
+        assert toks[start - 1] == CALL and toks[start : start + 3].tolist() == [R_OPEN, TWO, R_CLOSE]
+      assert (tr.loss_mask_bt[b, p0 + n :] == 0).all() and (tr.loss_mask_bt[b, :p0] == 0).all()
       # Sampled tokens: engine log-probs / entropies equal a teacher-forced forward (forks included).
       sampled = np.nonzero(mask == 1)[0]
       if tr.stop_reason_b[b] == "call_limit":
@@ -124,8 +136,9 @@ def test_slow_tool_overlaps_decoding(params):
 @pytest.mark.slow
 def test_more_trajectories_than_slots_are_queued(params):
   loop = _loop(max_slots=2)
-  tr = loop.rollout(params, PROMPTS, rollout_policy("aepo", n=3, initial_rollouts=2, enable_dynamic_rollouts=True),
-                    seed=5)
+  tr = loop.rollout(
+    params, PROMPTS, rollout_policy("aepo", n=3, initial_rollouts=2, enable_dynamic_rollouts=True), seed=5
+  )
   assert np.bincount(tr.group_id_b).tolist() == [3, 3, 3]
   assert np.isfinite(tr.stats["rollout/probe_h_root"])
 

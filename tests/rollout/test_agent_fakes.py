@@ -5,6 +5,7 @@ release, host_info) on host numpy, with segments whose length, ending (tool call
 per-slot seeded generator and a test-supplied script. It exists only to test the POLICIES (budget, order,
 branch rates, concentration) under controlled entropies; the real engine is tested in test_agent_engine.py.
 """
+
 import dataclasses
 import math
 import string
@@ -57,12 +58,12 @@ def default_script(rng, after_tool: bool):
 @dataclasses.dataclass
 class _Slot:
   tokens: list = dataclasses.field(default_factory=list)
-  gen: list = dataclasses.field(default_factory=list)    # per position: (entropy, topk entropy) or None
+  gen: list = dataclasses.field(default_factory=list)  # per position: (entropy, topk entropy) or None
   active: bool = False
   stop: int = 0
   budget: int = 0
   rng: object = None
-  plan: list = dataclasses.field(default_factory=list)   # tokens still to emit in this segment
+  plan: list = dataclasses.field(default_factory=list)  # tokens still to emit in this segment
   plan_h: float = 0.0
   seg_start: int = 0
 
@@ -108,8 +109,12 @@ class ScriptedEngine:
   def decode(self, params, state, num_steps):
     self.decode_calls += 1
     shape = (self.max_slots, num_steps)
-    out = types.SimpleNamespace(token=np.zeros(shape, np.int32), logprob=np.zeros(shape, np.float32),
-                                entropy=np.zeros(shape, np.float32), valid=np.zeros(shape, bool))
+    out = types.SimpleNamespace(
+      token=np.zeros(shape, np.int32),
+      logprob=np.zeros(shape, np.float32),
+      entropy=np.zeros(shape, np.float32),
+      valid=np.zeros(shape, bool),
+    )
     log_v = math.log(self.config.vocab_size)
     for s, slot in enumerate(state):
       for k in range(num_steps):
@@ -132,8 +137,17 @@ class ScriptedEngine:
   def copy_slots(self, state, src, dst, seeds=None):
     for s, d, seed in zip(src, dst, seeds):
       a = state[s]
-      state[d] = _Slot(list(a.tokens), list(a.gen), a.active, a.stop, a.budget, np.random.default_rng(seed),
-                       list(a.plan), a.plan_h, a.seg_start)
+      state[d] = _Slot(
+        list(a.tokens),
+        list(a.gen),
+        a.active,
+        a.stop,
+        a.budget,
+        np.random.default_rng(seed),
+        list(a.plan),
+        a.plan_h,
+        a.seg_start,
+      )
     return state
 
   def truncate(self, state, slots, lengths):
@@ -151,21 +165,24 @@ class ScriptedEngine:
     return state
 
   def host_info(self, state):
-    info = {k: np.zeros(self.max_slots, np.float32 if "sum" in k else np.int32) for k in (
-        "length", "stop_reason", "seg_count", "seg_entropy_sum", "seg_topk_entropy_sum")}
+    info = {
+      k: np.zeros(self.max_slots, np.float32 if "sum" in k else np.int32)
+      for k in ("length", "stop_reason", "seg_count", "seg_entropy_sum", "seg_topk_entropy_sum")
+    }
     info["active"] = np.zeros(self.max_slots, bool)
     for s, slot in enumerate(state):
-      seg = [g for g in slot.gen[slot.seg_start:] if g is not None]
+      seg = [g for g in slot.gen[slot.seg_start :] if g is not None]
       info["length"][s], info["active"][s], info["stop_reason"][s] = len(slot.tokens), slot.active, slot.stop
       info["seg_count"][s] = len(seg)
-      info["seg_entropy_sum"][s] = sum(g[0] for g in seg[:self.window])
-      info["seg_topk_entropy_sum"][s] = sum(g[1] for g in seg[:self.window])
+      info["seg_entropy_sum"][s] = sum(g[0] for g in seg[: self.window])
+      info["seg_topk_entropy_sum"][s] = sum(g[1] for g in seg[: self.window])
     return info
 
 
 def make_tools(fail_rate=0.0, seed=0, sleep_s=0.0, call_limit=100):
   """A real ToolSet over a scripted python tool: empty output (a failure after retries) with prob fail_rate."""
   from aepo_jax.tools import ToolSet
+
   rng, lock = np.random.default_rng(seed), threading.Lock()
 
   def tool(code):

@@ -2,6 +2,7 @@
 (and which tokens the loss sees), and the evaluation's per-generation-call token cap (vLLM max_tokens), which is
 separate from the trajectory's budget: every call may sample up to the cap, a call that reaches it ends the
 trajectory."""
+
 import numpy as np
 import pytest
 
@@ -14,8 +15,14 @@ PROMPTS = [TOK.encode("Q1?"), TOK.encode("What is 2+2?")]
 
 def _run(fill, cap, max_len=200, max_calls=3, result_mode="train"):
   engine = ScriptedEngine(max_slots=4, script=lambda rng, after_tool: (fill, True, 1.0))
-  cfg = AgentConfig(max_response_len=max_len, max_tool_calls=max_calls, chunk_steps=4, tool_tags=("python",),
-                    max_tokens_per_call=cap, result_mode=result_mode)
+  cfg = AgentConfig(
+    max_response_len=max_len,
+    max_tool_calls=max_calls,
+    chunk_steps=4,
+    tool_tags=("python",),
+    max_tokens_per_call=cap,
+    result_mode=result_mode,
+  )
   loop = AgentLoop(engine, TOK, make_tools(), cfg)
   return loop.rollout(None, PROMPTS, rollout_policy("none", n=1, initial_rollouts=1), seed=0), loop
 
@@ -48,14 +55,19 @@ def test_a_negative_cap_is_refused():
     AgentConfig(max_tokens_per_call=-1)
 
 
-@pytest.mark.parametrize("mode,text", [("train", " <result>\n2\n</result>"),   # spec §1.2 2.4, §4
-                                       ("eval", "<result>2</result>")])         # spec §2.5: no newlines
+@pytest.mark.parametrize(
+  "mode,text",
+  [
+    ("train", " <result>\n2\n</result>"),  # spec §1.2 2.4, §4
+    ("eval", "<result>2</result>"),
+  ],
+)  # spec §2.5: no newlines
 def test_tool_results_are_written_as_the_spec_says_and_get_no_loss(mode, text):
   traj, _ = _run(fill=2, cap=0, max_calls=1, result_mode=mode)
-  row = traj.tokens_bt[0, traj.prompt_len_b[0]:traj.prompt_len_b[0] + traj.response_len_b[0]]
-  mask = np.asarray(traj.loss_mask_bt[0, traj.prompt_len_b[0]:traj.prompt_len_b[0] + traj.response_len_b[0]])
+  row = traj.tokens_bt[0, traj.prompt_len_b[0] : traj.prompt_len_b[0] + traj.response_len_b[0]]
+  mask = np.asarray(traj.loss_mask_bt[0, traj.prompt_len_b[0] : traj.prompt_len_b[0] + traj.response_len_b[0]])
   call = "xx<python>1+1</python>"
   assert TOK.decode(row) == call + text + call + "<eos>"  # the second call is over the limit: EOS ends it
   result = np.zeros(len(row), bool)
-  result[len(TOK.encode(call)):len(TOK.encode(call + text))] = True
+  result[len(TOK.encode(call)) : len(TOK.encode(call + text))] = True
   assert (mask[result] == 0).all() and (mask[~result] == 1).all()  # everything the model wrote is trained

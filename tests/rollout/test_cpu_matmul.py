@@ -1,5 +1,6 @@
 """The CPU small-M decode kernel (aepo_jax/rollout/_cpu_matmul.py): against numpy, inside the decode forward
 against XLA's dots, the engine's choice of path, and the cache of prepared decode weights."""
+
 import dataclasses
 import gc
 
@@ -37,8 +38,9 @@ def test_kernel_matches_numpy(n, k):
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(k), err_msg=f"M={m} layer={layer}")
   # One part (the caller's thread only) gives the same numbers as the pool-split call.
   x = jnp.asarray(rng.standard_normal((8, k)).astype(np.float32))
-  np.testing.assert_array_equal(_cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=1),
-                                _cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=4))
+  np.testing.assert_array_equal(
+    _cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=1), _cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=4)
+  )
 
 
 def test_kernel_rejects_bad_input():
@@ -51,8 +53,9 @@ def test_kernel_rejects_bad_input():
     _cpu_matmul.matmul_t(x.astype(jnp.bfloat16), jnp.ones((3, 4, 8), jnp.float32), 0)
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 16, 2, 3, 8), (2, 4, 40, 3, 3, 64), (2, 3, 9, 1, 7, 16), (1, 2, 33, 4, 1, 24),
-                                   (1, 3, 21, 2, 5, 128)])
+@pytest.mark.parametrize(
+  "shape", [(3, 5, 16, 2, 3, 8), (2, 4, 40, 3, 3, 64), (2, 3, 9, 1, 7, 16), (1, 2, 33, 4, 1, 24), (1, 3, 21, 2, 5, 128)]
+)
 def test_attention_kernel_matches_numpy(shape):
   """Decode attention read in place from the stacked cache: each slot attends to its entries [0, pos] only (the
   rest of the cache holds garbage it must not read); GQA group sizes 1, 3, 5, 7; head dims 8..128 (tails of the
@@ -73,13 +76,14 @@ def test_attention_kernel_matches_numpy(shape):
     for s in range(S):
       n = pos[s] + 1
       for h in range(KH * G):
-        logits = k[layer, s, :n, h // G].astype(np.float64) @ q[s, h * D:(h + 1) * D] / np.sqrt(D)
+        logits = k[layer, s, :n, h // G].astype(np.float64) @ q[s, h * D : (h + 1) * D] / np.sqrt(D)
         p = np.exp(logits - logits.max())
-        want[s, h * D:(h + 1) * D] = (p / p.sum()) @ v[layer, s, :n, h // G]
+        want[s, h * D : (h + 1) * D] = (p / p.sum()) @ v[layer, s, :n, h // G]
     np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"layer {layer}")
   np.testing.assert_array_equal(  # the caller's thread alone gives the same numbers as the pool-split call
-      _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=1),
-      _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=4))
+    _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=1),
+    _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=4),
+  )
 
 
 def test_attention_kernel_rejects_bad_input():
@@ -105,19 +109,28 @@ def test_off_switch_and_missing_compiler_are_explained(monkeypatch, tmp_path):
 
 
 FAMILIES = {  # together: tied and untied head, q/k/v biases, q/k norms
-    "qwen2_bias_untied": dict(family="qwen2", attention_bias=True, tie_word_embeddings=False),
-    "qwen3_qknorm_tied": dict(family="qwen3", qk_norm=True, tie_word_embeddings=True),
+  "qwen2_bias_untied": dict(family="qwen2", attention_bias=True, tie_word_embeddings=False),
+  "qwen3_qknorm_tied": dict(family="qwen3", qk_norm=True, tie_word_embeddings=True),
 }
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_decode_forward_kernel_equals_xla_dots(family):
-  cfg = ModelConfig(vocab_size=101, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=6, num_kv_heads=2,
-                    head_dim=8, **FAMILIES[family])
+  cfg = ModelConfig(
+    vocab_size=101,
+    hidden_size=48,
+    intermediate_size=80,
+    num_layers=3,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    **FAMILIES[family],
+  )
   params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, init_params(cfg, jax.random.PRNGKey(1)))
   s, max_len = 5, 16
-  cache = {n: jnp.asarray(np.random.default_rng(0).standard_normal((3, s, max_len, 2, 8)), jnp.float32)
-           for n in ("k", "v")}
+  cache = {
+    n: jnp.asarray(np.random.default_rng(0).standard_normal((3, s, max_len, 2, 8)), jnp.float32) for n in ("k", "v")
+  }
   tokens, pos = jnp.asarray([3, 17, 99, 0, 42]), jnp.asarray([0, 4, 9, 15, 2])
   f = jax.jit(decode_forward, static_argnums=(0, 5))
   ref_logits, ref_cache = f(cfg, params, tokens, pos, cache, max_len)
@@ -129,13 +142,22 @@ def test_decode_forward_kernel_equals_xla_dots(family):
 
 
 def test_engine_uses_the_kernel_where_it_applies_and_says_why_not():
-  cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8)
+  cfg = ModelConfig(
+    family="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+  )
   params = init_params(cfg, jax.random.PRNGKey(0))
   assert Engine(cfg, max_slots=4, max_len=16).uses_cpu_kernels(params)
   assert not Engine(cfg, max_slots=4, max_len=16, cpu_kernels=False).uses_cpu_kernels(params)
   assert not Engine(cfg, max_slots=65, max_len=16).uses_cpu_kernels(params)  # large batch: XLA's GEMM
   from aepo_jax.parallel import make_mesh
+
   mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   with pytest.raises(ValueError, match="cpu_kernels=True.*multi-device mesh"):
     Engine(cfg, max_slots=4, max_len=16, mesh=mesh, cpu_kernels=True).uses_cpu_kernels(params)
@@ -145,8 +167,16 @@ def test_engine_uses_the_kernel_where_it_applies_and_says_why_not():
 
 
 def test_prepared_weights_are_made_once_per_parameter_version_and_freed_with_it():
-  cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=8)
+  cfg = ModelConfig(
+    family="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+  )
   params = init_params(cfg, jax.random.PRNGKey(0))
   first = prepared_weights.get(cfg, params)
   assert prepared_weights.get(cfg, params) is first  # reused across calls (and engines)

@@ -1,4 +1,5 @@
 """Engine numerics against a teacher-forced `forward`, forks, rewinds, stop conditions and bad input."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +8,19 @@ import pytest
 from aepo_jax.model import ModelConfig, forward, init_params
 from aepo_jax.rollout import Engine, SamplingParams, STOP_BUDGET, STOP_CACHE_FULL, STOP_EOS, STOP_SEQUENCE
 
-CFG = ModelConfig(family="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, qk_norm=True, attention_bias=True, eos_token_ids=(1,))
+CFG = ModelConfig(
+  family="qwen3",
+  vocab_size=97,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  qk_norm=True,
+  attention_bias=True,
+  eos_token_ids=(1,),
+)
 TOL = 1e-4
 
 
@@ -44,7 +56,7 @@ def check_outputs(params, toks, start, out_row, n, temperature=0.8):
   """tokens toks[start:start+n] were sampled: compare engine outputs with the teacher-forced forward."""
   logp, ent = reference(params, toks, temperature)
   pos = np.arange(start - 1, start - 1 + n)
-  gen = np.asarray(toks[start:start + n])
+  gen = np.asarray(toks[start : start + n])
   np.testing.assert_array_equal(out_row["token"][:n], gen)
   np.testing.assert_allclose(out_row["logprob"][:n], logp[pos, gen], atol=TOL)
   np.testing.assert_allclose(out_row["entropy"][:n], ent[pos], atol=TOL)
@@ -135,11 +147,12 @@ def test_stop_conditions(params):
   first = gen.index(gen[2]) + 1
   assert eos_eng.host_info(s)["stop_reason"][0] == STOP_EOS and int(out.valid[0].sum()) == first
   seq = gen[3:5]
-  stop_eng = Engine(CFG, max_slots=1, max_len=32, eos_ids=(), stop_sequences=[seq, [96, 95, 94]],
-                    sampling=SamplingParams(0.0))
+  stop_eng = Engine(
+    CFG, max_slots=1, max_len=32, eos_ids=(), stop_sequences=[seq, [96, 95, 94]], sampling=SamplingParams(0.0)
+  )
   s = stop_eng.add(params, stop_eng.init_decode_state(), [0], [[5, 6, 7]], [0], 8)
   s, out = stop_eng.decode(params, s, 8)
-  hit = min(i + 2 for i in range(len(gen) - 1) if gen[i:i + 2] == seq)
+  hit = min(i + 2 for i in range(len(gen) - 1) if gen[i : i + 2] == seq)
   assert stop_eng.host_info(s)["stop_reason"][0] == STOP_SEQUENCE and int(out.valid[0].sum()) == hit
   # cache full: max_len 8 with a 3-token prompt stops after 5 tokens, recorded, no wrap-around
   small = Engine(CFG, max_slots=1, max_len=8, eos_ids=(), sampling=SamplingParams(0.0))
@@ -185,6 +198,7 @@ def test_bad_input_is_rejected_before_compute(params, engine):
 
 def test_sharded_cache_matches_single_device(params):
   from aepo_jax.parallel import make_mesh
+
   mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   out = []
   for m in (None, mesh):
@@ -201,9 +215,11 @@ def test_sharded_cache_matches_single_device(params):
 
 def test_generate_queues_more_prompts_than_slots(params):
   from aepo_jax.rollout import generate
+
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
-  queued = generate(CFG, params, prompts, max_new_tokens=6, temperature=0.8, seed=3, max_slots=2, eos_ids=(),
-                    steps_per_call=8)
+  queued = generate(
+    CFG, params, prompts, max_new_tokens=6, temperature=0.8, seed=3, max_slots=2, eos_ids=(), steps_per_call=8
+  )
   at_once = generate(CFG, params, prompts, max_new_tokens=6, temperature=0.8, seed=3, eos_ids=(), steps_per_call=8)
   for a, b in zip(queued, at_once):
     assert a["stop_reason"] == b["stop_reason"] == "length" and len(a["tokens"]) == 6
@@ -215,8 +231,9 @@ def test_compact_decode_runs_only_the_active_slots(params):
   """With few active slots, a decode call gathers them (and inactive padding up to max(4, ceil(S/4)) rows),
   decodes and writes them back: the same tokens, log-probs and entropies as decoding all slots (and as the
   teacher-forced forward), while paused slots, KV rows included, stay untouched (bit for bit)."""
-  engines = {c: Engine(CFG, max_slots=8, max_len=40, eos_ids=(), sampling=SamplingParams(0.8), compact=c)
-             for c in (True, False)}
+  engines = {
+    c: Engine(CFG, max_slots=8, max_len=40, eos_ids=(), sampling=SamplingParams(0.8), compact=c) for c in (True, False)
+  }
   results = {}
   for compact, eng in engines.items():
     s = eng.init_decode_state()

@@ -1,4 +1,5 @@
 """Greedy generation against transformers `generate`, and stop strings with a real tokenizer."""
+
 import importlib.util
 
 import jax
@@ -21,8 +22,9 @@ def test_greedy_matches_transformers_generate(family, tmp_path):
   ours = generate(config, params, prompts, max_new_tokens=12, temperature=0.0, eos_ids=())
   for p, rec in zip(prompts, ours):
     with torch.no_grad():
-      ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                        pad_token_id=0)[0, len(p):].numpy()
+      ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, len(p) :
+      ].numpy()
     np.testing.assert_array_equal(rec["tokens"], ref)
     assert rec["stop_reason"] == "length"
 
@@ -38,12 +40,13 @@ def test_greedy_matches_transformers_on_smollm2(tmp_path):
   config, params = load_pretrained("smollm2-135m-instruct")
   tok = transformers.AutoTokenizer.from_pretrained(path)
   hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-  prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True)
+  prompt = tok.apply_chat_template(
+    [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+  )
   prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
   ours = generate(config, params, [prompt], max_new_tokens=16, temperature=0.0, eos_ids=())[0]
   with torch.no_grad():
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(prompt):]
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None)[0, len(prompt) :]
   np.testing.assert_array_equal(ours["tokens"], ref.numpy())
 
 
@@ -62,8 +65,17 @@ def test_stop_string_python_tag_stops_generation(tmp_path):
   # '</python><result>' tokenizes with a merged '><' token: the closing tag has no token of its own.
   text = "x=1</python><result>"
   target = tok.encode(text, add_special_tokens=False)
-  cfg = ModelConfig(family="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_layers=1,
-                    num_heads=2, num_kv_heads=1, head_dim=32, eos_token_ids=(2,))
+  cfg = ModelConfig(
+    family="llama",
+    vocab_size=len(tok),
+    hidden_size=64,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=32,
+    eos_token_ids=(2,),
+  )
   params = init_params(cfg, jax.random.PRNGKey(0))
   # Make the model a lookup table "previous token -> next token of `target`": embedding rows are one-hot
   # codes and the head maps each code to its successor (attention/MLP output is scaled away).
@@ -78,8 +90,16 @@ def test_stop_string_python_tag_stops_generation(tmp_path):
   for name in ("o_proj",):
     params["layers"]["self_attn"][name]["kernel"] = params["layers"]["self_attn"][name]["kernel"] * 0
   params["layers"]["mlp"]["down_proj"]["kernel"] = params["layers"]["mlp"]["down_proj"]["kernel"] * 0
-  out = generate(cfg, params, [target[:2]], max_new_tokens=30, temperature=0.0, stop_strings=["</python>"],
-                 tokenizer=tok, steps_per_call=8)[0]
+  out = generate(
+    cfg,
+    params,
+    [target[:2]],
+    max_new_tokens=30,
+    temperature=0.0,
+    stop_strings=["</python>"],
+    tokenizer=tok,
+    steps_per_call=8,
+  )[0]
   generated = tok.decode(out["tokens"].tolist())
   assert out["stop_reason"] == "stop_sequence"
   assert generated == "1</python><"  # stops on the token that completes the tag, nothing after it

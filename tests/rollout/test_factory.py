@@ -1,4 +1,5 @@
 """make_engine: the settings every engine user shares (stop strings, EOS ids, greedy settings, the mesh rule)."""
+
 import jax
 import pytest
 
@@ -6,14 +7,25 @@ from aepo_jax.model import ModelConfig
 from aepo_jax.parallel import make_mesh
 from aepo_jax.rollout import SamplingParams, make_engine, stop_sequences_from_strings
 
-CFG = ModelConfig(family="llama", vocab_size=320, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                  num_kv_heads=2, head_dim=8, eos_token_ids=(2,), pad_token_id=0)
+CFG = ModelConfig(
+  family="llama",
+  vocab_size=320,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=1,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  eos_token_ids=(2,),
+  pad_token_id=0,
+)
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
   from aepo_jax.model import Tokenizer
   from aepo_jax.testing import tiny_tokenizer
+
   return Tokenizer.from_dir(tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 
 

@@ -1,6 +1,7 @@
 """Rollout policies driven through the agent loop on a scripted engine (controlled entropies, random tool
 outcomes): budget and order invariants, reproducibility, branch rates vs the formulas, pre-monitoring, and the
 concentration AEPO's penalty targets."""
+
 import collections
 import math
 
@@ -24,17 +25,17 @@ def _loop(script=None, fail_rate=0.0, seed=0, max_slots=8, max_calls=3, max_len=
 def _check_tree(tr, n, m_p):
   g = tr.group_id_b
   assert np.bincount(g).tolist() == [n] * len(PROMPTS)
-  assert (np.diff(g) >= 0).all()                                # rows of a prompt contiguous
+  assert (np.diff(g) >= 0).all()  # rows of a prompt contiguous
   for p in range(len(PROMPTS)):
     rows = np.nonzero(g == p)[0]
     kinds = [tr.kind_b[r] for r in rows]
-    assert kinds[:m_p[p]] == ["global"] * m_p[p]               # global samples first
-    assert "global" not in kinds[m_p[p]:]
+    assert kinds[: m_p[p]] == ["global"] * m_p[p]  # global samples first
+    assert "global" not in kinds[m_p[p] :]
     for r in rows:
       par = tr.parent_b[r]
       assert (par >= 0) == (tr.kind_b[r] == "branch")
       if par >= 0:
-        assert rows[0] <= par < r                               # parent earlier in creation order, same group
+        assert rows[0] <= par < r  # parent earlier in creation order, same group
         f = tr.fork_pos_b[r]
         assert tr.prompt_len_b[r] < f <= tr.prompt_len_b[par] + tr.response_len_b[par]
         np.testing.assert_array_equal(tr.tokens_bt[r, :f], tr.tokens_bt[par, :f])
@@ -69,7 +70,7 @@ def test_seeded_runs_are_reproducible(name):
   np.testing.assert_array_equal(a.tokens_bt, b.tokens_bt)
   np.testing.assert_array_equal(a.parent_b, b.parent_b)
   np.testing.assert_array_equal(a.fork_pos_b, b.fork_pos_b)
-  timing = "rollout/decode_tokens_during_tool_mean"   # depends on thread timing by nature
+  timing = "rollout/decode_tokens_during_tool_mean"  # depends on thread timing by nature
   assert {k: v for k, v in a.stats.items() if k != timing} == {k: v for k, v in b.stats.items() if k != timing}
   c = _loop(max_slots=32).rollout(None, PROMPTS, rollout_policy(name, n=6, initial_rollouts=2), seed=12)
   assert c.tokens_bt.shape != a.tokens_bt.shape or (c.tokens_bt != a.tokens_bt).any()
@@ -102,18 +103,19 @@ def test_empirical_branch_rate_matches_formula(name, mode):
   for (dh, f), a in att.items():
     if a < 30:
       continue
-    want = min(max(0.5 + 0.2 * dh, 0), 1) if name == "arpo" else (
-        0.0 if f == 0 else min(max(1 - 0.5 / f + 0.2 * dh, 0), 1))
+    want = (
+      min(max(0.5 + 0.2 * dh, 0), 1) if name == "arpo" else (0.0 if f == 0 else min(max(1 - 0.5 / f + 0.2 * dh, 0), 1))
+    )
     rate = succ[dh, f] / a
     assert abs(rate - want) <= 4.5 * math.sqrt(max(want * (1 - want), 1e-9) / a) + 1 / a, (dh, f, rate, want, a)
     seen.add(dh)
   if mode == "faithful":
-    assert 0.0 in seen   # the first call of a trajectory always has ΔH = 0 (one-call lag, spec §1.2)
+    assert 0.0 in seen  # the first call of a trajectory always has ΔH = 0 (one-call lag, spec §1.2)
   assert len(seen) >= 3, att
 
 
 def test_premonitoring_split_matches_formula():
-  def script(rng, after_tool):   # root segments entropy 2.0, later segments 0.5: H_root > H_tool
+  def script(rng, after_tool):  # root segments entropy 2.0, later segments 0.5: H_root > H_tool
     return 4, bool(rng.random() < 0.6), 0.5 if after_tool else 2.0
 
   pol = rollout_policy("aepo", n=12, initial_rollouts=3, enable_dynamic_rollouts=True)
@@ -132,6 +134,7 @@ def test_premonitoring_split_matches_formula():
 def test_aepo_penalty_lowers_top3_concentration():
   """Every tool call is followed by high entropy (ΔH = 1.5, ARPO P = 0.8): chains of consecutive branching.
   AEPO's per-prompt penalty (official slope 0.05) lowers the share of branches on the top-3 parents."""
+
   def script(rng, after_tool):
     return 2, True, 1.0 + (1.5 if after_tool else 0.0)
 
@@ -141,8 +144,12 @@ def test_aepo_penalty_lowers_top3_concentration():
     vals = []
     for seed in range(6):
       engine = ScriptedEngine(max_slots=128, script=script)
-      loop = AgentLoop(engine, TOK, make_tools(), AgentConfig(max_response_len=400, max_tool_calls=8,
-                                                              chunk_steps=8, tool_tags=("python",)))
+      loop = AgentLoop(
+        engine,
+        TOK,
+        make_tools(),
+        AgentConfig(max_response_len=400, max_tool_calls=8, chunk_steps=8, tool_tags=("python",)),
+      )
       pol = rollout_policy(name, n=16, initial_rollouts=2, enable_dynamic_rollouts=False)
       vals.append(loop.rollout(None, prompts, pol, seed=seed).stats["rollout/top3_branch_share"])
     share[name] = float(np.mean(vals))
@@ -153,6 +160,7 @@ def test_aepo_penalty_lowers_top3_concentration():
 def test_initial_entropy_table_persists_only_in_faithful_mode(mode):
   """Q1: the official initial-entropy table is keyed by copy index and never cleared, so a second rollout call
   measures ΔH against the first call's entropies; corrected mode uses each trajectory's own first segment."""
+
   def flat(h):
     return lambda rng, after_tool: (3, bool(rng.random() < 0.9), h)
 
@@ -163,7 +171,7 @@ def test_initial_entropy_table_persists_only_in_faithful_mode(mode):
   dh = np.concatenate([d["delta_h"] for d in loop.last_run.decisions])
   assert dh.size
   if mode == "faithful":
-    assert np.isclose(dh, -2.0).any()                 # stale "initial" entropy from the previous call
+    assert np.isclose(dh, -2.0).any()  # stale "initial" entropy from the previous call
   else:
     np.testing.assert_allclose(dh, 0.0, atol=1e-6)
 
@@ -173,8 +181,12 @@ def test_closing_tag_missed_by_the_device_is_found_in_text():
   rewinds the slot to just after it, and runs the tool (what follows on the device is discarded)."""
   spelled = TOK.encode("<python>1+1") + [TOK.ids[c] for c in "</python>"] + TOK.encode("zz<eos>")
   engine = ScriptedEngine(max_slots=8, call=spelled)
-  loop = AgentLoop(engine, TOK, make_tools(), AgentConfig(max_response_len=200, max_tool_calls=2, chunk_steps=16,
-                                                          tool_tags=("python",)))
+  loop = AgentLoop(
+    engine,
+    TOK,
+    make_tools(),
+    AgentConfig(max_response_len=200, max_tool_calls=2, chunk_steps=16, tool_tags=("python",)),
+  )
   tr = loop.rollout(None, PROMPTS, rollout_policy("none", n=2), seed=0)
   assert tr.num_tool_calls_b.sum() > 0
   for text in tr.response_text:
@@ -195,8 +207,7 @@ def test_budget_is_spent_when_every_trajectory_finished_a_round_ahead(seed, n, n
   deterministically without the fix; the others depend on tool-completion timing."""
   loop = _loop(fail_rate=0.3, seed=seed, max_slots=max_slots, max_len=max_len)
   assert loop.config.lookahead
-  pol = rollout_policy("aepo", n=n, initial_rollouts=n0, mode="faithful", beam_size=beam,
-                       enable_dynamic_rollouts=False)
+  pol = rollout_policy("aepo", n=n, initial_rollouts=n0, mode="faithful", beam_size=beam, enable_dynamic_rollouts=False)
   tr = loop.rollout(None, PROMPTS, pol, seed=seed)
   globals_p = [sum(k == "global" for k, g in zip(tr.kind_b, tr.group_id_b) if g == p) for p in range(3)]
   _check_tree(tr, n, globals_p)

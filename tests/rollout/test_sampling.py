@@ -1,5 +1,6 @@
 """The sampler's repetition penalty, min-p and per-slot settings: rules on hand-made logits, per-row settings
 equal to the same static settings, and the engine's per-slot mode equal to engines with one setting each."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,8 +10,19 @@ from aepo_jax.model import ModelConfig, init_params
 from aepo_jax.rollout import Engine, SamplingParams
 from aepo_jax.rollout._sampling import SlotSampling, apply_repetition_penalty, sample_step, top_entries
 
-CFG = ModelConfig(family="qwen3", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, qk_norm=True, attention_bias=True, eos_token_ids=(1,))
+CFG = ModelConfig(
+  family="qwen3",
+  vocab_size=97,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  qk_norm=True,
+  attention_bias=True,
+  eos_token_ids=(1,),
+)
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_context_tokens():
@@ -62,9 +74,15 @@ def test_top_entries_equal_lax_top_k():
   np.testing.assert_array_equal(val, ref_val)
 
 
-SETTINGS = [SamplingParams(0.0), SamplingParams(0.0, repetition_penalty=1.5), SamplingParams(0.8),
-            SamplingParams(1.2, top_k=5), SamplingParams(0.9, top_p=0.7), SamplingParams(1.0, min_p=0.1),
-            SamplingParams(0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=0.8)]
+SETTINGS = [
+  SamplingParams(0.0),
+  SamplingParams(0.0, repetition_penalty=1.5),
+  SamplingParams(0.8),
+  SamplingParams(1.2, top_k=5),
+  SamplingParams(0.9, top_p=0.7),
+  SamplingParams(1.0, min_p=0.1),
+  SamplingParams(0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=0.8),
+]
 
 
 def test_per_row_settings_sample_as_the_same_static_settings():
@@ -78,7 +96,7 @@ def test_per_row_settings_sample_as_the_same_static_settings():
     keys = jax.vmap(lambda i: jax.random.key_data(jax.random.PRNGKey(i)))(jnp.arange(s) + 100 * seed)
     rows = sample_step(logits, keys, SlotSampling.of(SETTINGS), tokens_sl=tokens, length_s=length)
     for i, p in enumerate(SETTINGS):
-      one = sample_step(logits[i:i + 1], keys[i:i + 1], p, tokens_sl=tokens[i:i + 1], length_s=length[i:i + 1])
+      one = sample_step(logits[i : i + 1], keys[i : i + 1], p, tokens_sl=tokens[i : i + 1], length_s=length[i : i + 1])
       assert int(rows.token[i]) == int(one.token[0]), p
       np.testing.assert_allclose(rows.logprob[i], one.logprob[0], atol=1e-6)
       np.testing.assert_allclose(rows.entropy[i], one.entropy[0], atol=1e-5)
@@ -154,7 +172,14 @@ def test_ignore_eos_keeps_a_slot_decoding_past_eos(params):
 def test_per_slot_settings_follow_slots_into_compact_decoding(params):
   """Two active slots of eight: the compact call gathers their rows, settings included."""
   settings = [SamplingParams(0.0, repetition_penalty=1.5), SamplingParams(0.9, top_k=5)]
-  outs = [run(Engine(CFG, max_slots=8, max_len=32, eos_ids=(), per_slot_sampling=True, compact=c), params,
-              [[3, 5, 7], [4, 6]], settings) for c in (True, False)]
+  outs = [
+    run(
+      Engine(CFG, max_slots=8, max_len=32, eos_ids=(), per_slot_sampling=True, compact=c),
+      params,
+      [[3, 5, 7], [4, 6]],
+      settings,
+    )
+    for c in (True, False)
+  ]
   np.testing.assert_array_equal(outs[0].token[:2], outs[1].token[:2])
   np.testing.assert_allclose(outs[0].logprob[:2], outs[1].logprob[:2], atol=1e-5)

@@ -1,4 +1,5 @@
 """Greedy generation with a repetition penalty against transformers' greedy `generate(repetition_penalty=...)`."""
+
 import importlib.util
 
 import numpy as np
@@ -12,10 +13,17 @@ PROMPTS = [[1, 17, 42, 99, 7, 17, 42], [1, 250, 3], [5] * 6]
 
 def hf_greedy(hf, prompt, max_new_tokens, penalty):
   import torch
+
   with torch.no_grad():
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                      pad_token_id=0, repetition_penalty=penalty)
-  return out[0, len(prompt):].numpy()
+    out = hf.generate(
+      torch.tensor([prompt]),
+      max_new_tokens=max_new_tokens,
+      do_sample=False,
+      eos_token_id=None,
+      pad_token_id=0,
+      repetition_penalty=penalty,
+    )
+  return out[0, len(prompt) :].numpy()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -27,8 +35,7 @@ def test_greedy_with_repetition_penalty_matches_transformers(family, tmp_path):
   hf = tiny_hf_model(family, seed=5)
   changed = 0
   for penalty in (1.1, 1.5):
-    ours = generate(config, params, PROMPTS, max_new_tokens=16, temperature=0.0, repetition_penalty=penalty,
-                    eos_ids=())
+    ours = generate(config, params, PROMPTS, max_new_tokens=16, temperature=0.0, repetition_penalty=penalty, eos_ids=())
     for p, rec in zip(PROMPTS, ours):
       np.testing.assert_array_equal(rec["tokens"], hf_greedy(hf, p, 16, penalty), err_msg=f"penalty {penalty}")
       changed += not np.array_equal(rec["tokens"], hf_greedy(hf, p, 16, 1.0))
@@ -45,10 +52,11 @@ def test_greedy_with_repetition_penalty_matches_transformers_on_smollm2():
   config, params = load_pretrained("smollm2-135m-instruct")
   tok = transformers.AutoTokenizer.from_pretrained(path)
   hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-  prompt = tok.apply_chat_template([{"role": "user", "content": "List the first ten prime numbers, repeating each "
-                                                                 "one twice."}], add_generation_prompt=True)
+  prompt = tok.apply_chat_template(
+    [{"role": "user", "content": "List the first ten prime numbers, repeating each one twice."}],
+    add_generation_prompt=True,
+  )
   prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-  ours = generate(config, params, [prompt], max_new_tokens=40, temperature=0.0, repetition_penalty=1.1,
-                  eos_ids=())[0]
+  ours = generate(config, params, [prompt], max_new_tokens=40, temperature=0.0, repetition_penalty=1.1, eos_ids=())[0]
   np.testing.assert_array_equal(ours["tokens"], hf_greedy(hf, prompt, 40, 1.1))
   assert not np.array_equal(ours["tokens"], hf_greedy(hf, prompt, 40, 1.0))

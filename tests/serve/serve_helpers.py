@@ -1,4 +1,5 @@
 """Plain-HTTP helpers for the serve tests (status codes, headers and raw bodies the openai client hides)."""
+
 import http.client
 import json
 

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server through the `openai` client: greedy output equal to `rollout.generate`, chat,
 streaming, n, stop strings, log-probs, vLLM's extra fields and the error schema."""
+
 import concurrent.futures
 
 import jax
@@ -16,15 +17,24 @@ PROMPT_IDS = [1, 40, 41, 42, 43]
 def reference(tiny, prompt, max_tokens, **kw):
   """rollout.generate's record for one prompt, with the server's EOS ids."""
   cfg, params, tok = tiny
-  return generate(cfg, params, [prompt], max_new_tokens=max_tokens, temperature=kw.pop("temperature", 0.0),
-                  eos_ids=tok.eos_ids, **kw)[0]
+  return generate(
+    cfg, params, [prompt], max_new_tokens=max_tokens, temperature=kw.pop("temperature", 0.0), eos_ids=tok.eos_ids, **kw
+  )[0]
 
 
 def completion(client, prompt, max_tokens=24, **extra):
-  body = {k: extra.pop(k) for k in list(extra) if k in ("temperature", "n", "stop", "logprobs", "echo", "seed",
-                                                       "top_p", "stream")}
-  return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
-                                   **{"temperature": 0.0, **body}, extra_body={"return_token_ids": True, **extra})
+  body = {
+    k: extra.pop(k)
+    for k in list(extra)
+    if k in ("temperature", "n", "stop", "logprobs", "echo", "seed", "top_p", "stream")
+  }
+  return client.completions.create(
+    model="tiny",
+    prompt=prompt,
+    max_tokens=max_tokens,
+    **{"temperature": 0.0, **body},
+    extra_body={"return_token_ids": True, **extra},
+  )
 
 
 def test_models_health_and_metrics(server):
@@ -65,11 +75,18 @@ def test_string_prompt_and_several_prompts(tiny, client):
 
 def test_greedy_output_is_the_same_alone_and_among_other_requests(tiny, client):
   alone = completion(client, PROMPT_IDS, 60).choices[0].token_ids
-  others = [dict(temperature=1.0, top_k=5), dict(temperature=0.7, top_p=0.8), dict(temperature=1.2, min_p=0.1),
-            dict(temperature=1.0, repetition_penalty=1.2), dict(temperature=0.9), dict(temperature=1.0, seed=3)]
+  others = [
+    dict(temperature=1.0, top_k=5),
+    dict(temperature=0.7, top_p=0.8),
+    dict(temperature=1.2, min_p=0.1),
+    dict(temperature=1.0, repetition_penalty=1.2),
+    dict(temperature=0.9),
+    dict(temperature=1.0, seed=3),
+  ]
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
-    noise = [pool.submit(completion, client, [7, 8, 9, 10][: 1 + i % 4], 30 + 7 * i, **kw)
-             for i, kw in enumerate(others)]
+    noise = [
+      pool.submit(completion, client, [7, 8, 9, 10][: 1 + i % 4], 30 + 7 * i, **kw) for i, kw in enumerate(others)
+    ]
     mixed = [pool.submit(completion, client, PROMPT_IDS, 60) for _ in range(2)]
     for f in noise + mixed:
       f.result()
@@ -89,23 +106,34 @@ def test_chat_completion_uses_the_chat_template(tiny, client):
   assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref["tokens"])
   parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "6 * 7?"}]}]
   a = client.chat.completions.create(model="tiny", messages=parts, max_tokens=8, temperature=0.0)
-  b = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 6 * 7?"}],
-                                     max_tokens=8, temperature=0.0)
+  b = client.chat.completions.create(
+    model="tiny", messages=[{"role": "user", "content": "What is 6 * 7?"}], max_tokens=8, temperature=0.0
+  )
   assert a.choices[0].message.content == b.choices[0].message.content
 
 
 def test_streaming_equals_non_streaming(client):
   full = client.completions.create(model="tiny", prompt="The quick", max_tokens=30, temperature=0.0)
-  chunks = list(client.completions.create(model="tiny", prompt="The quick", max_tokens=30, temperature=0.0,
-                                          stream=True))
+  chunks = list(
+    client.completions.create(model="tiny", prompt="The quick", max_tokens=30, temperature=0.0, stream=True)
+  )
   assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
   assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
   assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
   assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens  # usage on the last chunk
   msgs = [{"role": "user", "content": "Say something."}]
   full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=25, temperature=0.0, n=2)
-  chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=25, temperature=0.0, n=2,
-                                               stream=True, stream_options={"include_usage": True}))
+  chunks = list(
+    client.chat.completions.create(
+      model="tiny",
+      messages=msgs,
+      max_tokens=25,
+      temperature=0.0,
+      n=2,
+      stream=True,
+      stream_options={"include_usage": True},
+    )
+  )
   assert chunks[0].choices[0].delta.role == "assistant"
   for i in range(2):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
@@ -135,19 +163,21 @@ def test_stop_strings_cut_the_text_with_and_without_the_stop(client, stream):
   assert len(stop) == 3 and stop in text
 
   def ask(**extra):
-    kw = dict(model="tiny", prompt="def f(x):", max_tokens=60, temperature=0.0, stop=[stop, "@@never@@"],
-              extra_body=extra)
+    kw = dict(
+      model="tiny", prompt="def f(x):", max_tokens=60, temperature=0.0, stop=[stop, "@@never@@"], extra_body=extra
+    )
     if not stream:
       return client.completions.create(**kw).choices[0]
     chunks = list(client.completions.create(stream=True, **kw))
     return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
   cut = text.index(stop)
   got = ask()
   text_a, reason_a = (got.text, got.finish_reason) if not stream else got
   assert text_a == text[:cut] and reason_a == "stop"
   got = ask(include_stop_str_in_output=True)
   text_b, reason_b = (got.text, got.finish_reason) if not stream else got
-  assert text_b == text[:cut + len(stop)] and reason_b == "stop"
+  assert text_b == text[: cut + len(stop)] and reason_b == "stop"
   if not stream:
     assert got.stop_reason == stop
 
@@ -156,7 +186,7 @@ def test_stop_token_ids(tiny, client):
   ids = completion(client, PROMPT_IDS, 30).choices[0].token_ids
   r = completion(client, PROMPT_IDS, 30, stop_token_ids=[ids[5]]).choices[0]
   first = ids.index(ids[5])
-  assert r.token_ids == ids[:first + 1] and r.finish_reason == "stop" and r.stop_reason == ids[5]
+  assert r.token_ids == ids[: first + 1] and r.finish_reason == "stop" and r.stop_reason == ids[5]
 
 
 def test_logprobs_match_the_engine_and_echo_gives_prompt_logprobs(tiny, client):
@@ -164,22 +194,30 @@ def test_logprobs_match_the_engine_and_echo_gives_prompt_logprobs(tiny, client):
   ref = reference(tiny, PROMPT_IDS, 12)
   r = completion(client, PROMPT_IDS, 12, logprobs=3, return_tokens_as_token_ids=True).choices[0]
   lp = r.logprobs
-  np.testing.assert_allclose(lp.token_logprobs, ref["logprobs"][:len(lp.token_logprobs)], atol=1e-5)
-  assert [int(t.split(":")[1]) for t in lp.tokens] == list(ref["tokens"][:len(lp.tokens)])
+  np.testing.assert_allclose(lp.token_logprobs, ref["logprobs"][: len(lp.token_logprobs)], atol=1e-5)
+  assert [int(t.split(":")[1]) for t in lp.tokens] == list(ref["tokens"][: len(lp.tokens)])
   for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
     assert 3 <= len(top) <= 4 and max(top.values()) == pytest.approx(chosen)  # greedy: the chosen is the top
   assert lp.text_offset == sorted(lp.text_offset)
   # echo: the prompt's text and log-probs (teacher-forced, T = 1) come first
   from aepo_jax.model import forward
+
   logp = np.asarray(jax.nn.log_softmax(forward(cfg, params, np.asarray([PROMPT_IDS]))[0], -1))
   e = completion(client, PROMPT_IDS, 5, logprobs=1, echo=True, return_tokens_as_token_ids=True).choices[0]
   assert e.text.startswith(tok.decode(PROMPT_IDS))
   assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
-  np.testing.assert_allclose(e.logprobs.token_logprobs[1:len(PROMPT_IDS)],
-                             logp[np.arange(len(PROMPT_IDS) - 1), PROMPT_IDS[1:]], atol=1e-4)
+  np.testing.assert_allclose(
+    e.logprobs.token_logprobs[1 : len(PROMPT_IDS)], logp[np.arange(len(PROMPT_IDS) - 1), PROMPT_IDS[1:]], atol=1e-4
+  )
   assert len(e.logprobs.tokens) == len(PROMPT_IDS) + 5
-  chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                        temperature=0.0, logprobs=True, top_logprobs=2)
+  chat = client.chat.completions.create(
+    model="tiny",
+    messages=[{"role": "user", "content": "hi"}],
+    max_tokens=6,
+    temperature=0.0,
+    logprobs=True,
+    top_logprobs=2,
+  )
   content = chat.choices[0].logprobs.content
   assert len(content) >= 1 and all(len(c.top_logprobs) == 2 for c in content)
   assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
@@ -196,7 +234,9 @@ def test_vllm_sampling_fields_reach_the_sampler(client):
   assert sampled != greedy
 
 
-@pytest.mark.parametrize("body,param", [
+@pytest.mark.parametrize(
+  "body,param",
+  [
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "n": 0}, "n"),
@@ -209,7 +249,8 @@ def test_vllm_sampling_fields_reach_the_sampler(client):
     ({"prompt": {"a": 1}}, "prompt"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({}, "prompt"),
-])
+  ],
+)
 def test_bad_requests_get_400_with_openai_error_schema(server, body, param):
   status, _, resp = http_request(server.url, "POST", "/v1/completions", body)
   assert status == 400

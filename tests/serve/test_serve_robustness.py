@@ -1,5 +1,6 @@
 """The server under pressure: a full queue (429), disconnecting clients (slots freed), /health under load, and
 shutdown (drain, deadline, SIGTERM through launch/serve.py)."""
+
 import json
 import os
 import signal
@@ -21,8 +22,10 @@ def open_request(url: str, body: dict, path: str = "/v1/completions") -> socket.
   host, port = url.removeprefix("http://").split(":")
   sock = socket.create_connection((host, int(port)), timeout=60)
   data = json.dumps(body).encode()
-  sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-               % (path.encode(), len(data), data))
+  sock.sendall(
+    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    % (path.encode(), len(data), data)
+  )
   return sock
 
 
@@ -48,6 +51,7 @@ def wait_for(cond, timeout: float, what: str):
 def make_server(tiny):
   """Extra servers with the shared server's engine shape (so they reuse its compiled functions)."""
   from aepo_jax.serve import Server
+
   made = []
 
   def make(**kw):
@@ -55,6 +59,7 @@ def make_server(tiny):
     srv = Server(cfg, params, tok, model_name="tiny", max_slots=MAX_SLOTS, max_len=MAX_LEN, port=0, **kw)
     made.append(srv)
     return srv
+
   yield make
   for srv in made:
     if not srv.draining:
@@ -82,8 +87,9 @@ def test_full_queue_gets_429_with_retry_after(make_server):
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_frees_its_slot_at_once(server, stream):
   before = metric(server.url, "generated_tokens_total")
-  sock = open_request(server.url, {"prompt": [1, 40, 41], "max_tokens": LONG, "temperature": 1.0,
-                                   "stream": stream, "ignore_eos": True})
+  sock = open_request(
+    server.url, {"prompt": [1, 40, 41], "max_tokens": LONG, "temperature": 1.0, "stream": stream, "ignore_eos": True}
+  )
   wait_for(lambda: metric(server.url, "slots_in_use") == 1, 10, "the request to start")
   if stream:
     assert b"data: " in read_until(sock, b"data: ")
@@ -97,8 +103,12 @@ def test_client_disconnect_frees_its_slot_at_once(server, stream):
 
 
 def test_health_answers_while_every_slot_decodes(server):
-  socks = [open_request(server.url, {"prompt": [1, 40 + i], "max_tokens": LONG, "temperature": 1.0,
-                                     "stream": True, "ignore_eos": True}) for i in range(MAX_SLOTS + 2)]
+  socks = [
+    open_request(
+      server.url, {"prompt": [1, 40 + i], "max_tokens": LONG, "temperature": 1.0, "stream": True, "ignore_eos": True}
+    )
+    for i in range(MAX_SLOTS + 2)
+  ]
   try:
     wait_for(lambda: metric(server.url, "slots_in_use") == MAX_SLOTS, 10, "all slots busy")
     assert metric(server.url, "queue_length") == 2
@@ -111,15 +121,19 @@ def test_health_answers_while_every_slot_decodes(server):
   finally:
     for sock in socks:
       sock.close()
-  wait_for(lambda: metric(server.url, "slots_in_use") == 0 and metric(server.url, "queue_length") == 0, 10,
-           "the slots of the departed clients")
+  wait_for(
+    lambda: metric(server.url, "slots_in_use") == 0 and metric(server.url, "queue_length") == 0,
+    10,
+    "the slots of the departed clients",
+  )
 
 
 def test_shutdown_lets_running_requests_finish_then_ends_the_rest_at_the_deadline(make_server):
   srv = make_server().start()
   short = open_request(srv.url, {"prompt": [1, 2, 3], "max_tokens": 200, "stream": True, "ignore_eos": True})
-  long = open_request(srv.url, {"prompt": [1, 2, 4], "max_tokens": LONG, "stream": True, "ignore_eos": True,
-                                "an_unknown_field": 1})
+  long = open_request(
+    srv.url, {"prompt": [1, 2, 4], "max_tokens": LONG, "stream": True, "ignore_eos": True, "an_unknown_field": 1}
+  )
   wait_for(lambda: srv.scheduler.slots_in_use == 2, 10, "both requests running")
   done = threading.Thread(target=srv.shutdown, args=(0.4,))
   t0 = time.monotonic()
@@ -140,13 +154,27 @@ def test_launch_serve_drains_on_sigterm(tmp_path):
   """launch/serve.py on a tiny HF directory: a streaming request running at SIGTERM completes; the process
   exits 0."""
   from aepo_jax.testing import tiny_hf_checkpoint, tiny_tokenizer
+
   path = tiny_hf_checkpoint("qwen3", tmp_path / "hf", seed=1, vocab_size=300)
   tiny_tokenizer(path)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.Popen(
-      [sys.executable, os.path.join(root, "launch", "serve.py"), f"--checkpoint={path}", "--port=0",
-       "--max_slots=2", "--max_len=2048", "--drain_seconds=30", "--warmup=quick", "--served_model_name=tiny-hf"],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    [
+      sys.executable,
+      os.path.join(root, "launch", "serve.py"),
+      f"--checkpoint={path}",
+      "--port=0",
+      "--max_slots=2",
+      "--max_len=2048",
+      "--drain_seconds=30",
+      "--warmup=quick",
+      "--served_model_name=tiny-hf",
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   try:
     lines = []
     for line in proc.stdout:

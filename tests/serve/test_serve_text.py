@@ -1,5 +1,6 @@
 """Token ids -> text for one choice: incremental text equals a full decode, stop strings (held back while they
 may complete, with and without the stop), stop token ids and EOS."""
+
 import numpy as np
 import pytest
 
@@ -10,6 +11,7 @@ from aepo_jax.serve._text import ChoiceText
 def tok(tmp_path_factory):
   from aepo_jax.model import Tokenizer
   from aepo_jax.testing import tiny_tokenizer
+
   return Tokenizer.from_dir(tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
@@ -18,7 +20,7 @@ def stream(ct, ids, chunk=3, final="length"):
   out = []
   for k in range(0, len(ids), chunk):
     last = k + chunk >= len(ids)
-    ct.push(ids[k:k + chunk], final=final if last else None)
+    ct.push(ids[k : k + chunk], final=final if last else None)
     out.append(ct.take(done=last or ct.stopped)[0])
     if ct.stopped:
       break
@@ -40,11 +42,11 @@ def test_stop_string_across_tokens_is_cut_and_never_streamed(tok):
   for include in (False, True):
     ct = ChoiceText(tok, stop=["</python>", "never"], include_stop=include)
     got = stream(ct, ids, chunk=1)
-    want = full[:full.index("</python>") + (len("</python>") if include else 0)]
+    want = full[: full.index("</python>") + (len("</python>") if include else 0)]
     assert got == ct.text == want and ct.stopped and ct.stop_reason == "</python>"
     assert ct.num_tokens < len(ids)  # counted up to the token completing the stop
   ct = ChoiceText(tok, stop=["</python>"])
-  ct.push(ids[:len(tok.encode("print(6 * 7)</py"))])
+  ct.push(ids[: len(tok.encode("print(6 * 7)</py"))])
   assert "</" not in ct.take(done=False)[0]  # a possible stop start is held back
 
 

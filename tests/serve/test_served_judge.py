@@ -1,5 +1,6 @@
 """`eval.judge_checkpoint`: the trainer serves a judge model itself (aepo_jax.serve on 127.0.0.1) and points the
 validation's OpenAI-compatible judge client at it."""
+
 import pytest
 
 
@@ -26,6 +27,7 @@ def test_a_config_serves_its_judge(tmp_path):
 
 def test_judge_checkpoint_and_judge_url_exclude_each_other():
   from aepo_jax.train import ConfigError, base_config, validate
+
   config = base_config()
   config.eval.judge_checkpoint = "smollm2-135m-instruct"
   config.eval.judge_url, config.eval.judge_model = "http://127.0.0.1:9/v1", "m"

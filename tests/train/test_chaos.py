@@ -17,6 +17,7 @@ is down when the searches arrive. The tools are the real ones.
 The two fast tests below check the same counters on the tools alone. The chaos test takes about 2.5 minutes on
 2 busy CPU cores (a compilation cache shared by the two trainer runs saves the second one's compile).
 """
+
 import concurrent.futures
 import json
 import os
@@ -91,8 +92,16 @@ class RetrievalServer:
   """launch/retrieval_server.py in its own process, on a fixed port so that it can be killed and started again."""
 
   def __init__(self, corpus: str, index_dir: str, port: int):
-    self.cmd = [sys.executable, os.path.join(ROOT, "launch", "retrieval_server.py"), "--corpus", corpus,
-                "--index", index_dir, "--port", str(port)]
+    self.cmd = [
+      sys.executable,
+      os.path.join(ROOT, "launch", "retrieval_server.py"),
+      "--corpus",
+      corpus,
+      "--index",
+      index_dir,
+      "--port",
+      str(port),
+    ]
     self.url, self.proc, self.ready_at = f"http://127.0.0.1:{port}", None, None
 
   def start(self) -> None:
@@ -137,8 +146,12 @@ def test_a_sandbox_killed_mid_call_is_a_crash_not_an_answer():
 
 def test_search_outage_and_restart_are_counted_per_step(tmp_path):
   corpus = tmp_path / "corpus.jsonl"
-  corpus.write_text("".join(json.dumps({"id": name, "contents": f"{name}\n{name} is a city on a river."}) + "\n"
-                            for name in ("Alba", "Brivo", "Corda", "Dumo")))
+  corpus.write_text(
+    "".join(
+      json.dumps({"id": name, "contents": f"{name}\n{name} is a city on a river."}) + "\n"
+      for name in ("Alba", "Brivo", "Corda", "Dumo")
+    )
+  )
   index = tools.RetrievalIndex(str(corpus), str(tmp_path / "index"))
   server, url = tools.serve_in_thread(index)
   port = server.server_address[1]
@@ -174,11 +187,14 @@ def _write_traces(path, tok_dir) -> str:
   suite's corpus path; the suite is generated here exactly as the trainer generates it."""
   from aepo_jax import data as data_lib
   from aepo_jax.train import _wiring, load_config
-  config = load_config(CONFIG, overrides={"workdir": str(path.parent), "model.tokenizer": tok_dir},
-                       num_devices=None)
+
+  config = load_config(CONFIG, overrides={"workdir": str(path.parent), "model.tokenizer": tok_dir}, num_devices=None)
   suite = _wiring._suite(config)
-  answer = (f"<python>{SLEEP_CODE}</python>" + tools.format_result("None", "train")  # the program's real result
-            + " <search> city </search>")
+  answer = (
+    f"<python>{SLEEP_CODE}</python>"
+    + tools.format_result("None", "train")  # the program's real result
+    + " <search> city </search>"
+  )
   with open(path, "w") as f:
     for ex in suite.train:
       msgs = data_lib.build_messages(ex, config.data.template) + [{"role": "assistant", "content": answer}]
@@ -188,6 +204,7 @@ def _write_traces(path, tok_dir) -> str:
 
 def _free_port() -> int:
   import socket
+
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
@@ -211,25 +228,44 @@ def _sft_steps(workdir) -> list:
 @pytest.mark.slow
 def test_rl_job_survives_killed_server_sandbox_and_trainer(tmp_path):
   from aepo_jax.testing import tiny_tokenizer
+
   tok_dir = tiny_tokenizer(tmp_path / "tok")
   traces = tmp_path / "traces.jsonl"
   corpus = _write_traces(traces, tok_dir)
   server = RetrievalServer(corpus, str(tmp_path / "index"), _free_port())
   server.start()
   workdir = str(tmp_path / "run")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu_pod.py"), f"--config={CONFIG}",
-         f"--config.workdir={workdir}", f"--config.model.tokenizer={tok_dir}",
-         f"--config.sft.source={traces}", f"--config.sft.steps={SFT_STEPS}", "--config.sft.lr=0.01",
-         "--config.sft.schedule=constant", "--config.sft.warmup_frac=0.0", "--config.sft.max_len=320",
-         "--config.rollout.max_response_len=160",
-         "--config.tools.search_backend=retrieval", f"--config.tools.search_url={server.url}",
-         "--config.tools.python_timeout=5.0",  # a mis-sampled sleep(22) costs 5 s, not 22
-         "--config.tools.retry_count=1",  # one try per call: a search during the outage fails, and says so
-         f"--config.train.steps={STEPS}", "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=10",
-         "--config.eval.before_rl=False", "--config.eval.after_rl=False"]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "launch", "tpu_pod.py"),
+    f"--config={CONFIG}",
+    f"--config.workdir={workdir}",
+    f"--config.model.tokenizer={tok_dir}",
+    f"--config.sft.source={traces}",
+    f"--config.sft.steps={SFT_STEPS}",
+    "--config.sft.lr=0.01",
+    "--config.sft.schedule=constant",
+    "--config.sft.warmup_frac=0.0",
+    "--config.sft.max_len=320",
+    "--config.rollout.max_response_len=160",
+    "--config.tools.search_backend=retrieval",
+    f"--config.tools.search_url={server.url}",
+    "--config.tools.python_timeout=5.0",  # a mis-sampled sleep(22) costs 5 s, not 22
+    "--config.tools.retry_count=1",  # one try per call: a search during the outage fails, and says so
+    f"--config.train.steps={STEPS}",
+    "--config.checkpoint.every_steps=1",
+    "--config.checkpoint.keep=10",
+    "--config.eval.before_rl=False",
+    "--config.eval.after_rl=False",
+  ]
   # The restarted trainer takes its programs from the first run's compilation cache: a minute less.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
   logs = []
 
   def launch():
@@ -308,8 +344,11 @@ def test_rl_job_survives_killed_server_sandbox_and_trainer(tmp_path):
   def count(step, key):
     return rl[step].get(key, 0.0)
 
-  print("faults hit", hit, {k: {m: v for m, v in r.items() if m.startswith(("tools/", "rollout/tool_failures"))}
-                            for k, r in rl.items()})  # shown when an assertion below fails
+  print(
+    "faults hit",
+    hit,
+    {k: {m: v for m, v in r.items() if m.startswith(("tools/", "rollout/tool_failures"))} for k, r in rl.items()},
+  )  # shown when an assertion below fails
 
   p, s = hit["python"], hit["server"]
   assert count(p, "tools/python_crashes") == 1, rl[p]
@@ -320,7 +359,6 @@ def test_rl_job_survives_killed_server_sandbox_and_trainer(tmp_path):
   assert all(count(k, "tools/search_http_retries") == 0 for k in rl if k < s), rl
   # Steps that began after the server was back met no outage (the step before them was logged after that).
   back = [k for k in rl if k > s and step_logged_at.get(k - 1, float("inf")) > server.ready_at]
-  assert all(count(k, "tools/search_http_retries") == 0 and count(k, "tools/search_failures") == 0
-             for k in back), rl
+  assert all(count(k, "tools/search_http_retries") == 0 and count(k, "tools/search_failures") == 0 for k in back), rl
   # The model really called both tools in every step (what makes the faults land mid-call).
   assert all(count(k, "tools/python_calls") > 0 and count(k, "tools/search_calls") > 0 for k in rl), rl

@@ -1,5 +1,6 @@
 """Checkpointer: round trip, keep-last-N + best, another model's checkpoint, bad work directories,
 and a save killed half-way that must never become the latest checkpoint."""
+
 import errno
 import os
 import shutil
@@ -28,8 +29,12 @@ def _state(seed=0):
   grads = jax.tree.map(jnp.ones_like, params)
   updates, opt_state = opt.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  return {"params": params, "opt_state": opt_state, "rng": np.asarray(jax.random.key_data(jax.random.key(seed))),
-          "count": np.int32(3)}  # a numpy scalar leaf: orbax rejects these unless converted
+  return {
+    "params": params,
+    "opt_state": opt_state,
+    "rng": np.asarray(jax.random.key_data(jax.random.key(seed))),
+    "count": np.int32(3),
+  }  # a numpy scalar leaf: orbax rejects these unless converted
 
 
 def _meta(config=None, **extra):
@@ -119,28 +124,36 @@ def test_unwritable_workdir_errors(tmp_path, monkeypatch):
 
   def read_only(*a, **k):
     raise OSError(errno.EROFS, "Read-only file system")
+
   monkeypatch.setattr(_checkpoint.epath.Path, "write_bytes", read_only)
   with pytest.raises(CheckpointError, match="the file system is read-only"):
     check_writable(str(tmp_path / "ro"))
 
 
 def _unshare_ok():
-  return shutil.which("unshare") and subprocess.run(
-      ["unshare", "-r", "-m", "true"], capture_output=True).returncode == 0
+  return (
+    shutil.which("unshare") and subprocess.run(["unshare", "-r", "-m", "true"], capture_output=True).returncode == 0
+  )
 
 
 @pytest.mark.skipif(not _unshare_ok(), reason="needs unprivileged user+mount namespaces (unshare -r -m)")
-@pytest.mark.parametrize("opts,needle", [("ro,size=1m", "the file system is read-only"),
-                                         ("size=1m", "MiB free but a checkpoint needs")])
+@pytest.mark.parametrize(
+  "opts,needle", [("ro,size=1m", "the file system is read-only"), ("size=1m", "MiB free but a checkpoint needs")]
+)
 def test_real_read_only_and_full_disks(tmp_path, opts, needle):
   """A tmpfs mounted read-only / 1 MiB small in a private mount namespace; the trainer refuses to start."""
   mnt = tmp_path / "mnt"
   mnt.mkdir()
-  code = ("from aepo_jax.train import check_writable\n"
-          f"check_writable({str(mnt / 'run')!r})\n")
+  code = f"from aepo_jax.train import check_writable\ncheck_writable({str(mnt / 'run')!r})\n"
   script = f"mount -t tmpfs -o {opts} none {mnt} && exec {sys.executable} -c \"$0\""
-  out = subprocess.run(["unshare", "-r", "-m", "sh", "-c", script, code], capture_output=True, text=True,
-                       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  out = subprocess.run(
+    ["unshare", "-r", "-m", "sh", "-c", script, code],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    timeout=120,
+  )
   assert out.returncode != 0 and needle in out.stderr, out.stderr[-1500:]
 
 
@@ -160,8 +173,13 @@ _CHILD = textwrap.dedent("""
 
 def test_killed_mid_save_is_never_latest(tmp_path):
   directory = str(tmp_path / "ck")
-  child = subprocess.Popen([sys.executable, "-c", _CHILD, directory], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  child = subprocess.Popen(
+    [sys.executable, "-c", _CHILD, directory],
+    stdout=subprocess.PIPE,
+    text=True,
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
   try:
     for line in child.stdout:
       if line.startswith("saving2"):
@@ -186,6 +204,7 @@ def test_attention_impl_override_is_not_a_model_mismatch():
   """`model.overrides.attention_impl` picks an execution path, not parameters: resuming across it is allowed."""
   from aepo_jax.train import base_config
   from aepo_jax.train._checkpoint import model_mismatch
+
   a, b = base_config(), base_config()
   b.model.overrides.attention_impl = "xla"
   assert model_mismatch(a, b) == []

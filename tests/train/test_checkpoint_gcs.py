@@ -3,6 +3,7 @@
 The `gcs_emulator` fixture starts the emulator itself and yields the environment that points tensorstore
 (array data) and gcsfs (metadata, JSONL) at it; test_resume.py uses it for the gs:// resume test.
 """
+
 import os
 import shutil
 import socket
@@ -32,12 +33,21 @@ def gcs_emulator(tmp_path_factory):
     pytest.fail("gcp-storage-emulator is not installed (pip install gcp-storage-emulator; it is in the [test] extra)")
   port = _free_port()
   data = tmp_path_factory.mktemp("gcs")
-  proc = subprocess.Popen([exe, "-d", str(data), "start", "--host", "127.0.0.1", "--port", str(port),
-                           "--default-bucket", BUCKET], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    [exe, "-d", str(data), "start", "--host", "127.0.0.1", "--port", str(port), "--default-bucket", BUCKET],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   url = f"http://127.0.0.1:{port}"
-  env = {"TENSORSTORE_GCS_HTTP_URL": url, "STORAGE_EMULATOR_HOST": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-         "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
-         "GCE_METADATA_ROOT": "127.0.0.1:9"}
+  env = {
+    "TENSORSTORE_GCS_HTTP_URL": url,
+    "STORAGE_EMULATOR_HOST": url,
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": "127.0.0.1:9",
+    "GCE_METADATA_IP": "127.0.0.1:9",
+    "GCE_METADATA_ROOT": "127.0.0.1:9",
+  }
   try:
     for _ in range(200):
       try:
@@ -69,13 +79,15 @@ EMULATOR_FLAKE = "Malformed StorageGeneration"
 
 def _round_trip(workdir, ocdbt):
   from aepo_jax.train import Checkpointer, check_writable
+
   check_writable(workdir)
   ck = Checkpointer(f"{workdir}/checkpoints/rl", keep=2, best_metric="eval/accuracy", ocdbt=ocdbt)
   state = {"params": {"w": jnp.arange(12.0).reshape(3, 4)}, "rng": np.array([1, 2], np.uint32)}
   try:
     for step, acc in ((1, 0.5), (2, None), (3, None)):
-      ck.save(step, state, {"data_state": {"next_index": step}},
-              metrics=None if acc is None else {"eval/accuracy": acc})
+      ck.save(
+        step, state, {"data_state": {"next_index": step}}, metrics=None if acc is None else {"eval/accuracy": acc}
+      )
     ck.wait()
     assert ck.all_steps() == [1, 2, 3]  # last 2 + best
     restored, meta = ck.restore(None, state)
@@ -102,6 +114,7 @@ def test_checkpoint_round_trip_on_gcs(gcs_emulator, ocdbt):
 
 def test_metrics_jsonl_on_gcs(gcs_emulator):
   from aepo_jax.train import JsonlWriter, read_metrics
+
   w = JsonlWriter(f"gs://{BUCKET}/metrics")
   w.scalars(1, {"reward/mean": 0.1})
   w.flush()
@@ -117,6 +130,7 @@ def _largest_object(step_dir):
   from etils import epath
 
   from aepo_jax.train._checkpoint_integrity import MANIFEST
+
   files = json.loads((epath.Path(step_dir) / MANIFEST).read_text())["files"]
   return epath.Path(step_dir) / max((k for k in files if k.startswith("state/")), key=lambda k: files[k]["size"])
 
@@ -129,6 +143,7 @@ def test_damaged_checkpoint_on_gcs_is_named_and_moved_aside(gcs_emulator):
   from aepo_jax.train import Checkpointer
   from aepo_jax.train._checkpoint import CheckpointCorruptError
   from aepo_jax.train._checkpoint_integrity import MANIFEST
+
   d = f"gs://{BUCKET}/integrity/checkpoints/sft"
   ck = Checkpointer(d, keep=2, ocdbt=False)  # zarr: see EMULATOR_FLAKE
   state = {"params": {"w": jnp.arange(4096.0).reshape(64, 64)}, "rng": np.array([1, 2], np.uint32)}
@@ -156,6 +171,7 @@ def test_unreachable_storage_fails_in_seconds_naming_the_settings(monkeypatch):
 
   from aepo_jax.train import CheckpointError, check_writable
   from aepo_jax.train._checkpoint import check_remote
+
   closed = f"http://127.0.0.1:{_free_port()}"
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", closed)
   monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", closed)
@@ -163,8 +179,11 @@ def test_unreachable_storage_fails_in_seconds_naming_the_settings(monkeypatch):
   with pytest.raises(CheckpointError) as e:
     check_writable("gs://bucket/run")
   assert time.monotonic() - t0 < 10
-  for needle in (f"the storage service at {closed} does not answer", "STORAGE_EMULATOR_HOST",
-                 "GOOGLE_APPLICATION_CREDENTIALS"):
+  for needle in (
+    f"the storage service at {closed} does not answer",
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+  ):
     assert needle in str(e.value)
   silent = socket.socket()  # accepts connections, never answers
   silent.bind(("127.0.0.1", 0))

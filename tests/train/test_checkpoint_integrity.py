@@ -1,6 +1,7 @@
 """Checkpoint integrity: bytes flipped, files truncated or missing, NaN saved; each is named (file or array) at
 restore, the newest intact step is used instead (or the run stops, on request), and keep-last-N never deletes
 the step a run resumed from. The trainer-level reproductions (tiny SFT run, rerun) are at the end, marked slow."""
+
 import json
 import logging
 import os
@@ -29,8 +30,11 @@ def _state(seed=0, scale=1.0):
   opt = optax.adamw(1e-3)
   opt_state = opt.init(params)
   updates, opt_state = opt.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
-  return {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-          "rng": np.asarray(jax.random.key_data(jax.random.key(seed)))}
+  return {
+    "params": optax.apply_updates(params, updates),
+    "opt_state": opt_state,
+    "rng": np.asarray(jax.random.key_data(jax.random.key(seed))),
+  }
 
 
 def _abstract():
@@ -46,7 +50,7 @@ def flip(path, n=64):
   """Inverts `n` bytes in the middle of `path`."""
   data = bytearray(open(path, "rb").read())
   mid = len(data) // 2
-  data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+  data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
   open(path, "wb").write(bytes(data))
 
 
@@ -200,8 +204,9 @@ def test_structure_change_is_a_mismatch_not_damage(tmp_path):
 def test_checkpoint_without_integrity_records_still_restores(tmp_path):
   """Written as before checksums and manifests existed (plain Orbax, same items): restored, finiteness checked."""
   d = str(tmp_path / "ck")
-  mgr = ocp.CheckpointManager(epath.Path(d), item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                                            "meta": ocp.JsonCheckpointHandler()})
+  mgr = ocp.CheckpointManager(
+    epath.Path(d), item_handlers={"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+  )
   mgr.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(_state(1)), meta=ocp.args.JsonSave({"step": 1})))
   mgr.wait_until_finished()
   mgr.close()
@@ -226,8 +231,14 @@ DRIVER = textwrap.dedent("""
 
 def _train(workdir, steps, *overrides):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  return subprocess.run([sys.executable, "-c", DRIVER, str(workdir), str(steps), *overrides], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  return subprocess.run(
+    [sys.executable, "-c", DRIVER, str(workdir), str(steps), *overrides],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
 
 
 def _nll(workdir):

@@ -5,6 +5,7 @@ not), so the suite stays fast; the full 40-layer figures are in each config's do
 libtpu (`pip install -e ".[tpu]"`): skipped without it, except where AEPO_JAX_REQUIRE_LIBTPU=1 (.ci/run sets it),
 so CI never skips these.
 """
+
 import importlib.util
 import json
 import os
@@ -24,9 +25,21 @@ if importlib.util.find_spec("libtpu") is None:
 def _compile(config, topology, *overrides):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # the tests' fake CPU devices are irrelevant to a TPU compile
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "compile.py"), f"--config={config}",
-                        f"--topology={topology}", "--config.model.overrides.num_layers=2", *overrides],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+  out = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "launch", "compile.py"),
+      f"--config={config}",
+      f"--topology={topology}",
+      "--config.model.overrides.num_layers=2",
+      *overrides,
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=1200,
+  )
   report = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else None
   return out, report
 
@@ -40,7 +53,9 @@ def test_aepo_gaia_fits_its_slices(topology, chips, hbm):
   assert set(report["programs"]) == {"update", "logprob", "prefill", "decode"} and report["fits"] is True
   for name, p in report["programs"].items():
     assert 0 < p["peak_gb"] <= hbm, (name, p)
-    assert abs(p["peak_gb"] - (p["argument_gb"] + p["output_gb"] - p["alias_gb"] + p["temp_gb"] + p["resident_gb"])) < 0.05
+    assert (
+      abs(p["peak_gb"] - (p["argument_gb"] + p["output_gb"] - p["alias_gb"] + p["temp_gb"] + p["resident_gb"])) < 0.05
+    )
   # The training state stays on the chips during rollouts; the engine's programs run on one host's 4 chips.
   assert report["programs"]["decode"]["resident_gb"] > 0 and report["programs"]["update"]["resident_gb"] == 0
   assert "program   chips" in out.stdout and "KV cache sharding" in out.stdout
@@ -49,7 +64,9 @@ def test_aepo_gaia_fits_its_slices(topology, chips, hbm):
 @pytest.mark.slow
 def test_a_step_that_does_not_fit_exits_non_zero_and_names_the_knobs():
   """Qwen3-14B's rollout weights and cache on one v5e host (4 chips of 16 GB) cannot fit."""
-  out, report = _compile("configs/aepo_gaia.py", "v5e:2x2", "--programs=decode", "--config.model.overrides.num_layers=40")
+  out, report = _compile(
+    "configs/aepo_gaia.py", "v5e:2x2", "--programs=decode", "--config.model.overrides.num_layers=40"
+  )
   assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
   assert report["fits"] is False and report["programs"]["decode"]["peak_gb"] > 16
   assert "does not fit: decode needs" in out.stdout and "rollout.max_slots" in out.stdout

@@ -1,4 +1,5 @@
 """Config schema, validation messages, experiment files and the command-line overrides."""
+
 import ast
 import glob
 import json
@@ -11,8 +12,11 @@ import pytest
 from aepo_jax.train import ConfigError, base_config, from_json, load_config, mesh_shape, set_key, to_json, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXPERIMENTS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True)
-                     if os.path.basename(p) != "common.py")
+EXPERIMENTS = sorted(
+  p
+  for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"), recursive=True)
+  if os.path.basename(p) != "common.py"
+)
 
 
 def _error(config, **kw) -> str:
@@ -45,7 +49,12 @@ def test_aepo_gaia_paper_vs_released_is_explicit():
   assert not released.rollout.enable_dynamic_rollouts and released.algo.entropy_advantage_coef == 0.0
   # the official deep-search script values (spec §1.7, §2.4)
   for c in (paper, released):
-    assert (c.data.prompts_per_step, c.train.ppo_mini_batch_size, c.rollout.n, c.rollout.initial_rollouts) == (64, 8, 12, 6)
+    assert (c.data.prompts_per_step, c.train.ppo_mini_batch_size, c.rollout.n, c.rollout.initial_rollouts) == (
+      64,
+      8,
+      12,
+      6,
+    )
     assert (c.rollout.beam_size, c.rollout.branch_probability, c.rollout.entropy_weight) == (2, 0.5, 0.2)
     assert (c.tools.call_limit, c.tools.retry_count, c.optim.lr, c.train.epochs) == (6, 4, 1e-6, 5)
     assert (c.rollout.max_prompt_len, c.rollout.max_response_len) == (2000, 6192)
@@ -57,8 +66,18 @@ def test_aepo_gaia_paper_vs_released_is_explicit():
 
 def test_reasoning_config_values():
   c = load_config(os.path.join(ROOT, "configs/aepo_reasoning.py"), num_devices=8)
-  assert (c.data.prompts_per_step, c.train.ppo_mini_batch_size, c.rollout.n, c.rollout.initial_rollouts) == (128, 16, 16, 8)
-  assert (c.rollout.max_prompt_len, c.rollout.max_response_len, c.train.epochs, c.tools.call_limit) == (1536, 4096, 2, 6)
+  assert (c.data.prompts_per_step, c.train.ppo_mini_batch_size, c.rollout.n, c.rollout.initial_rollouts) == (
+    128,
+    16,
+    16,
+    8,
+  )
+  assert (c.rollout.max_prompt_len, c.rollout.max_response_len, c.train.epochs, c.tools.call_limit) == (
+    1536,
+    4096,
+    2,
+    6,
+  )
   assert c.data.train == "train_10k"
 
 
@@ -79,7 +98,9 @@ def test_model_override_typo():
   assert "model.overrides.num_layer is not a ModelConfig field; did you mean 'num_layers'?" in _error(c)
 
 
-@pytest.mark.parametrize("key,value,needle", [
+@pytest.mark.parametrize(
+  "key,value,needle",
+  [
     ("rollout.initial_rollouts", 13, "rollout.initial_rollouts=13 must lie in [1, rollout.n=12]"),
     ("train.ppo_mini_batch_size", 7, "train.ppo_mini_batch_size=7 (prompts) must divide data.prompts_per_step=64"),
     ("train.micro_batch_size", 7, "train.micro_batch_size=7 (sequences) must divide ppo_mini_batch_size*n=96"),
@@ -92,7 +113,8 @@ def test_model_override_typo():
     ("optim.schedule", "cosine_decay", "optim.schedule='cosine_decay'"),
     ("workdir", "", "workdir is empty"),
     ("train.logit_fraction", 1.5, "train.logit_fraction=1.5: must be in [0, 1]"),
-])
+  ],
+)
 def test_bad_values_name_the_key(key, value, needle):
   c = base_config()
   set_key(c, key, value)
@@ -127,7 +149,8 @@ def test_mesh_shapes():
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1
   c.train.micro_batch_size = 4
   assert "train.micro_batch_size=4 must be a multiple of the data-parallel size mesh.data*mesh.fsdp=8" in _error(
-      c, num_devices=8)
+    c, num_devices=8
+  )
 
 
 def test_json_round_trip():
@@ -139,14 +162,25 @@ def test_json_round_trip():
 
 def _cli(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, os.path.join(ROOT, "launch/tpu_pod.py"), *args, "--dry_run"],
-                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+  return subprocess.run(
+    [sys.executable, os.path.join(ROOT, "launch/tpu_pod.py"), *args, "--dry_run"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=env,
+    timeout=120,
+  )
 
 
 def test_cli_overrides_and_errors():
-  out = _cli("--config=configs/aepo_gaia.py:released", "--config.model.name=smollm2-135m-instruct",
-             "--config.rollout.n=8", "--config.rollout.initial_rollouts=4",
-             "--config.train.ppo_mini_batch_size=4", "--config.train.micro_batch_size=16")
+  out = _cli(
+    "--config=configs/aepo_gaia.py:released",
+    "--config.model.name=smollm2-135m-instruct",
+    "--config.rollout.n=8",
+    "--config.rollout.initial_rollouts=4",
+    "--config.train.ppo_mini_batch_size=4",
+    "--config.train.micro_batch_size=16",
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   c = json.loads(out.stdout.strip().splitlines()[-1])
   assert c["rollout"]["n"] == 8 and c["rollout"]["enable_dynamic_rollouts"] is False

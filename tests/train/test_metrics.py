@@ -1,4 +1,5 @@
 """Metric writers (JSONL, TensorBoard), the reader used by plots, and launch/plot.py."""
+
 import glob
 import json
 import math
@@ -51,6 +52,7 @@ def test_read_metrics_keeps_the_last_record_of_a_resumed_step(tmp_path):
 
 def test_tensorboard_and_non_chief(tmp_path):
   from tensorboardX.event_file_writer import EventFileWriter  # noqa: F401  (the optional dependency)
+
   w = create_writer(str(tmp_path / "run"), {"jsonl": True, "tensorboard": True})
   w.scalars(3, {"reward/mean": 0.25})
   w.histograms(3, {"actor/entropy": np.linspace(0, 1, 50)})
@@ -77,18 +79,43 @@ def test_plot_renders_pngs(tmp_path):
   w = JsonlWriter(str(tmp_path))
   rng = np.random.default_rng(0)
   for step in range(1, 11):
-    w.scalars(step, {"reward/mean": step / 10, "actor/entropy_mean": 1 - step / 20, "actor/pg_clipfrac": 0.1,
-                     "actor/ppo_kl": 1e-3, "train/grad_norm": 0.5, "rollout/branches_per_prompt": 2.0,
-                     "rollout/tool_calls_mean": 1.5, "tools/python_timeouts": 0})
+    w.scalars(
+      step,
+      {
+        "reward/mean": step / 10,
+        "actor/entropy_mean": 1 - step / 20,
+        "actor/pg_clipfrac": 0.1,
+        "actor/ppo_kl": 1e-3,
+        "train/grad_norm": 0.5,
+        "rollout/branches_per_prompt": 2.0,
+        "rollout/tool_calls_mean": 1.5,
+        "tools/python_timeouts": 0,
+      },
+    )
     w.histograms(step, {"actor/entropy": rng.gamma(2.0, 0.5, 200)})
   w.scalars(10, {"eval/accuracy": 0.4})
   w.flush()
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "launch/plot.py"), f"--workdir={tmp_path}"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=180)
+  out = subprocess.run(
+    [sys.executable, os.path.join(ROOT, "launch/plot.py"), f"--workdir={tmp_path}"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=180,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   written = {os.path.basename(p) for p in out.stdout.split()}
-  for name in ("reward.png", "accuracy.png", "entropy.png", "clip_fractions.png", "kl.png", "grad_norm.png",
-               "branches.png", "tool_calls.png", "entropy_histogram.png", "overview.png"):
+  for name in (
+    "reward.png",
+    "accuracy.png",
+    "entropy.png",
+    "clip_fractions.png",
+    "kl.png",
+    "grad_norm.png",
+    "branches.png",
+    "tool_calls.png",
+    "entropy_histogram.png",
+    "overview.png",
+  ):
     assert name in written
     with open(tmp_path / "plots" / name, "rb") as f:
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -97,6 +124,7 @@ def test_plot_renders_pngs(tmp_path):
 def test_plot_puts_sft_then_rl_on_one_increasing_axis():
   """SFT steps 1..3 and RL steps 1..2 both log perf/tokens_per_s: on the plot's axis RL continues after SFT."""
   import importlib.util
+
   spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "launch", "plot.py"))
   plot = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(plot)
@@ -116,10 +144,11 @@ def _events(data: bytes) -> list:
   import struct
 
   from tensorboardX.proto import event_pb2
+
   out, i = [], 0
   while i < len(data):
-    (n,) = struct.unpack("<Q", data[i:i + 8])
-    out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+    (n,) = struct.unpack("<Q", data[i : i + 8])
+    out.append(event_pb2.Event.FromString(data[i + 12 : i + 12 + n]))
     i += 12 + n + 4
   return out
 
@@ -140,6 +169,7 @@ def test_tensorboard_events_of_a_gs_workdir_land_in_the_bucket(gcs_emulator):
   import fsspec
 
   from aepo_jax.train import TensorboardWriter
+
   fs = fsspec.filesystem("gs")
   w = create_writer(f"gs://{BUCKET}/tbrun", {"jsonl": True, "tensorboard": True})
   tb = next(x for x in w.writers if isinstance(x, TensorboardWriter))

@@ -3,6 +3,7 @@ global batch split across the processes, and end with the parameters of one proc
 
 Run as a script, this file is one worker: `python test_multiprocess.py WORKER_ID NUM_PROCS PORT OUT`.
 """
+
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 
 def _steps_batches():
   from test_step_fixtures import rl_batch
+
   return [rl_batch(M, seed=s, n=N) for s in range(STEPS)]
 
 
@@ -33,8 +35,9 @@ def _train(mesh, local_rows=None):
   # the float32 summation-order noise of the all-reduce (~1e-10) into a visible update difference (seen: one
   # element of 4096 off by 2.7e-5 after 3 steps at lr 1e-2). The test is about the data-parallel gradient.
   opt = make_optimizer(1e-2, grad_clip=1.0, eps=1e-6)
-  step = make_update_step(CFG, loss_fn="ppo", optimizer=opt, micro_batches=M, mesh=mesh,
-                          temperature=TEMPERATURE, logprob_chunk=8)
+  step = make_update_step(
+    CFG, loss_fn="ppo", optimizer=opt, micro_batches=M, mesh=mesh, temperature=TEMPERATURE, logprob_chunk=8
+  )
   params, opt_state = init_train_state(CFG, host_params(), opt, mesh)
   losses = []
   for batch in _steps_batches():
@@ -49,6 +52,7 @@ def _worker(pid, nproc, port, out):
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax
+
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_default_matmul_precision", "highest")
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
@@ -60,13 +64,14 @@ def _worker(pid, nproc, port, out):
 
   def local_rows(x):  # this process's contiguous share of every micro-batch
     rows = x.shape[1] // nproc
-    return x[:, pid * rows:(pid + 1) * rows]
+    return x[:, pid * rows : (pid + 1) * rows]
 
   params, losses = _train(mesh, local_rows)
   gathered = multihost_utils.process_allgather(params, tiled=True)
   if pid == 0:
-    flat = {"/".join(str(k.key) for k in path): np.asarray(v)
-            for path, v in jax.tree_util.tree_leaves_with_path(gathered)}
+    flat = {
+      "/".join(str(k.key) for k in path): np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(gathered)
+    }
     np.savez(out, losses=np.asarray(losses), **flat)
   jax.distributed.shutdown()
 
@@ -85,8 +90,16 @@ def test_two_processes_match_one_process(tmp_path):
   out = str(tmp_path / "params.npz")
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, REPO, os.environ.get("PYTHONPATH", "")]))
-  procs = [subprocess.Popen([sys.executable, __file__, str(i), "2", str(port), out], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, __file__, str(i), "2", str(port), out],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
     logs = [p.communicate(timeout=600)[0] for p in procs]
   finally:

@@ -3,6 +3,7 @@ devices each): `launch/tpu_pod.py --config=configs/testing/tiny_rl.py` runs SFT,
 real tools (sandboxed Python, local search) and checkpoints; every host rolls out its own prompts on its own
 devices, and the trajectories of all hosts make one global batch. Rerun with more steps, the job resumes.
 """
+
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
   from aepo_jax.testing import tiny_tokenizer
+
   return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
@@ -30,12 +32,23 @@ def _launch(num_hosts, workdir, tok_dir, *overrides, timeout=900):
   """Runs the main job as `num_hosts` processes; returns their logs (each asserted to have exited 0)."""
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "tpu_pod.py"), "--config=configs/testing/tiny_rl.py",
-         f"--config.workdir={workdir}", f"--config.model.tokenizer={tok_dir}",
-         "--config.checkpoint.shared_workdir=True", *overrides,
-         f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_hosts}"]
-  procs = [subprocess.Popen(cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(num_hosts)]
+  cmd = [
+    sys.executable,
+    os.path.join(ROOT, "launch", "tpu_pod.py"),
+    "--config=configs/testing/tiny_rl.py",
+    f"--config.workdir={workdir}",
+    f"--config.model.tokenizer={tok_dir}",
+    "--config.checkpoint.shared_workdir=True",
+    *overrides,
+    f"--coordinator_address=127.0.0.1:{port}",
+    f"--num_processes={num_hosts}",
+  ]
+  procs = [
+    subprocess.Popen(
+      cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for i in range(num_hosts)
+  ]
   try:
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
   finally:
@@ -85,9 +98,17 @@ def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
   different numbers of trajectories; the update still sees all 24, in mini-batches of 8 sequences, with ARPO's
   hard advantage attribution over every host's branching trees."""
   workdir = str(tmp_path / "run")
-  _launch(4, workdir, tok_dir, "--config.data.prompts_per_step=6", "--config.train.steps=1", "--config.sft.steps=1",
-          "--config.eval.before_rl=False", "--config.eval.batch_size=3",
-          "--config.algo.attribution=hard")  # the branching trees of all hosts, renumbered, reach the advantages
+  _launch(
+    4,
+    workdir,
+    tok_dir,
+    "--config.data.prompts_per_step=6",
+    "--config.train.steps=1",
+    "--config.sft.steps=1",
+    "--config.eval.before_rl=False",
+    "--config.eval.batch_size=3",
+    "--config.algo.attribution=hard",
+  )  # the branching trees of all hosts, renumbered, reach the advantages
   records = _metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
   assert len(rl) == 1 and rl[0]["rollout/trajectories"] == 24, rl

@@ -1,5 +1,6 @@
 """Preflight: `--dry_run` (and the start of `run()`) fails on mistakes that would otherwise surface only after the
 model has loaded and SFT has run, naming the key and the fix; a config that can run passes."""
+
 import glob
 import json
 import os
@@ -19,6 +20,7 @@ TINY = os.path.join(ROOT, "configs", "testing", "tiny_rl.py")
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
   from aepo_jax.testing import tiny_tokenizer
+
   return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
@@ -28,8 +30,14 @@ def _tiny(tok_dir, **overrides):
 
 def _dry_run(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "tpu_pod.py"), f"--config={TINY}", *args,
-                         "--dry_run"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=180)
+  return subprocess.run(
+    [sys.executable, os.path.join(ROOT, "launch", "tpu_pod.py"), f"--config={TINY}", *args, "--dry_run"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=env,
+    timeout=180,
+  )
 
 
 # --------------------------------------------------------------------------------------------- the command line
@@ -39,17 +47,30 @@ def test_dry_run_passes_a_config_that_can_run(tok_dir, tmp_path):
   assert json.loads(out.stdout.strip().splitlines()[-1])["model"]["tokenizer"] == tok_dir
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["--config.model.init=pretrained", "--config.model.name=Qwen/Qwen3-0.6B"],
-     ["model.name='Qwen/Qwen3-0.6B' looks like a Hugging Face Hub id", "nothing is downloaded at run time",
-      "huggingface-cli download Qwen/Qwen3-0.6B --local-dir Qwen3-0.6B", "--config.model.name=<that directory>"]),
-    (["--config.data.train=/nonexistent/prompts.jsonl"],
-     ["data.train='/nonexistent/prompts.jsonl' does not exist"]),
-    (["--config.tools.search_backend=cache"],
-     ["tools.search_backend='cache' is unknown; did you mean 'replay'?", "known: bing, brave, local, replay"]),
-    (["--config.tools.search_backend=retrieval", "--config.tools.search_url=localhost:8000"],
-     ["tools.search_url='localhost:8000' is not an http(s) URL"]),
-], ids=["hub_id", "missing_data_file", "unknown_search_backend", "bad_url"])
+@pytest.mark.parametrize(
+  "overrides,expected",
+  [
+    (
+      ["--config.model.init=pretrained", "--config.model.name=Qwen/Qwen3-0.6B"],
+      [
+        "model.name='Qwen/Qwen3-0.6B' looks like a Hugging Face Hub id",
+        "nothing is downloaded at run time",
+        "huggingface-cli download Qwen/Qwen3-0.6B --local-dir Qwen3-0.6B",
+        "--config.model.name=<that directory>",
+      ],
+    ),
+    (["--config.data.train=/nonexistent/prompts.jsonl"], ["data.train='/nonexistent/prompts.jsonl' does not exist"]),
+    (
+      ["--config.tools.search_backend=cache"],
+      ["tools.search_backend='cache' is unknown; did you mean 'replay'?", "known: bing, brave, local, replay"],
+    ),
+    (
+      ["--config.tools.search_backend=retrieval", "--config.tools.search_url=localhost:8000"],
+      ["tools.search_url='localhost:8000' is not an http(s) URL"],
+    ),
+  ],
+  ids=["hub_id", "missing_data_file", "unknown_search_backend", "bad_url"],
+)
 def test_dry_run_fails_naming_the_key(tok_dir, tmp_path, overrides, expected):
   out = _dry_run(f"--config.model.tokenizer={tok_dir}", f"--config.workdir={tmp_path}/run", *overrides)
   assert out.returncode != 0 and "the config cannot run here" in out.stderr, out.stderr[-2000:]
@@ -78,14 +99,16 @@ def test_model_names_and_directories(tok_dir, tmp_path):
 
 def test_hf_directory_with_config_but_no_tokenizer(tok_dir, tmp_path):
   from aepo_jax.testing import tiny_hf_checkpoint
+
   path = tiny_hf_checkpoint("qwen3", str(tmp_path / "qwen3"))
   for name in ("tokenizer.json", "tokenizer_config.json"):
     if os.path.exists(os.path.join(path, name)):
       os.remove(os.path.join(path, name))
-  c = _tiny(tok_dir, **{"model.name": path, "model.init": "pretrained", "model.tokenizer": "",
-                        "model.overrides": {}})
-  assert preflight(c) == [f"model.name={path!r} has no tokenizer.json; set model.tokenizer to a directory (local or "
-                          "gs://) that holds the model's tokenizer."]
+  c = _tiny(tok_dir, **{"model.name": path, "model.init": "pretrained", "model.tokenizer": "", "model.overrides": {}})
+  assert preflight(c) == [
+    f"model.name={path!r} has no tokenizer.json; set model.tokenizer to a directory (local or "
+    "gs://) that holds the model's tokenizer."
+  ]
   c = _tiny(tok_dir, **{"model.name": path, "model.init": "pretrained", "model.overrides": {}})
   assert preflight(c) == []  # model.tokenizer given
 
@@ -94,8 +117,17 @@ def test_data_sources(tok_dir, tmp_path):
   good = tmp_path / "qa.jsonl"
   good.write_text('{"question": "1+1?", "answer": "2"}\n')
   assert preflight(_tiny(tok_dir, **{"data.train": str(good), "data.val": (str(good), "valid")})) == []
-  problems = preflight(_tiny(tok_dir, **{"data.train": "gaia_test", "data.val": ("valid", "mystery", "x.parquet"),
-                                         "data.family": "code", "data.template": "nope"}))
+  problems = preflight(
+    _tiny(
+      tok_dir,
+      **{
+        "data.train": "gaia_test",
+        "data.val": ("valid", "mystery", "x.parquet"),
+        "data.family": "code",
+        "data.template": "nope",
+      },
+    )
+  )
   assert any(p.startswith("data.train='gaia_test': GAIA and HLE are evaluation sets") for p in problems)
   assert any(p.startswith("data.val[1]='mystery' is not a data source") for p in problems)
   assert any(p.startswith("data.val[2]='x.parquet' does not exist") for p in problems)
@@ -104,8 +136,7 @@ def test_data_sources(tok_dir, tmp_path):
   assert preflight(_tiny(tok_dir, **{"data.train": "valid"})) == []  # an ARPO RL file by name
   # A field-name mistake shows in the dry run, not when RL starts after SFT.
   [p] = preflight(_tiny(tok_dir, **{"data.train": str(good), "data.fields.answer": "solution"}))
-  assert p.startswith(f"data.train={str(good)!r}: {good}:1: field 'solution': missing") and \
-      "data.fields.answer" in p
+  assert p.startswith(f"data.train={str(good)!r}: {good}:1: field 'solution': missing") and "data.fields.answer" in p
 
 
 def test_search_backends_keys_and_probe(tok_dir, tmp_path, monkeypatch):
@@ -134,15 +165,20 @@ def test_a_gs_path_that_hangs_is_reported_at_the_deadline(tok_dir, monkeypatch):
 
   monkeypatch.setattr(_preflight, "_gs_fs", lambda: Hanging())
   t0 = time.monotonic()
-  problems = preflight(_tiny(tok_dir, **{"model.init": "pretrained", "model.name": "gs://bkt/m",
-                                         "workdir": "gs://bkt/run"}), gs_timeout_s=0.5)
+  problems = preflight(
+    _tiny(tok_dir, **{"model.init": "pretrained", "model.name": "gs://bkt/m", "workdir": "gs://bkt/run"}),
+    gs_timeout_s=0.5,
+  )
   assert time.monotonic() - t0 < 5
   assert sorted(p.split(":")[0] for p in problems) == ["model.name", "workdir"]
   assert all("could not check gs://bkt/" in p and "no network or GCS credentials" in p for p in problems)
 
 
-@pytest.mark.parametrize("path", sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
-                                        if os.path.basename(p) != "common.py"), ids=os.path.basename)
+@pytest.mark.parametrize(
+  "path",
+  sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if os.path.basename(p) != "common.py"),
+  ids=os.path.basename,
+)
 def test_shipped_configs_pass_where_their_gs_paths_exist(path, monkeypatch):
   """Every experiment config names backends, templates and sources the runtime accepts; its gs:// paths
   (placeholders here) stand for directories that exist."""
@@ -173,15 +209,22 @@ from test_checkpoint_gcs import BUCKET, gcs_emulator  # noqa: E402,F401  (the em
 
 def test_gs_paths_are_checked_against_the_bucket(tok_dir, gcs_emulator):
   import fsspec
+
   fs = fsspec.filesystem("gs")
   fs.pipe(f"{BUCKET}/data/qa.jsonl", b'{"question": "1+1?", "answer": "2"}\n')
   ok = _tiny(tok_dir, **{"data.train": f"gs://{BUCKET}/data/qa.jsonl", "workdir": f"gs://{BUCKET}/run"})
   assert preflight(ok) == []
-  bad = _tiny(tok_dir, **{"data.train": f"gs://{BUCKET}/data/typo.jsonl", "workdir": "gs://no-such-bucket/run",
-                          "model.tokenizer": f"gs://{BUCKET}/tok"})
+  bad = _tiny(
+    tok_dir,
+    **{
+      "data.train": f"gs://{BUCKET}/data/typo.jsonl",
+      "workdir": "gs://no-such-bucket/run",
+      "model.tokenizer": f"gs://{BUCKET}/tok",
+    },
+  )
   assert sorted(preflight(bad)) == [
-      f"data.train='gs://{BUCKET}/data/typo.jsonl' does not exist; check the bucket and path.",
-      f"model.tokenizer: gs://{BUCKET}/tok/tokenizer.json does not exist; the tokenizer directory needs "
-      "tokenizer.json.",
-      "workdir='gs://no-such-bucket/run': bucket gs://no-such-bucket does not exist or is not visible with this "
-      "machine's credentials."]
+    f"data.train='gs://{BUCKET}/data/typo.jsonl' does not exist; check the bucket and path.",
+    f"model.tokenizer: gs://{BUCKET}/tok/tokenizer.json does not exist; the tokenizer directory needs tokenizer.json.",
+    "workdir='gs://no-such-bucket/run': bucket gs://no-such-bucket does not exist or is not visible with this "
+    "machine's credentials.",
+  ]

@@ -1,5 +1,6 @@
 """Every paper config against the spec's table of what the released scripts ran (spec §1.5, §1.7, §2.4, §2.6),
 and the defaults of base_config and PolicyConfig against each other."""
+
 import dataclasses
 import json
 import os
@@ -14,55 +15,126 @@ from aepo_jax.train import _wiring, base_config, load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The scripts' values (spec §1.7 table; §2.4 table for AEPO), every key a run reads. top_k 0 is verl's -1.
-_COMMON = {"rollout.beam_size": 2, "rollout.branch_probability": 0.5, "rollout.entropy_weight": 0.2,
-           "optim.lr": 1e-6, "optim.weight_decay": 0.01, "optim.grad_clip": 1.0, "optim.schedule": "constant",
-           "optim.warmup_steps": 0, "algo.clip_low": 0.2, "algo.clip_high": 0.2, "algo.clip_c": 3.0,
-           "algo.agg": "token-mean", "algo.advantage": "grpo", "algo.kl.coef": 0.0, "algo.kl.use_in_reward": False,
-           "rollout.temperature": 1.0, "rollout.top_p": 1.0, "rollout.top_k": 0, "rollout.repetition_penalty": 1.0,
-           "rollout.min_p": 0.0, "train.ppo_epochs": 1, "eval.temperature": 0.0, "reward.name": "deep_research",
-           "rollout.entropy_window": 20, "rollout.topk_entropy": 10}
-_DEEP = {"data.train": "hard_search_1k", "data.val": ("gaia_test", "hle_test"), "rollout.max_prompt_len": 2000,
-         "tools.call_limit": 6, "train.epochs": 5}
-_REASONING = {"data.train": "train_10k", "data.val": ("valid",), "rollout.max_prompt_len": 1536,
-              "rollout.max_response_len": 4096, "train.epochs": 2, "data.prompts_per_step": 128,
-              "train.ppo_mini_batch_size": 16, "rollout.n": 16, "rollout.initial_rollouts": 8}
+_COMMON = {
+  "rollout.beam_size": 2,
+  "rollout.branch_probability": 0.5,
+  "rollout.entropy_weight": 0.2,
+  "optim.lr": 1e-6,
+  "optim.weight_decay": 0.01,
+  "optim.grad_clip": 1.0,
+  "optim.schedule": "constant",
+  "optim.warmup_steps": 0,
+  "algo.clip_low": 0.2,
+  "algo.clip_high": 0.2,
+  "algo.clip_c": 3.0,
+  "algo.agg": "token-mean",
+  "algo.advantage": "grpo",
+  "algo.kl.coef": 0.0,
+  "algo.kl.use_in_reward": False,
+  "rollout.temperature": 1.0,
+  "rollout.top_p": 1.0,
+  "rollout.top_k": 0,
+  "rollout.repetition_penalty": 1.0,
+  "rollout.min_p": 0.0,
+  "train.ppo_epochs": 1,
+  "eval.temperature": 0.0,
+  "reward.name": "deep_research",
+  "rollout.entropy_window": 20,
+  "rollout.topk_entropy": 10,
+}
+_DEEP = {
+  "data.train": "hard_search_1k",
+  "data.val": ("gaia_test", "hle_test"),
+  "rollout.max_prompt_len": 2000,
+  "tools.call_limit": 6,
+  "train.epochs": 5,
+}
+_REASONING = {
+  "data.train": "train_10k",
+  "data.val": ("valid",),
+  "rollout.max_prompt_len": 1536,
+  "rollout.max_response_len": 4096,
+  "train.epochs": 2,
+  "data.prompts_per_step": 128,
+  "train.ppo_mini_batch_size": 16,
+  "rollout.n": 16,
+  "rollout.initial_rollouts": 8,
+}
 SCRIPTS = {
-    "ARPO_7B_Reasoning": {**_COMMON, **_REASONING, "tools.call_limit": 3, "tools.retry_count": 3},
-    "ARPO_8B_Deepsearch": {**_COMMON, **_DEEP, "data.prompts_per_step": 128, "train.ppo_mini_batch_size": 16,
-                           "rollout.n": 16, "rollout.initial_rollouts": 8, "rollout.max_response_len": 10000,
-                           "tools.retry_count": 3},
-    "ARPO_14b_Deepsearch": {**_COMMON, **_DEEP, "data.prompts_per_step": 64, "train.ppo_mini_batch_size": 8,
-                            "rollout.n": 12, "rollout.initial_rollouts": 6, "rollout.max_response_len": 6192,
-                            "tools.retry_count": 3},
-    "AEPO_Qwen3_14B_DeepResearch": {**_COMMON, **_DEEP, "data.prompts_per_step": 64, "train.ppo_mini_batch_size": 8,
-                                    "rollout.n": 12, "rollout.initial_rollouts": 6, "rollout.max_response_len": 6192,
-                                    "tools.retry_count": 4},
-    "AEPO_Qwen25_7B_DeepResearch": {**_COMMON, **_REASONING, "tools.call_limit": 6, "tools.retry_count": 4},
+  "ARPO_7B_Reasoning": {**_COMMON, **_REASONING, "tools.call_limit": 3, "tools.retry_count": 3},
+  "ARPO_8B_Deepsearch": {
+    **_COMMON,
+    **_DEEP,
+    "data.prompts_per_step": 128,
+    "train.ppo_mini_batch_size": 16,
+    "rollout.n": 16,
+    "rollout.initial_rollouts": 8,
+    "rollout.max_response_len": 10000,
+    "tools.retry_count": 3,
+  },
+  "ARPO_14b_Deepsearch": {
+    **_COMMON,
+    **_DEEP,
+    "data.prompts_per_step": 64,
+    "train.ppo_mini_batch_size": 8,
+    "rollout.n": 12,
+    "rollout.initial_rollouts": 6,
+    "rollout.max_response_len": 6192,
+    "tools.retry_count": 3,
+  },
+  "AEPO_Qwen3_14B_DeepResearch": {
+    **_COMMON,
+    **_DEEP,
+    "data.prompts_per_step": 64,
+    "train.ppo_mini_batch_size": 8,
+    "rollout.n": 12,
+    "rollout.initial_rollouts": 6,
+    "rollout.max_response_len": 6192,
+    "tools.retry_count": 4,
+  },
+  "AEPO_Qwen25_7B_DeepResearch": {**_COMMON, **_REASONING, "tools.call_limit": 6, "tools.retry_count": 4},
 }
 # No AEPO 8B script was released: ARPO's 8B script with the AEPO yaml's retries.
 SCRIPTS["AEPO_8B (ARPO_8B_Deepsearch values)"] = {**SCRIPTS["ARPO_8B_Deepsearch"], "tools.retry_count": 4}
 # What the released code switches on and off (spec §1.2 quirks, §1.5 aggregation, §2.1-§2.3, §2.6).
-RELEASED_ARPO = {"rollout.policy": "arpo", "rollout.mode": "faithful", "rollout.entropy_estimator": "official",
-                 "algo.loss": "arpo", "algo.aggregation": "verl", "algo.attribution": "soft",
-                 "algo.entropy_advantage_coef": 0.0, "algo.preserve_high_clip_grad": False}
-RELEASED_AEPO = {"rollout.policy": "aepo", "rollout.mode": "faithful", "rollout.entropy_estimator": "official",
-                 "rollout.enable_dynamic_rollouts": False, "rollout.consecutive_penalty": 0.05,
-                 "rollout.premonitor_beta": 0.5, "rollout.probe_tokens": 50, "rollout.penalize_refills": True,
-                 "algo.loss": "aepo", "algo.aggregation": "verl", "algo.attribution": "soft",
-                 "algo.entropy_advantage_coef": 0.0, "algo.preserve_high_clip_grad": True}
+RELEASED_ARPO = {
+  "rollout.policy": "arpo",
+  "rollout.mode": "faithful",
+  "rollout.entropy_estimator": "official",
+  "algo.loss": "arpo",
+  "algo.aggregation": "verl",
+  "algo.attribution": "soft",
+  "algo.entropy_advantage_coef": 0.0,
+  "algo.preserve_high_clip_grad": False,
+}
+RELEASED_AEPO = {
+  "rollout.policy": "aepo",
+  "rollout.mode": "faithful",
+  "rollout.entropy_estimator": "official",
+  "rollout.enable_dynamic_rollouts": False,
+  "rollout.consecutive_penalty": 0.05,
+  "rollout.premonitor_beta": 0.5,
+  "rollout.probe_tokens": 50,
+  "rollout.penalize_refills": True,
+  "algo.loss": "aepo",
+  "algo.aggregation": "verl",
+  "algo.attribution": "soft",
+  "algo.entropy_advantage_coef": 0.0,
+  "algo.preserve_high_clip_grad": True,
+}
 # config file, model variant or None, the script it reproduces, the model's shape, AEPO or ARPO
 CASES = [
-    ("aepo_gaia.py", None, "AEPO_Qwen3_14B_DeepResearch", "qwen3-14b", RELEASED_AEPO),
-    ("arpo_gaia.py", None, "ARPO_14b_Deepsearch", "qwen3-14b", RELEASED_ARPO),
-    ("aepo_reasoning.py", None, "AEPO_Qwen25_7B_DeepResearch", "qwen2.5-7b", RELEASED_AEPO),
-    ("arpo_gaia_8b.py", None, "ARPO_8B_Deepsearch", "qwen3-8b", RELEASED_ARPO),
-    # no AEPO 8B / QwQ / 3B / Llama script was released: the nearest script's values (stated in each docstring)
-    ("aepo_gaia_8b.py", None, "AEPO_8B (ARPO_8B_Deepsearch values)", "qwen3-8b", RELEASED_AEPO),
-    ("aepo_gaia_qwq32b.py", None, "AEPO_Qwen3_14B_DeepResearch", "qwq-32b", RELEASED_AEPO),
-    ("arpo_gaia_qwq32b.py", None, "ARPO_14b_Deepsearch", "qwq-32b", RELEASED_ARPO),
-    ("arpo_reasoning.py", "qwen2.5-7b", "ARPO_7B_Reasoning", "qwen2.5-7b", RELEASED_ARPO),
-    ("arpo_reasoning.py", "qwen2.5-3b", "ARPO_7B_Reasoning", "qwen2.5-3b", RELEASED_ARPO),
-    ("arpo_reasoning.py", "llama-3.1-8b", "ARPO_7B_Reasoning", "llama-3.1-8b", RELEASED_ARPO),
+  ("aepo_gaia.py", None, "AEPO_Qwen3_14B_DeepResearch", "qwen3-14b", RELEASED_AEPO),
+  ("arpo_gaia.py", None, "ARPO_14b_Deepsearch", "qwen3-14b", RELEASED_ARPO),
+  ("aepo_reasoning.py", None, "AEPO_Qwen25_7B_DeepResearch", "qwen2.5-7b", RELEASED_AEPO),
+  ("arpo_gaia_8b.py", None, "ARPO_8B_Deepsearch", "qwen3-8b", RELEASED_ARPO),
+  # no AEPO 8B / QwQ / 3B / Llama script was released: the nearest script's values (stated in each docstring)
+  ("aepo_gaia_8b.py", None, "AEPO_8B (ARPO_8B_Deepsearch values)", "qwen3-8b", RELEASED_AEPO),
+  ("aepo_gaia_qwq32b.py", None, "AEPO_Qwen3_14B_DeepResearch", "qwq-32b", RELEASED_AEPO),
+  ("arpo_gaia_qwq32b.py", None, "ARPO_14b_Deepsearch", "qwq-32b", RELEASED_ARPO),
+  ("arpo_reasoning.py", "qwen2.5-7b", "ARPO_7B_Reasoning", "qwen2.5-7b", RELEASED_ARPO),
+  ("arpo_reasoning.py", "qwen2.5-3b", "ARPO_7B_Reasoning", "qwen2.5-3b", RELEASED_ARPO),
+  ("arpo_reasoning.py", "llama-3.1-8b", "ARPO_7B_Reasoning", "llama-3.1-8b", RELEASED_ARPO),
 ]
 
 
@@ -125,9 +197,11 @@ def test_unknown_variant_names_the_choices():
 
 def test_base_config_and_policy_config_defaults_agree():
   ours = _wiring.policy_config(base_config())
-  assert ours == PolicyConfig(), {f.name: (getattr(ours, f.name), getattr(PolicyConfig(), f.name))
-                                  for f in dataclasses.fields(PolicyConfig)
-                                  if getattr(ours, f.name) != getattr(PolicyConfig(), f.name)}
+  assert ours == PolicyConfig(), {
+    f.name: (getattr(ours, f.name), getattr(PolicyConfig(), f.name))
+    for f in dataclasses.fields(PolicyConfig)
+    if getattr(ours, f.name) != getattr(PolicyConfig(), f.name)
+  }
   c = base_config()
   # The defaults that are not the code's say so (docstrings), and `released` turns them into the code's.
   assert (c.rollout.mode, c.rollout.entropy_estimator, c.algo.aggregation) == ("corrected", "exact", "global")
@@ -137,9 +211,20 @@ def test_base_config_and_policy_config_defaults_agree():
 
 def test_dry_run_prints_the_released_switches():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, os.path.join(ROOT, "launch/tpu_pod.py"),
-                        "--config=configs/aepo_gaia.py:released", "--config.model.name=smollm2-135m-instruct",
-                        "--dry_run"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+  out = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, "launch/tpu_pod.py"),
+      "--config=configs/aepo_gaia.py:released",
+      "--config.model.name=smollm2-135m-instruct",
+      "--dry_run",
+    ],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=env,
+    timeout=300,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   printed = json.loads(out.stdout.strip().splitlines()[-1])
   assert printed["rollout"]["mode"] == "faithful"
@@ -150,19 +235,31 @@ def test_dry_run_prints_the_released_switches():
     assert node == want, key
 
 
-@pytest.mark.parametrize("key,value,needle", [
-    ("algo.aggregation", "verll", "algo.aggregation='verll' is not registered; did you mean 'verl'? (known: global, verl)"),
+@pytest.mark.parametrize(
+  "key,value,needle",
+  [
+    (
+      "algo.aggregation",
+      "verll",
+      "algo.aggregation='verll' is not registered; did you mean 'verl'? (known: global, verl)",
+    ),
     ("algo.attribution", "hrad", "algo.attribution='hrad' is not registered; did you mean 'hard'?"),
-    ("rollout.policy", "aepoo", "rollout.policy='aepoo' is not registered; did you mean 'aepo'? (known: aepo, arpo, none)"),
+    (
+      "rollout.policy",
+      "aepoo",
+      "rollout.policy='aepoo' is not registered; did you mean 'aepo'? (known: aepo, arpo, none)",
+    ),
     ("rollout.mode", "faithfull", "rollout.mode='faithfull' is not registered; did you mean 'faithful'?"),
     ("algo.agg", "token_mean", "algo.agg='token_mean' is not registered; did you mean 'token-mean'?"),
     ("rollout.repetition_penalty", 0.0, "rollout.repetition_penalty=0.0: must be a finite number > 0"),
     ("rollout.min_p", 1.5, "rollout.min_p=1.5: must be in [0, 1]"),
     ("eval.judge_url", "http://127.0.0.1:9/v1", "eval.judge_url and eval.judge_model go together"),
     ("sft.source", "traces.json", "sft.source='traces.json': use 'suite', 'synthetic' or a .jsonl / .parquet"),
-])
+  ],
+)
 def test_choices_come_from_the_registries(key, value, needle):
   from aepo_jax.train import ConfigError, set_key, validate
+
   c = base_config()
   c.sft.enabled = True
   set_key(c, key, value)
@@ -182,8 +279,16 @@ def test_the_trainer_builds_its_update_step_with_the_configured_aggregation(tmp_
     raise Built(kw["aggregation"])
 
   monkeypatch.setattr(_step, "make_update_step", spy)
-  config = load_config(os.path.join(ROOT, "configs", "testing", "tiny_rl.py"), overrides={
-      "workdir": str(tmp_path / "run"), "model.tokenizer": tiny_tokenizer(tmp_path / "tok"), "mode": "rl",
-      "sft.enabled": False, "algo.aggregation": "verl"}, num_devices=None)
+  config = load_config(
+    os.path.join(ROOT, "configs", "testing", "tiny_rl.py"),
+    overrides={
+      "workdir": str(tmp_path / "run"),
+      "model.tokenizer": tiny_tokenizer(tmp_path / "tok"),
+      "mode": "rl",
+      "sft.enabled": False,
+      "algo.aggregation": "verl",
+    },
+    num_devices=None,
+  )
   with pytest.raises(Built, match="verl"):
     run(config)

@@ -3,6 +3,7 @@ bit-identical parameters to an uninterrupted run (data-iterator state, RNG and o
 
 The target is the trainer's public entry, `aepo_jax.train.run(config)`, on the tiny SFT-only config.
 """
+
 import json
 import os
 import signal
@@ -46,16 +47,26 @@ DRIVER = textwrap.dedent("""
 def _env(extra=None):
   # No persistent compilation cache: once, a run whose executables came from the cache differed from a freshly
   # compiled one by 1 ulp (it is the same HLO; the cached CPU executable evidently is not the same code).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             JAX_COMPILATION_CACHE_DIR="", JAX_ENABLE_COMPILATION_CACHE="false")
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    JAX_COMPILATION_CACHE_DIR="",
+    JAX_ENABLE_COMPILATION_CACHE="false",
+  )
   env.update(extra or {})
   return env
 
 
 def start(workdir, delay=0.0, env=None, *overrides):
-  return subprocess.Popen([sys.executable, "-c", DRIVER, str(workdir), str(STEPS), *overrides], cwd=ROOT,
-                          env=_env({"AEPO_TEST_STEP_DELAY": str(delay), **(env or {})}),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+    [sys.executable, "-c", DRIVER, str(workdir), str(STEPS), *overrides],
+    cwd=ROOT,
+    env=_env({"AEPO_TEST_STEP_DELAY": str(delay), **(env or {})}),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
 
 
 def finish(proc, timeout=400):

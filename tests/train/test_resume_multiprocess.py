@@ -1,5 +1,6 @@
 """Two CPU processes with gloo collectives (launch/tpu_pod.py --num_processes=2) train the tiny SFT config to
 the same parameters as one process over the same two devices (same global batch, same seeds)."""
+
 import os
 import socket
 import subprocess
@@ -18,8 +19,15 @@ STEPS = 4
 
 
 def _cmd(workdir, *extra):
-  return [sys.executable, os.path.join(ROOT, "launch/tpu_pod.py"), "--config=configs/testing/tiny_sft.py",
-          f"--config.workdir={workdir}", f"--config.sft.steps={STEPS}", "--config.checkpoint.every_steps=2", *extra]
+  return [
+    sys.executable,
+    os.path.join(ROOT, "launch/tpu_pod.py"),
+    "--config=configs/testing/tiny_sft.py",
+    f"--config.workdir={workdir}",
+    f"--config.sft.steps={STEPS}",
+    "--config.checkpoint.every_steps=2",
+    *extra,
+  ]
 
 
 def _env(devices):
@@ -29,7 +37,9 @@ def _env(devices):
 def _params(workdir):
   ck = Checkpointer(f"{workdir}/checkpoints/sft")
   cfg = model_config_from_json(ck.restore_meta(STEPS)["model_config"])
-  return jax.device_get(ck.restore_params(STEPS, jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0)))))
+  return jax.device_get(
+    ck.restore_params(STEPS, jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.PRNGKey(0))))
+  )
 
 
 @pytest.mark.slow
@@ -39,12 +49,26 @@ def test_two_processes_match_one(tmp_path):
   port = s.getsockname()[1]
   s.close()
   multi = tmp_path / "two_processes"
-  procs = [subprocess.Popen(_cmd(multi, "--config.checkpoint.shared_workdir=True",
-                                 f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-                                 f"--process_id={i}"), cwd=ROOT, env=_env(1), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  single = subprocess.run(_cmd(tmp_path / "one_process"), cwd=ROOT, env=_env(2), capture_output=True, text=True,
-                          timeout=600)
+  procs = [
+    subprocess.Popen(
+      _cmd(
+        multi,
+        "--config.checkpoint.shared_workdir=True",
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+        f"--process_id={i}",
+      ),
+      cwd=ROOT,
+      env=_env(1),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  single = subprocess.run(
+    _cmd(tmp_path / "one_process"), cwd=ROOT, env=_env(2), capture_output=True, text=True, timeout=600
+  )
   outs = [p.communicate(timeout=600)[0] for p in procs]
   assert single.returncode == 0, single.stderr[-3000:]
   for p, out in zip(procs, outs):

@@ -4,6 +4,7 @@ the pieces of the RL step that the tiny run cannot exercise on its own (DAPO gro
 A random model never answers correctly, so the learning itself is shown by the embedded default
 (configs/cpu_default.py); here every branch of the loop has to run and write what it promises.
 """
+
 import os
 
 import jax
@@ -20,13 +21,14 @@ CONFIG = os.path.join(ROOT, "configs", "testing", "tiny_rl.py")
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
   from aepo_jax.testing import tiny_tokenizer
+
   return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def _config(tmp_path, tok_dir, **overrides):
-  return load_config(CONFIG, overrides={"workdir": str(tmp_path / "run"), "model.tokenizer": tok_dir,
-                                        **overrides},
-                     num_devices=None)
+  return load_config(
+    CONFIG, overrides={"workdir": str(tmp_path / "run"), "model.tokenizer": tok_dir, **overrides}, num_devices=None
+  )
 
 
 # One uninterrupted run serves two tests: its outputs, and the reference for the resumed run.
@@ -48,8 +50,17 @@ def test_sft_then_aepo_writes_every_metric_and_checkpoint(full_run):
   records = read_metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
   assert [r["step"] for r in rl] == [1, 2, 3]
-  for key in ("reward/mean", "rollout/trajectories", "rollout/tool_calls_mean", "actor/pg_loss", "train/grad_norm",
-              "mismatch/logprob_abs_diff_mean", "perf/tokens_per_s", "perf/rollout_s", "perf/update_s"):
+  for key in (
+    "reward/mean",
+    "rollout/trajectories",
+    "rollout/tool_calls_mean",
+    "actor/pg_loss",
+    "train/grad_norm",
+    "mismatch/logprob_abs_diff_mean",
+    "perf/tokens_per_s",
+    "perf/rollout_s",
+    "perf/update_s",
+  ):
     assert all(key in r and np.isfinite(r[key]) for r in rl), (key, sorted(rl[0]))
   assert all(r["rollout/trajectories"] == 2 * 4 for r in rl)  # prompts_per_step x n
   evals = [r for r in records if "eval/suite/accuracy" in r]
@@ -64,11 +75,26 @@ def test_dapo_filter_and_kl_in_reward_run(tmp_path, tok_dir):
   """DAPO dynamic sampling on a random model: every group's reward is the same (format error), so each step
   generates max_num_gen_batches batches and says it is underfilled; REINFORCE++ with the KL penalty in the
   reward: zero at step 1 (the reference is the start), non-zero once the policy moved."""
-  config = _config(tmp_path, tok_dir, **{
-      "mode": "rl", "sft.enabled": False, "eval.before_rl": False, "eval.after_rl": False,
-      "algo.loss": "dapo", "algo.entropy_advantage_coef": 0.0, "algo.filter_groups": True,
-      "algo.filter_metric": "reward", "algo.max_num_gen_batches": 2, "algo.advantage": "reinforce_pp",
-      "algo.kl.name": "k1", "algo.kl.coef": 0.1, "algo.kl.use_in_reward": True, "rollout.policy": "none"})
+  config = _config(
+    tmp_path,
+    tok_dir,
+    **{
+      "mode": "rl",
+      "sft.enabled": False,
+      "eval.before_rl": False,
+      "eval.after_rl": False,
+      "algo.loss": "dapo",
+      "algo.entropy_advantage_coef": 0.0,
+      "algo.filter_groups": True,
+      "algo.filter_metric": "reward",
+      "algo.max_num_gen_batches": 2,
+      "algo.advantage": "reinforce_pp",
+      "algo.kl.name": "k1",
+      "algo.kl.coef": 0.1,
+      "algo.kl.use_in_reward": True,
+      "rollout.policy": "none",
+    },
+  )
   run(config)
   rl = [r for r in read_metrics(config.workdir) if "reward/mean" in r]
   assert [r["rollout/gen_batches"] for r in rl] == [2.0, 2.0]
@@ -91,12 +117,22 @@ def _traj(groups, width=6, offset=0):
       parent[s + 1] = s  # second row of each group branched from the first
   ones = np.ones((n, width), np.int32)
   return Trajectories(
-      tokens_bt=tokens, prompt_len_b=np.full(n, 2, np.int32), response_len_b=np.full(n, width - 2, np.int32),
-      loss_mask_bt=ones, attention_mask_bt=ones, sampler_logprob_bt=np.zeros((n, width), np.float32),
-      sampler_entropy_bt=np.zeros((n, width), np.float32), group_id_b=gid, parent_b=parent,
-      fork_pos_b=np.where(parent >= 0, 3, -1).astype(np.int32), num_tool_calls_b=np.zeros(n, np.int32),
-      stop_reason_b=["eos"] * n, response_text=[f"row{offset + i}" for i in range(n)], kind_b=["global"] * n,
-      stats={"first": 1.0})
+    tokens_bt=tokens,
+    prompt_len_b=np.full(n, 2, np.int32),
+    response_len_b=np.full(n, width - 2, np.int32),
+    loss_mask_bt=ones,
+    attention_mask_bt=ones,
+    sampler_logprob_bt=np.zeros((n, width), np.float32),
+    sampler_entropy_bt=np.zeros((n, width), np.float32),
+    group_id_b=gid,
+    parent_b=parent,
+    fork_pos_b=np.where(parent >= 0, 3, -1).astype(np.int32),
+    num_tool_calls_b=np.zeros(n, np.int32),
+    stop_reason_b=["eos"] * n,
+    response_text=[f"row{offset + i}" for i in range(n)],
+    kind_b=["global"] * n,
+    stats={"first": 1.0},
+  )
 
 
 def test_concat_groups_renumbers_groups_and_remaps_parents():
@@ -119,10 +155,13 @@ def test_dapo_generation_keeps_differing_groups_until_the_batch_is_full():
   from aepo_jax.train import _metrics
   from aepo_jax.train._trainer import _generate
   from aepo_jax.data._records import Example
-  config = load_config(CONFIG, overrides={"algo.filter_groups": True, "algo.filter_metric": "reward",
-                                          "algo.max_num_gen_batches": 5}, num_devices=None)
-  batches = [[Example(f"q{i}", f"question {i}", ["1"], "test", "qa", {}) for i in (2 * k, 2 * k + 1)]
-             for k in range(3)]
+
+  config = load_config(
+    CONFIG,
+    overrides={"algo.filter_groups": True, "algo.filter_metric": "reward", "algo.max_num_gen_batches": 5},
+    num_devices=None,
+  )
+  batches = [[Example(f"q{i}", f"question {i}", ["1"], "test", "qa", {}) for i in (2 * k, 2 * k + 1)] for k in range(3)]
   loader = iter(batches)
   rewards = {0: [1, 1, 1, 1, 0, 1, 0, 0], 1: [0, 1, 1, 1, 1, 1, 0, 1]}
   calls = []
@@ -134,8 +173,9 @@ def test_dapo_generation_keeps_differing_groups_until_the_batch_is_full():
   def reward_fn(traj, prompts):
     return np.asarray(rewards[len(calls) - 1], np.float32)
 
-  traj, prompts, rewards_b, metrics = _generate(config, loader, rollout, reward_fn, None, jax.random.key(0), 0,
-                                                _metrics.Timer())
+  traj, prompts, rewards_b, metrics = _generate(
+    config, loader, rollout, reward_fn, None, jax.random.key(0), 0, _metrics.Timer()
+  )
   assert calls == ["q0", "q2"]
   assert [p.id for p in prompts] == ["q1", "q2"]
   assert traj.group_id_b.tolist() == [0] * 4 + [1] * 4
@@ -152,11 +192,11 @@ def test_rl_resume_with_kl_is_bit_identical(tmp_path, tok_dir, full_run):
   not the loaded model) all restored. The killed run is a copy of the uninterrupted run's work directory
   without its last two RL checkpoints (the same files a run killed after step 1 leaves)."""
   import shutil
+
   config = _config(tmp_path / "b", tok_dir, **RESUME_OVERRIDES, **{"eval.before_rl": False, "eval.after_rl": False})
   shutil.copytree(full_run[0].workdir, config.workdir)
   for step in ("2", "3"):
     shutil.rmtree(os.path.join(config.workdir, "checkpoints", "rl", step))
   resumed = run(config)
   assert resumed["rl/steps"] == 3 and "sft/final_nll" not in resumed  # SFT was not run again
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(full_run[1]["params"]),
-               jax.device_get(resumed["params"]))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(full_run[1]["params"]), jax.device_get(resumed["params"]))

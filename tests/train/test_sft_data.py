@@ -4,6 +4,7 @@ The prompt an SFT example starts with must be token for token the prompt the rol
 (`_wiring.prompt_ids`): a demo that also carried its answer inside the prompt taught the model to copy
 (training loss near zero, nothing learnt), which is how the embedded default once failed.
 """
+
 import os
 
 import pytest
@@ -17,10 +18,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
   from aepo_jax.testing import tiny_tokenizer
+
   tok_dir = tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-  config = load_config(os.path.join(ROOT, "configs", "testing", "tiny_rl.py"),
-                       overrides={"model.tokenizer": tok_dir, "data.suite.mix": (0.4, 0.4, 0.2),
-                                  "data.suite.tool_demo_fraction": 0.5}, num_devices=None)
+  config = load_config(
+    os.path.join(ROOT, "configs", "testing", "tiny_rl.py"),
+    overrides={"model.tokenizer": tok_dir, "data.suite.mix": (0.4, 0.4, 0.2), "data.suite.tool_demo_fraction": 0.5},
+    num_devices=None,
+  )
   model_cfg, _, tok = _wiring.load_model(config)
   return config, model_cfg, tok
 
@@ -34,13 +38,13 @@ def test_sft_example_is_rollout_prompt_then_turn_with_tool_results_masked(setup)
   kinds = set()
   for demo, (tokens, mask) in zip(suite.demos, examples):
     prompt = _wiring.prompt_ids(config, tok, demo.example)
-    assert tokens[:len(prompt)].tolist() == prompt  # the rollout's prompt, nothing more
-    assert not mask[:len(prompt)].any()
+    assert tokens[: len(prompt)].tolist() == prompt  # the rollout's prompt, nothing more
+    assert not mask[: len(prompt)].any()
     pos = len(prompt)
     for kind, text in demo.segments:
       ids = tok.encode_continuation(text)
-      assert tokens[pos:pos + len(ids)].tolist() == ids
-      assert (mask[pos:pos + len(ids)] == (kind == "model")).all()
+      assert tokens[pos : pos + len(ids)].tolist() == ids
+      assert (mask[pos : pos + len(ids)] == (kind == "model")).all()
       pos += len(ids)
     assert tokens[pos:].tolist() == [eos] and mask[pos] == 1 and pos + 1 == len(tokens)
     assert demo.response not in tok.decode(prompt)
@@ -50,6 +54,7 @@ def test_sft_example_is_rollout_prompt_then_turn_with_tool_results_masked(setup)
 
 def test_tool_demo_fraction_changes_only_the_demos(setup):
   from aepo_jax.data import generate_suite
+
   a = generate_suite(3, 40, 8, tool_demo_fraction=1.0)
   b = generate_suite(3, 40, 8, tool_demo_fraction=0.25)
   assert [e.question for e in a.train + a.heldout] == [e.question for e in b.train + b.heldout]

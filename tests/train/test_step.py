@@ -1,4 +1,5 @@
 """The jitted RL update step on one device: accumulation, references, masking, NaN skipping, log-probs."""
+
 import functools
 
 import jax
@@ -9,23 +10,46 @@ import pytest
 from aepo_jax.train._batch import shard_batch
 from aepo_jax.train._optim import make_optimizer
 from aepo_jax.train._step import init_train_state, make_logprob_fn, make_update_step
-from test_step_fixtures import (CFG, M, MB, TEMPERATURE, T, host_params, max_abs_diff, reference_entropy,
-                                reference_grads, reference_logprobs, rl_arrays, rl_batch, sgd)
+from test_step_fixtures import (
+  CFG,
+  M,
+  MB,
+  TEMPERATURE,
+  T,
+  host_params,
+  max_abs_diff,
+  reference_entropy,
+  reference_grads,
+  reference_logprobs,
+  rl_arrays,
+  rl_batch,
+  sgd,
+)
 
 ONE = jax.devices()[:1]
 
 
 @functools.lru_cache(maxsize=None)
 def _step(micro, loss="ppo", aggregation="global", need_entropy=False, logit_capacity=0, saved_logits_mb=1024.0):
-  return make_update_step(CFG, loss_fn=loss, optimizer=sgd(), micro_batches=micro, temperature=TEMPERATURE,
-                          aggregation=aggregation, need_entropy=need_entropy, logprob_chunk=8,
-                          logit_capacity=logit_capacity, saved_logits_mb=saved_logits_mb)
+  return make_update_step(
+    CFG,
+    loss_fn=loss,
+    optimizer=sgd(),
+    micro_batches=micro,
+    temperature=TEMPERATURE,
+    aggregation=aggregation,
+    need_entropy=need_entropy,
+    logprob_chunk=8,
+    logit_capacity=logit_capacity,
+    saved_logits_mb=saved_logits_mb,
+  )
 
 
 def _run(step, batch_np, params_np=None, optimizer=None, mesh=None):
   """One step from fresh state (the step donates params and opt_state). Returns (params, opt_state,
   metrics) as host numpy, plus the gradient implied by SGD(lr=1)."""
   from aepo_jax.parallel import make_mesh
+
   mesh = mesh or make_mesh((1, 1, 1), ONE)
   params_np = params_np or host_params()
   p, s = init_train_state(CFG, params_np, optimizer or sgd(), mesh)
@@ -68,11 +92,13 @@ def test_untied_lm_head_gradient_matches_full_logits_reference():
   """An untied head (lm_head kernel [D, V], layout 'dv' of the LM head's custom VJP): the step's gradient of every
   parameter, lm_head included, equals jax.grad of the loss on full logits."""
   from aepo_jax.parallel import make_mesh
+
   cfg = CFG.replace(tie_word_embeddings=False)
   params = host_params(config=cfg)
   assert "lm_head" in params
-  step = make_update_step(cfg, loss_fn="ppo", optimizer=sgd(), micro_batches=1, temperature=TEMPERATURE,
-                          logprob_chunk=8)
+  step = make_update_step(
+    cfg, loss_fn="ppo", optimizer=sgd(), micro_batches=1, temperature=TEMPERATURE, logprob_chunk=8
+  )
   mesh = make_mesh((1, 1, 1), ONE)
   p, s = init_train_state(cfg, params, sgd(), mesh)
   p, _, _ = step(p, s, shard_batch(rl_batch(1), mesh))
@@ -126,15 +152,25 @@ def test_kl_loss_term_matches_reference():
   arrays = rl_arrays()
   arrays["ref_log_prob"] = arrays["old_log_prob"] + 0.5 * arrays["loss_mask"]
   batch = {k: v.reshape(M, MB, T) for k, v in arrays.items()}
-  step = make_update_step(CFG, loss_fn="ppo", optimizer=sgd(), micro_batches=M, temperature=TEMPERATURE,
-                          kl_name="low_var_kl", kl_coef=0.5, logprob_chunk=8)
+  step = make_update_step(
+    CFG,
+    loss_fn="ppo",
+    optimizer=sgd(),
+    micro_batches=M,
+    temperature=TEMPERATURE,
+    kl_name="low_var_kl",
+    kl_coef=0.5,
+    logprob_chunk=8,
+  )
   _, _, metrics, grads = _run(step, batch)
-  ref = jax.device_get(reference_grads(host_params(), {k: jnp.asarray(v) for k, v in arrays.items()},
-                                       "ppo", kl_coef=0.5))
+  ref = jax.device_get(
+    reference_grads(host_params(), {k: jnp.asarray(v) for k, v in arrays.items()}, "ppo", kl_coef=0.5)
+  )
   assert max_abs_diff(grads, ref) <= 2e-6
   assert metrics["actor/kl_loss"] > 0
-  np.testing.assert_allclose(metrics["train/loss"], metrics["actor/pg_loss"] + 0.5 * metrics["actor/kl_loss"],
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    metrics["train/loss"], metrics["actor/pg_loss"] + 0.5 * metrics["actor/kl_loss"], rtol=1e-6
+  )
   with pytest.raises(ValueError, match="kl_name"):
     make_update_step(CFG, loss_fn="ppo", optimizer=sgd(), micro_batches=M, kl_coef=0.1)
 
@@ -173,6 +209,7 @@ def test_nonfinite_updates_stop_training_after_train_nan_limit():
   """The trainer counts the step's skipped updates across steps (and checkpoints: meta 'nan_count'); one more than
   `train.nan_limit` is a clear stop that names the key and what to do."""
   from aepo_jax.train._trainer import TrainingError, _check_finite
+
   count = 0
   for step in range(2):  # limit 2: two skipped updates pass (logged), the third stops
     count = _check_finite({"train/nonfinite_skipped": np.float32(1.0)}, count, 2, step)
@@ -185,9 +222,9 @@ def test_nonfinite_updates_stop_training_after_train_nan_limit():
 @pytest.mark.slow
 def test_step_compiles_once_and_adamw_lr_is_reported():
   from aepo_jax.parallel import make_mesh
+
   opt = make_optimizer(1e-3, warmup_steps=2)
-  step = make_update_step(CFG, loss_fn="ppo", optimizer=opt, micro_batches=M, temperature=TEMPERATURE,
-                          logprob_chunk=8)
+  step = make_update_step(CFG, loss_fn="ppo", optimizer=opt, micro_batches=M, temperature=TEMPERATURE, logprob_chunk=8)
   mesh = make_mesh((1, 1, 1), ONE)
   p, s = init_train_state(CFG, host_params(), opt, mesh)
   lrs = []
@@ -202,6 +239,7 @@ def test_logprob_fn_equals_full_log_softmax():
   arrays = rl_arrays()
   batch = {k: arrays[k].reshape(M, MB, T) for k in ("tokens", "attention_mask")}
   from aepo_jax.parallel import make_mesh
+
   mesh = make_mesh((1, 1, 1), ONE)
   params, _ = init_train_state(CFG, host_params(), sgd(), mesh)
   fn = make_logprob_fn(CFG, temperature=TEMPERATURE, chunk=5)  # chunk does not divide T

@@ -1,5 +1,6 @@
 """Shared pieces of the update-step tests: a tiny model, a reproducible RL batch and a reference loss
 computed the plain way (full [B, T, V] logits, log_softmax, one big batch)."""
+
 from __future__ import annotations
 
 import functools
@@ -14,8 +15,18 @@ from aepo_jax.model import ModelConfig, forward, init_params
 from aepo_jax.train._batch import micro_batches
 
 # Dims divide every mesh axis used in the tests (fsdp up to 8, tensor 2).
-CFG = ModelConfig(family="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True, rope_theta=10000.0)
+CFG = ModelConfig(
+  family="llama",
+  vocab_size=128,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  tie_word_embeddings=True,
+  rope_theta=10000.0,
+)
 M, MB, T = 4, 2, 16
 TEMPERATURE = 0.7
 
@@ -43,13 +54,12 @@ def rl_arrays(seed=0, n=M * MB, t=T, vocab=CFG.vocab_size):
     attn[i, :total] = 1
     loss_mask[i, prompt:total] = 1
     if total > prompt + 4:  # a tool result inside the response: attended, not trained
-      loss_mask[i, prompt + 2:prompt + 4] = 0
+      loss_mask[i, prompt + 2 : prompt + 4] = 0
     tokens[i, total:] = 0
   adv = np.repeat(rng.normal(size=(n, 1)), t, axis=1).astype(np.float32) * loss_mask
   ref_lp = np.asarray(reference_logprobs(host_params(), tokens, attn))
   old_lp = (ref_lp + 0.3 * rng.normal(size=(n, t))).astype(np.float32) * loss_mask
-  return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss_mask, "advantages": adv,
-          "old_log_prob": old_lp}
+  return {"tokens": tokens, "attention_mask": attn, "loss_mask": loss_mask, "advantages": adv, "old_log_prob": old_lp}
 
 
 def rl_batch(micro, seed=0, n=M * MB):
@@ -82,15 +92,15 @@ def reference_grads(params, arrays, loss="ppo", weights=None, kl_coef=0.0, confi
     lp = reference_logprobs(p, arrays["tokens"], arrays["attention_mask"], config=config)
     kw = {}
     if loss == "aepo":
-      kw["entropy"] = jax.lax.stop_gradient(
-          reference_entropy(p, arrays["tokens"], arrays["attention_mask"]))[:, 1:]
+      kw["entropy"] = jax.lax.stop_gradient(reference_entropy(p, arrays["tokens"], arrays["attention_mask"]))[:, 1:]
     fn = objectives.policy_loss(loss)
     args = (lp[:, 1:], arrays["old_log_prob"][:, 1:], arrays["advantages"][:, 1:], arrays["loss_mask"][:, 1:])
     if weights is None:
       out = fn(*args, **kw)[0]
       if kl_coef:
-        out = out + kl_coef * objectives.kl_loss(lp[:, 1:], arrays["ref_log_prob"][:, 1:], args[3],
-                                                 estimator="low_var_kl")
+        out = out + kl_coef * objectives.kl_loss(
+          lp[:, 1:], arrays["ref_log_prob"][:, 1:], args[3], estimator="low_var_kl"
+        )
       return out
     mask = arrays["loss_mask"][:, 1:]
     n_seq = objectives.num_sequences(mask)
@@ -104,5 +114,6 @@ def reference_grads(params, arrays, loss="ppo", weights=None, kl_coef=0.0, confi
 
 
 def max_abs_diff(a, b):
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
-             zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )

@@ -1,4 +1,5 @@
 """The update step on 8 fake devices (data×fsdp×tensor sharding, FSDP with remat) equals one device."""
+
 import jax
 import numpy as np
 import pytest
@@ -13,12 +14,12 @@ M, N = 2, 16  # 2 micro-batches of 8 rows: rows split over up to 8 devices
 
 
 def _one_step(config, mesh):
-  step = make_update_step(config, loss_fn="ppo", optimizer=sgd(), micro_batches=M, mesh=mesh,
-                          temperature=TEMPERATURE, logprob_chunk=8)
+  step = make_update_step(
+    config, loss_fn="ppo", optimizer=sgd(), micro_batches=M, mesh=mesh, temperature=TEMPERATURE, logprob_chunk=8
+  )
   p, s = init_train_state(config, host_params(), sgd(), mesh)
   batch = shard_batch(rl_batch(M, n=N), mesh)
-  lp, _ = make_logprob_fn(config, mesh, temperature=TEMPERATURE, chunk=8)(p, batch["tokens"],
-                                                                          batch["attention_mask"])
+  lp, _ = make_logprob_fn(config, mesh, temperature=TEMPERATURE, chunk=8)(p, batch["tokens"], batch["attention_mask"])
   p, s, metrics = step(p, s, batch)
   return p, jax.device_get(p), jax.device_get(metrics), np.asarray(lp)
 
@@ -29,8 +30,7 @@ def single_device():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape,remat", [({"data": 2, "fsdp": 2, "tensor": 2}, False),
-                                         ({"fsdp": 8}, True)])
+@pytest.mark.parametrize("shape,remat", [({"data": 2, "fsdp": 2, "tensor": 2}, False), ({"fsdp": 8}, True)])
 def test_sharded_step_matches_single_device(single_device, shape, remat):
   assert len(jax.devices()) >= 8, "tests/conftest.py should provide 8 fake CPU devices"
   _, ref_params, ref_metrics, ref_lp = single_device

@@ -1,4 +1,5 @@
 """Cold-start SFT step, batch construction and the optimizer."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,10 +51,14 @@ def test_trajectories_batch_from_rollout_fields():
   """Fields of docs/rollout_contract.md `Trajectories` -> [K, mb, T] arrays, padded rows and columns empty."""
   from types import SimpleNamespace
   from aepo_jax.train._batch import trajectories_batch
+
   n, t = 3, 5
   traj = SimpleNamespace(
-      tokens_bt=np.arange(n * t).reshape(n, t), attention_mask_bt=np.ones((n, t), np.int32),
-      loss_mask_bt=np.tile([0, 0, 1, 1, 1], (n, 1)), sampler_logprob_bt=-np.ones((n, t), np.float32))
+    tokens_bt=np.arange(n * t).reshape(n, t),
+    attention_mask_bt=np.ones((n, t), np.int32),
+    loss_mask_bt=np.tile([0, 0, 1, 1, 1], (n, 1)),
+    sampler_logprob_bt=-np.ones((n, t), np.float32),
+  )
   adv = np.full((n, t), 2.0)
   batch = trajectories_batch(traj, adv, micro_batch_size=2, pad_id=7, seq_len=8, rows_multiple=4)
   assert set(batch) == {"tokens", "attention_mask", "loss_mask", "advantages", "sampler_log_prob"}
@@ -126,10 +131,14 @@ def test_packing_errors_name_the_limits():
     sft_batch(examples, micro_batch_size=1, pad_id=0, packed_rows=2)
   import os
   from aepo_jax.train import ConfigError, load_config
+
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   with pytest.raises(ConfigError, match="sft.packed_rows=3"):
-    load_config(os.path.join(root, "configs", "testing", "tiny_sft.py"), overrides={"sft.packed_rows": 3, "sft.micro_batch_size": 2,
-                                                          "sft.batch_size": 8}, num_devices=None)
+    load_config(
+      os.path.join(root, "configs", "testing", "tiny_sft.py"),
+      overrides={"sft.packed_rows": 3, "sft.micro_batch_size": 2, "sft.batch_size": 8},
+      num_devices=None,
+    )
 
 
 def test_lr_schedules():
@@ -153,7 +162,7 @@ def test_optimizer_is_clipped_adamw():
   state = opt.init(p)
   updates, state = opt.update(g, state, p)
   gc = np.array([0.6, 0.8])
-  m, v = 0.1 * gc, 0.001 * gc ** 2
+  m, v = 0.1 * gc, 0.001 * gc**2
   adam = (m / 0.1) / (np.sqrt(v / 0.001) + 1e-8)
   np.testing.assert_allclose(np.asarray(updates["w"]), -0.1 * (adam + 0.01 * np.array([1.0, -2.0])), rtol=1e-5)
   assert float(current_lr(state)) == pytest.approx(0.1)

@@ -1,15 +1,22 @@
 """Rollout policies: how a prompt's budget of n trajectories is spent (spec §1.2, §2.1).
 
-  rollout_policy(name, config=PolicyConfig(), **overrides) -> RolloutPolicy   'none' | 'arpo' | 'aepo'
-  register_rollout_policy(name)                 class decorator for new policies
-  PolicyConfig                                  n, initial_rollouts, beam_size, w, τ, window, estimator, mode, ...
-  RolloutPolicy.plan_round(...) -> RoundPlan    branches + refills at the end of a round (used by the agent loop)
-  Pure jitted pieces: window_statistic, branch_probability, decide_branches, premonitor_split
-  Tree statistics: tree_stats(records, ...)
+rollout_policy(name, config=PolicyConfig(), **overrides) -> RolloutPolicy   'none' | 'arpo' | 'aepo'
+register_rollout_policy(name)                 class decorator for new policies
+PolicyConfig                                  n, initial_rollouts, beam_size, w, τ, window, estimator, mode, ...
+RolloutPolicy.plan_round(...) -> RoundPlan    branches + refills at the end of a round (used by the agent loop)
+Pure jitted pieces: window_statistic, branch_probability, decide_branches, premonitor_split
+Tree statistics: tree_stats(records, ...)
 """
+
 from aepo_jax.rollout.policies._base import MODES, PolicyConfig, RolloutPolicy, RoundPlan
-from aepo_jax.rollout.policies._entropy import (ESTIMATORS, RULES, branch_probability, decide_branches,
-                                                premonitor_split, window_statistic)
+from aepo_jax.rollout.policies._entropy import (
+  ESTIMATORS,
+  RULES,
+  branch_probability,
+  decide_branches,
+  premonitor_split,
+  window_statistic,
+)
 from aepo_jax.rollout.policies._registry import register_rollout_policy, rollout_policy, rollout_policy_names
 from aepo_jax.rollout.policies import _none, _arpo, _aepo  # noqa: F401,E402  (register the built-ins)
 from aepo_jax.rollout.policies._aepo import AepoPolicy

@@ -1,4 +1,5 @@
 """'arpo': N0 global samples, entropy-based branching after tool calls, one refill per round (spec §1.2)."""
+
 import numpy as np
 
 from aepo_jax.rollout.policies._base import RolloutPolicy
@@ -8,6 +9,7 @@ from aepo_jax.rollout.policies._registry import register_rollout_policy
 @register_rollout_policy("arpo")
 class ArpoPolicy(RolloutPolicy):
   """P(branch) = clip(τ + w·ΔH, 0, 1) per attempt, Z−1 attempts per candidate (spec §1.2 2.6)."""
+
   rule = "arpo"
 
   def initial_counts(self, num_prompts: int, probe=None) -> np.ndarray:

@@ -16,6 +16,7 @@ Quirk modes (spec §1.2 Q1 and "branch timing", §5.5):
              truncate). A prompt with a decision still pending (a tool result this round) counts as having a
              candidate for the refill rule, so the budget is not spent on refills before its branches are decided.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,23 +41,25 @@ class PolicyConfig:
   code's quirks Q1 and the one-call lag fixed; 'faithful' reproduces them). The `:released` presets in
   configs/ set both to the code's values.
   """
-  n: int = 12                        # rollout.n: trajectories per prompt (the group); official (14B scripts)
-  initial_rollouts: int = 6          # N0 global samples (ARPO; AEPO when dynamic rollouts are off); official
-  beam_size: int = 2                 # Z: Z-1 attempts per candidate; official
-  entropy_weight: float = 0.2        # w; official (scripts; the code's own default is 0.5)
-  branch_threshold: float = 0.5      # τ; official
-  entropy_window: int = 20           # tokens per segment that enter the step entropy; official (hard-coded)
-  estimator: str = "exact"           # 'exact' (paper) | 'official' (top-10 summed / ln|V|, the code)
-  mode: str = "corrected"            # 'corrected' (ours) | 'faithful' (the code's quirks)
-  penalty_slope: float = 0.05        # AEPO: f = max(0, 1 - slope * l); official (hard-coded)
+
+  n: int = 12  # rollout.n: trajectories per prompt (the group); official (14B scripts)
+  initial_rollouts: int = 6  # N0 global samples (ARPO; AEPO when dynamic rollouts are off); official
+  beam_size: int = 2  # Z: Z-1 attempts per candidate; official
+  entropy_weight: float = 0.2  # w; official (scripts; the code's own default is 0.5)
+  branch_threshold: float = 0.5  # τ; official
+  entropy_window: int = 20  # tokens per segment that enter the step entropy; official (hard-coded)
+  estimator: str = "exact"  # 'exact' (paper) | 'official' (top-10 summed / ln|V|, the code)
+  mode: str = "corrected"  # 'corrected' (ours) | 'faithful' (the code's quirks)
+  penalty_slope: float = 0.05  # AEPO: f = max(0, 1 - slope * l); official (hard-coded)
   penalty_counts_refills: bool = True  # AEPO code: refills also advance the consecutive-branch counter
   enable_dynamic_rollouts: bool = True  # AEPO pre-monitoring: paper; the released scripts set False (spec §2.6)
-  premonitor_beta: float = 0.5       # β of the pre-monitoring sigmoid; official (hard-coded)
-  probe_tokens: int = 50             # max tokens of the H_root sample; official
+  premonitor_beta: float = 0.5  # β of the pre-monitoring sigmoid; official (hard-coded)
+  probe_tokens: int = 50  # max tokens of the H_root sample; official
 
   def __post_init__(self):
     def bad(key, why):
       raise ValueError(f"PolicyConfig.{key}={getattr(self, key)!r}: {why}")
+
     if self.n < 1:
       bad("n", "needs at least one trajectory per prompt.")
     if self.initial_rollouts < 1:
@@ -79,6 +82,7 @@ class PolicyConfig:
 class RoundPlan:
   """children: (parent record, response offset to fork at, engine slot or -1 = re-prefill) in creation order.
   refills: prompt ids that get one fresh sample. decisions: per-candidate arrays for statistics."""
+
   children: list
   refills: list
   decisions: dict
@@ -90,12 +94,13 @@ def _bucket(n: int) -> int:
 
 class RolloutPolicy:
   """Base: i.i.d. sampling (no branching, no refills). Subclasses set `rule` and the initial split."""
+
   name = "none"
   rule: Optional[str] = None
 
   def __init__(self, config: PolicyConfig = PolicyConfig(), **overrides):
     self.config = dataclasses.replace(config, **overrides) if overrides else config
-    self._initial_table: dict = {}   # faithful mode (Q1): copy index -> accumulators, never cleared
+    self._initial_table: dict = {}  # faithful mode (Q1): copy index -> accumulators, never cleared
     self.consecutive_p = np.zeros((0,), np.int32)
 
   # -------------------------------------------------------------------------------------- budget split
@@ -125,6 +130,7 @@ class RolloutPolicy:
 
   def _candidates(self, records, rnd: int):
     """(record, current accumulators, fork offset) in creation order, and prompts with a pending decision."""
+
     def seg(rec, r):
       return next((s for s in rec.segments if s.round == r), None)
 
@@ -169,24 +175,49 @@ class RolloutPolicy:
         valid[i], prompt[i] = True, rec.prompt
         resident[i] = rec.slot >= 0 and rec.device_len >= fork_pos
       free = np.full((_bucket(max(len(free_slots), 1)),), -1, np.int32)
-      free[:len(free_slots)] = free_slots
-      stat = lambda a: window_statistic(jnp.asarray(a[:, 0]).astype(jnp.int32), jnp.asarray(a[:, 1]),
-                                        jnp.asarray(a[:, 2]), estimator=cfg.estimator,
-                                        window=cfg.entropy_window, vocab_size=vocab_size)
-      out = jax.device_get(decide_branches(
-          key, stat(cur), stat(ini), jnp.asarray(valid), jnp.asarray(prompt), jnp.asarray(resident),
-          jnp.asarray(cfg.n - counts_p, jnp.int32), jnp.asarray(self.consecutive_p, jnp.int32),
-          jnp.asarray(free), len(free_slots), rule=self.rule, beam_size=cfg.beam_size, num_prompts=num_prompts,
-          weight=cfg.entropy_weight, threshold=cfg.branch_threshold, penalty_slope=cfg.penalty_slope))
+      free[: len(free_slots)] = free_slots
+      stat = lambda a: window_statistic(
+        jnp.asarray(a[:, 0]).astype(jnp.int32),
+        jnp.asarray(a[:, 1]),
+        jnp.asarray(a[:, 2]),
+        estimator=cfg.estimator,
+        window=cfg.entropy_window,
+        vocab_size=vocab_size,
+      )
+      out = jax.device_get(
+        decide_branches(
+          key,
+          stat(cur),
+          stat(ini),
+          jnp.asarray(valid),
+          jnp.asarray(prompt),
+          jnp.asarray(resident),
+          jnp.asarray(cfg.n - counts_p, jnp.int32),
+          jnp.asarray(self.consecutive_p, jnp.int32),
+          jnp.asarray(free),
+          len(free_slots),
+          rule=self.rule,
+          beam_size=cfg.beam_size,
+          num_prompts=num_prompts,
+          weight=cfg.entropy_weight,
+          threshold=cfg.branch_threshold,
+          penalty_slope=cfg.penalty_slope,
+        )
+      )
       for src, dst in zip(out["child_src_k"], out["child_dst_k"]):
         if src < 0:
           break
         rec, _, fork_pos = cands[int(src)]
         children.append((rec, int(fork_pos), int(dst)))
         children_p[rec.prompt] += 1
-      decisions = {"delta_h": out["delta_h_c"][:c], "prob": out["prob_c"][:c], "children": out["children_c"][:c],
-                   "attempts": out["attempts_c"][:c], "prompt": prompt[:c],
-                   "consecutive": self.consecutive_p[prompt[:c]].copy()}
+      decisions = {
+        "delta_h": out["delta_h_c"][:c],
+        "prob": out["prob_c"][:c],
+        "children": out["children_c"][:c],
+        "attempts": out["attempts_c"][:c],
+        "prompt": prompt[:c],
+        "consecutive": self.consecutive_p[prompt[:c]].copy(),
+      }
     has_cand = np.zeros((num_prompts,), bool)
     for rec, _, _ in cands:
       has_cand[rec.prompt] = True

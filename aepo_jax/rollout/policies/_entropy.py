@@ -4,6 +4,7 @@ Everything here runs on device: the window statistic of a segment, ΔH, the bran
 budget accounting of one branching round, and the assignment of the children to free engine slots. The host only
 builds the small input arrays (candidates in creation order) and does the tree bookkeeping with the result.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,8 +17,9 @@ ESTIMATORS = ("exact", "official")
 RULES = ("arpo", "aepo")
 
 
-def window_statistic(seg_count_s, seg_entropy_sum_s, seg_topk_entropy_sum_s, *, estimator: str, window: int,
-                     vocab_size: int):
+def window_statistic(
+  seg_count_s, seg_entropy_sum_s, seg_topk_entropy_sum_s, *, estimator: str, window: int, vocab_size: int
+):
   """Step entropy of a segment from the engine's accumulators (sums over its first `window` tokens).
 
   exact:    mean full-vocabulary entropy over the first min(window, count) tokens (paper §1.3: "token entropy").
@@ -57,9 +59,25 @@ def _attempt_succeeds(rule, u_cz, delta_h_c, penalty_c, weight, threshold):
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "beam_size", "num_prompts"))
-def decide_branches(key, stat_c, initial_c, valid_c, prompt_c, resident_c, remaining_p, consecutive_p,
-                    free_slots_f, num_free, *, rule: str, beam_size: int, num_prompts: int, weight: float,
-                    threshold: float, penalty_slope: float):
+def decide_branches(
+  key,
+  stat_c,
+  initial_c,
+  valid_c,
+  prompt_c,
+  resident_c,
+  remaining_p,
+  consecutive_p,
+  free_slots_f,
+  num_free,
+  *,
+  rule: str,
+  beam_size: int,
+  num_prompts: int,
+  weight: float,
+  threshold: float,
+  penalty_slope: float,
+):
   """One branching round (spec §1.2 2.6 with the AEPO rule of §2.1), for C candidates in creation order.
 
   Args:
@@ -101,8 +119,14 @@ def decide_branches(key, stat_c, initial_c, valid_c, prompt_c, resident_c, remai
   slot_ok_k = on_device_k & (rank_k < num_free)
   child_dst_k = jnp.where(slot_ok_k, free_slots_f[jnp.clip(rank_k, 0, free_slots_f.shape[0] - 1)], -1)
   prob_c = branch_probability(rule, delta_h_c, weight=weight, threshold=threshold, penalty=penalty_c)
-  return {"children_c": children_c, "attempts_c": attempts_c, "prob_c": jnp.where(valid_c, prob_c, 0.0),
-          "delta_h_c": delta_h_c, "child_src_k": child_src_k, "child_dst_k": child_dst_k}
+  return {
+    "children_c": children_c,
+    "attempts_c": attempts_c,
+    "prob_c": jnp.where(valid_c, prob_c, 0.0),
+    "delta_h_c": delta_h_c,
+    "child_src_k": child_src_k,
+    "child_dst_k": child_dst_k,
+  }
 
 
 @functools.partial(jax.jit, static_argnames=("n",))

@@ -1,4 +1,5 @@
 """'none': n i.i.d. samples per prompt, no branching (the GRPO/DAPO/... baselines)."""
+
 from aepo_jax.rollout.policies._base import RolloutPolicy
 from aepo_jax.rollout.policies._registry import register_rollout_policy
 

@@ -1,4 +1,5 @@
 """Rollout policies by name, selected by config independently of the loss (style: "registered by name")."""
+
 from __future__ import annotations
 
 from aepo_jax.rollout.policies._base import PolicyConfig, RolloutPolicy
@@ -8,12 +9,14 @@ _POLICIES: dict = {}
 
 def register_rollout_policy(name: str):
   """Class decorator: `@register_rollout_policy("arpo")`."""
+
   def wrap(cls):
     if name in _POLICIES:
       raise ValueError(f"rollout policy {name!r} is already registered (by {_POLICIES[name].__name__}).")
     cls.name = name
     _POLICIES[name] = cls
     return cls
+
   return wrap
 
 

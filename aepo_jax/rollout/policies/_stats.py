@@ -4,6 +4,7 @@ top3_branch_share is the concentration AEPO's consecutive-branch penalty targets
 branches sit on 1-3 trajectories): per prompt with at least one branch, the share of its branches whose parent
 is one of the 3 trajectories with most children, averaged over those prompts.
 """
+
 from __future__ import annotations
 
 import collections
@@ -17,8 +18,11 @@ def _stat(accums, estimator, window, vocab_size) -> np.ndarray:
   if not accums:
     return np.zeros((0,), np.float32)
   a = np.asarray(accums, np.float64)
-  return np.asarray(window_statistic(a[:, 0].astype(np.int32), a[:, 1], a[:, 2], estimator=estimator,
-                                     window=window, vocab_size=vocab_size))
+  return np.asarray(
+    window_statistic(
+      a[:, 0].astype(np.int32), a[:, 1], a[:, 2], estimator=estimator, window=window, vocab_size=vocab_size
+    )
+  )
 
 
 def _mean(x) -> float:
@@ -58,21 +62,21 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
   stops = collections.Counter(r.stop_reason for r in records)
   n = max(len(records), 1)
   out = {
-      "rollout/num_trajectories": float(len(records)),
-      "rollout/branches_per_prompt": _mean(branches_p),
-      "rollout/branches_per_prompt_max": float(max(branches_p, default=0)),
-      "rollout/tree_depth_max": float(max(depths, default=0)),
-      "rollout/tree_depth_mean": _mean(depths),
-      "rollout/top3_branch_share": _mean(shares),
-      "rollout/tool_calls_per_traj": _mean([r.num_tool_calls for r in records]),
-      "rollout/tool_failures": float(sum(r.tool_failures for r in records)),
-      "rollout/entropy_initial": _mean(h_first),
-      "rollout/entropy_after_tool": _mean(h_after),
-      "rollout/prefill_tokens_saved_by_fork": float(saved),
-      "rollout/forks_on_device": float(sum(r.kind == "branch" and r.forked_on_device for r in records)),
-      "rollout/global_samples": _mean(global_p),
-      "rollout/refills": _mean(refill_p),
-      "rollout/response_len_mean": _mean([r.response_len for r in records]),
+    "rollout/num_trajectories": float(len(records)),
+    "rollout/branches_per_prompt": _mean(branches_p),
+    "rollout/branches_per_prompt_max": float(max(branches_p, default=0)),
+    "rollout/tree_depth_max": float(max(depths, default=0)),
+    "rollout/tree_depth_mean": _mean(depths),
+    "rollout/top3_branch_share": _mean(shares),
+    "rollout/tool_calls_per_traj": _mean([r.num_tool_calls for r in records]),
+    "rollout/tool_failures": float(sum(r.tool_failures for r in records)),
+    "rollout/entropy_initial": _mean(h_first),
+    "rollout/entropy_after_tool": _mean(h_after),
+    "rollout/prefill_tokens_saved_by_fork": float(saved),
+    "rollout/forks_on_device": float(sum(r.kind == "branch" and r.forked_on_device for r in records)),
+    "rollout/global_samples": _mean(global_p),
+    "rollout/refills": _mean(refill_p),
+    "rollout/response_len_mean": _mean([r.response_len for r in records]),
   }
   for reason, k in stops.items():
     out[f"rollout/stop_{reason}"] = k / n
