@@ -9,8 +9,9 @@ setuptools.setup(
   version="0.1.0",
   description="Agentic Entropy-Balanced Policy Optimization (AEPO), ARPO and RL baselines in JAX/Flax",
   packages=setuptools.find_packages(include=["aepo_jax", "aepo_jax.*"]),
-  # The CPU kernels' sources (decode; training attention), compiled on first use (aepo_jax/parallel/_native.py).
-  package_data={"aepo_jax.rollout": ["csrc/*.cc"], "aepo_jax.model": ["csrc/*.cc"], "aepo_jax.parallel": ["csrc/*.h"]},
+  # The CPU kernels' sources (decode matmul and attention; training attention), compiled on first use
+  # (aepo_jax/parallel/_native.py).
+  package_data={"aepo_jax.model": ["csrc/*.cc"], "aepo_jax.parallel": ["csrc/*.h"]},
   python_requires=">=3.10",
   install_requires=[
     "jax>=0.6",

@@ -10,7 +10,7 @@ Prints: tokens/s of both and their ratio; the bandwidth-bound decode limit (band
 the bandwidth of a 1 GiB numpy copy (read + write counted) and with the read bandwidth of a
 jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction of each; the cost of the entropy
 in a decode step (alternating rounds, and the sampling step alone); the decode step's weight matmuls alone at batch
-8 with XLA's, numpy's BLAS and our CPU kernel (aepo_jax/rollout/_cpu_matmul.py), against the read limit; ours
+8 with XLA's, numpy's BLAS and our CPU kernel (aepo_jax/model/_cpu_decode.py), against the read limit; ours
 against the same engine decoding with XLA's dots; the cost of a fork (copy_slots) against re-prefilling a
 512-token prefix. Where the time goes: docs/performance.md.
 """
@@ -98,15 +98,15 @@ def matmul_chain_ms(config, params, batch: int, repeats: int = 5) -> dict:
   out["xla"] = min(timed(lambda: jax.block_until_ready(f(jx, jmats, jhead))) for _ in range(repeats)) * 1000
   chain(x0, mats, head, np)
   out["numpy"] = min(timed(lambda: chain(x0, mats, head, np)) for _ in range(repeats)) * 1000
-  from aepo_jax.rollout import _cpu_matmul
+  from aepo_jax.model import _cpu_decode
 
-  if _cpu_matmul.available():
+  if _cpu_decode.available():
     # The same chain through the small-M kernel, on stacked weights stored [L, N, K] and a layer index.
     stacked = [jax.device_put(np.stack([np.ascontiguousarray(ms[i].T) for ms in mats])) for i in range(7)]
     jhead_t = jax.device_put(np.ascontiguousarray(head))
 
     def kchain(x, ws, h):
-      mm = _cpu_matmul.matmul_t
+      mm = _cpu_decode.matmul_t
 
       def layer(x, li):
         q, k, v, o, gate, up, down = ws
@@ -265,14 +265,14 @@ def main():
   )
   rng = np.random.default_rng(0)
   print(f"\nprompt {args.prompt_len} tokens, {new_tokens} new tokens, greedy, tokens/s (prefill included):")
-  from aepo_jax.rollout import _cpu_matmul
+  from aepo_jax.model import _cpu_decode
 
-  kernel = _cpu_matmul.available()
+  kernel = _cpu_decode.available()
   print(
-    "'ours' decodes with the CPU small-M kernel (aepo_jax/rollout/_cpu_matmul.py); 'XLA dots' is the same engine "
+    "'ours' decodes with the CPU small-M kernel (aepo_jax/model/_cpu_decode.py); 'XLA dots' is the same engine "
     "with cpu_kernels=False (the path used on accelerators)"
     if kernel
-    else f"CPU kernel unavailable ({_cpu_matmul.reason()}): 'ours' uses XLA dots"
+    else f"CPU kernel unavailable ({_cpu_decode.reason()}): 'ours' uses XLA dots"
   )
   print(
     f"{'batch':>5} {'ours':>9} {'XLA dots':>9} {'transformers':>13} {'ratio':>7} {'limit':>9} {'ours/limit':>10} "

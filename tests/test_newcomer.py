@@ -2,6 +2,7 @@
 site-packages), no bubblewrap on PATH (the sandbox falls back to `unshare`), the embedded default shrunk through
 `--config` overrides to a couple of minutes, end to end: SFT, evaluation, AEPO with the sandboxed Python tool and
 local search, checkpoints, metrics. Packages come from the package index (or pip's cache)."""
+
 import json
 import os
 import re
@@ -14,8 +15,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The README command line with these overrides appended: 2 SFT steps, 1 RL step, 4 held-out questions.
-SHRINK = ("--config.sft.steps=2 --config.train.steps=1 --config.data.suite.n_train=16 --config.data.suite.n_heldout=4 "
-          "--config.eval.batch_size=4 --config.data.prompts_per_step=2 --config.checkpoint.every_steps=1")
+SHRINK = (
+  "--config.sft.steps=2 --config.train.steps=1 --config.data.suite.n_train=16 --config.data.suite.n_heldout=4 "
+  "--config.eval.batch_size=4 --config.data.prompts_per_step=2 --config.checkpoint.every_steps=1"
+)
 
 
 def _readme_command() -> str:
@@ -45,8 +48,13 @@ def test_readme_main_command_in_a_fresh_clone_and_venv_without_bubblewrap(tmp_pa
   clone, venv, workdir = tmp_path / "aepo_jax", tmp_path / "venv", tmp_path / "run"
   subprocess.run(["git", "clone", "-q", "--depth=1", f"file://{ROOT}", str(clone)], check=True, timeout=120)
   # The working tree's uncommitted state is what is under test: overlay it on the clone.
-  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.split()
+  files = subprocess.run(
+    ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
   for f in files:
     if os.path.isfile(os.path.join(ROOT, f)):
       os.makedirs(os.path.dirname(clone / f), exist_ok=True)

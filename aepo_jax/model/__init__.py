@@ -8,6 +8,10 @@ Public API:
   forward_hidden / unembed                      the same split in two (for chunked log-prob/entropy)
   unembed_matrix(config, params) -> (W, layout) the unembedding weight as stored ('vd' tied, 'dv' lm_head)
   init_cache / forward_cached                   per-row KV cache used by the rollout engine
+  decode_forward(config, params, token_s, pos_s, cache, attend_len, weights_t=None) -> (logits, cache)
+                                                the engine's decode step (T = 1 per row; CPU kernels with weights_t)
+  decode_weights(config, params)                the projections re-laid out for the CPU decode kernels
+  decode_kernels_unavailable(config, max_slots, mesh, params) / decode_attention_kernel_applies(config, dtype)
   fill_cache_rows(config, params, tokens, positions, cache, rows, starts, attend_len)  a chunk's KV into cache rows
   resolve_attention_impl(config, mesh)          config with attention_impl 'auto' resolved ('cpu_kernel' on one CPU)
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
@@ -22,7 +26,10 @@ Public API:
 """
 
 from aepo_jax.model._cpu_attention import resolve as resolve_attention_impl
+from aepo_jax.model._cpu_decode import attention_applies as decode_attention_kernel_applies
+from aepo_jax.model._cpu_decode import unavailable_reason_for as decode_kernels_unavailable
 from aepo_jax.model._config import FAMILIES, PRESETS, ModelConfig, preset
+from aepo_jax.model._decode import decode_forward, decode_weights
 from aepo_jax.model._functional import (
   CACHE_LOGICAL_AXES,
   default_positions,

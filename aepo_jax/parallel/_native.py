@@ -1,5 +1,5 @@
-"""Building and registering this package's C++ XLA FFI kernels for CPU (decode matmul and attention in
-`rollout/csrc`, training attention in `model/csrc`).
+"""Building and registering this package's C++ XLA FFI kernels for CPU (`model/csrc`: decode matmul and
+attention, training attention).
 
 A kernel is compiled on first use with the system C++ compiler (`$CXX`, default g++; a few seconds) into
 `~/.cache/aepo_jax/kernels` (`$AEPO_JAX_KERNEL_CACHE`), keyed by its source, the flags and the jaxlib version, and

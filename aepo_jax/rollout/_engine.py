@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aepo_jax import model as model_lib
 from aepo_jax.model import ModelConfig
-from aepo_jax.rollout import _cpu_matmul
 from aepo_jax.rollout import _ops
 from aepo_jax.rollout import _state as st
 from aepo_jax.rollout._sampling import SamplingParams, SlotSampling
@@ -131,7 +131,7 @@ class Engine:
   ):
     """sampling: the settings of every slot; with per_slot_sampling=True, the default of a slot whose `add` gives
     none: each slot then samples with the settings `add` gave it (a server's requests in one decode call).
-    cpu_kernels: decode through the CPU small-M kernel (`_cpu_matmul`): None (default) when it applies
+    cpu_kernels: decode through the CPU small-M kernel (`model.decode_weights`, aepo_jax/model/_cpu_decode.py): None (default) when it applies
     (float32 model on one CPU device, max_slots <= 64, kernel built), True to require it (an error says why it
     cannot), False for XLA's dots.
     compact: unless slots are split over devices (mesh data x fsdp > 1), a decode call with at most max(4, ceil(S/4)) active slots (< S) runs only
@@ -435,7 +435,7 @@ class Engine:
     if not 0 <= top_logprobs <= self.config.vocab_size:
       raise ValueError(f"Engine.decode: top_logprobs={top_logprobs} must be in [0, {self.config.vocab_size}].")
     weights_t = prepared_weights.get(self.config, params) if self.uses_cpu_kernels(params) else None
-    if weights_t is not None and _cpu_matmul.attention_applies(self.config, state.cache["k"].dtype):
+    if weights_t is not None and model_lib.decode_attention_kernel_applies(self.config, state.cache["k"].dtype):
       attend = self.max_len  # the kernel's attention reads each row's own entries: one compiled variant
     else:  # XLA's attention reads only the cache prefix any row can reach in this call (one small host read)
       attend = self.attend_bucket(int(jax.device_get(jnp.max(state.length))) + int(num_steps))
@@ -466,7 +466,7 @@ class Engine:
       if self.cpu_kernels is False:
         self._use_kernels = False
       else:
-        why = _cpu_matmul.unavailable_reason_for(self.config, self.max_slots, self.mesh, params)
+        why = model_lib.decode_kernels_unavailable(self.config, self.max_slots, self.mesh, params)
         if why is not None and self.cpu_kernels:
           raise ValueError(
             f"Engine(cpu_kernels=True): the CPU decode kernel cannot be used: {why}. Pass "

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from aepo_jax.model import fill_cache_rows
 from aepo_jax.rollout import _state as st
-from aepo_jax.rollout._decode_forward import decode_forward, decode_weights  # noqa: F401 (engine)
+from aepo_jax.model import decode_forward, decode_weights  # noqa: F401 (engine)
 from aepo_jax.rollout._sampling import sample_step
 
 

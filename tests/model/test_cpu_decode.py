@@ -1,4 +1,4 @@
-"""The CPU small-M decode kernel (aepo_jax/rollout/_cpu_matmul.py): against numpy, inside the decode forward
+"""The CPU small-M decode kernel (aepo_jax/model/_cpu_decode.py): against numpy, inside the decode forward
 against XLA's dots, the engine's choice of path, and the cache of prepared decode weights."""
 
 import dataclasses
@@ -11,8 +11,9 @@ import pytest
 
 from aepo_jax.model import ModelConfig, init_params
 from aepo_jax.parallel import _native
-from aepo_jax.rollout import Engine, _cpu_matmul
-from aepo_jax.rollout._decode_forward import decode_forward, decode_weights
+from aepo_jax.model import _cpu_decode
+from aepo_jax.model import decode_forward, decode_weights
+from aepo_jax.rollout import Engine
 from aepo_jax.rollout._engine import prepared_weights
 
 if not {"avx2", "fma"} <= _native.cpu_flags():
@@ -20,7 +21,7 @@ if not {"avx2", "fma"} <= _native.cpu_flags():
 
 
 def test_kernel_builds_and_loads():
-  assert _cpu_matmul.available(), _cpu_matmul.reason()
+  assert _cpu_decode.available(), _cpu_decode.reason()
 
 
 @pytest.mark.parametrize("n,k", [(1, 5), (2, 8), (7, 37), (50, 32), (97, 64), (120, 576)])
@@ -29,7 +30,7 @@ def test_kernel_matches_numpy(n, k):
   multiple of the 8-wide vectors; every layer of a stack is addressed through the index."""
   rng = np.random.default_rng(n * 1000 + k)
   w = rng.standard_normal((3, n, k)).astype(np.float32)
-  f = jax.jit(_cpu_matmul.matmul_t)
+  f = jax.jit(_cpu_decode.matmul_t)
   for m in (1, 3, 4, 5, 8, 13):
     x = rng.standard_normal((m, k)).astype(np.float32)
     for layer in (0, 2):
@@ -39,18 +40,18 @@ def test_kernel_matches_numpy(n, k):
   # One part (the caller's thread only) gives the same numbers as the pool-split call.
   x = jnp.asarray(rng.standard_normal((8, k)).astype(np.float32))
   np.testing.assert_array_equal(
-    _cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=1), _cpu_matmul.matmul_t(x, jnp.asarray(w), 1, parts=4)
+    _cpu_decode.matmul_t(x, jnp.asarray(w), 1, parts=1), _cpu_decode.matmul_t(x, jnp.asarray(w), 1, parts=4)
   )
 
 
 def test_kernel_rejects_bad_input():
   x = jnp.ones((2, 8), jnp.float32)
   with pytest.raises(Exception, match="last axis of w must equal"):
-    jax.block_until_ready(_cpu_matmul.matmul_t(x, jnp.ones((3, 4, 7), jnp.float32), 0))
+    jax.block_until_ready(_cpu_decode.matmul_t(x, jnp.ones((3, 4, 7), jnp.float32), 0))
   with pytest.raises(Exception, match="layer index out of range"):
-    jax.block_until_ready(_cpu_matmul.matmul_t(x, jnp.ones((3, 4, 8), jnp.float32), 3))
+    jax.block_until_ready(_cpu_decode.matmul_t(x, jnp.ones((3, 4, 8), jnp.float32), 3))
   with pytest.raises(TypeError, match="float32 only"):
-    _cpu_matmul.matmul_t(x.astype(jnp.bfloat16), jnp.ones((3, 4, 8), jnp.float32), 0)
+    _cpu_decode.matmul_t(x.astype(jnp.bfloat16), jnp.ones((3, 4, 8), jnp.float32), 0)
 
 
 @pytest.mark.parametrize(
@@ -69,7 +70,7 @@ def test_attention_kernel_matches_numpy(shape):
   pos[0], pos[-1] = T - 1, 0
   garbage = np.arange(T)[None, :, None, None] > pos[:, None, None, None]  # [S, T, 1, 1]
   k_dirty, v_dirty = (np.where(garbage[None], np.float32(1e4), c) for c in (k, v))
-  f = jax.jit(_cpu_matmul.attention)
+  f = jax.jit(_cpu_decode.attention)
   for layer in range(L):
     got = np.asarray(f(jnp.asarray(q), jnp.asarray(k_dirty), jnp.asarray(v_dirty), jnp.int32(layer), jnp.asarray(pos)))
     want = np.zeros(got.shape)
@@ -81,8 +82,8 @@ def test_attention_kernel_matches_numpy(shape):
         want[s, h * D : (h + 1) * D] = (p / p.sum()) @ v[layer, s, :n, h // G]
     np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"layer {layer}")
   np.testing.assert_array_equal(  # the caller's thread alone gives the same numbers as the pool-split call
-    _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=1),
-    _cpu_matmul.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=4),
+    _cpu_decode.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=1),
+    _cpu_decode.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(pos), parts=4),
   )
 
 
@@ -90,20 +91,20 @@ def test_attention_kernel_rejects_bad_input():
   cache = jnp.ones((2, 3, 8, 2, 8), jnp.float32)
   pos = jnp.zeros((3,), jnp.int32)
   with pytest.raises(Exception, match="H a multiple of KH, D % 8 == 0"):
-    jax.block_until_ready(_cpu_matmul.attention(jnp.ones((3, 20), jnp.float32), cache, cache, 0, pos))
+    jax.block_until_ready(_cpu_decode.attention(jnp.ones((3, 20), jnp.float32), cache, cache, 0, pos))
   with pytest.raises(Exception, match="layer index out of range"):
-    jax.block_until_ready(_cpu_matmul.attention(jnp.ones((3, 32), jnp.float32), cache, cache, 2, pos))
+    jax.block_until_ready(_cpu_decode.attention(jnp.ones((3, 32), jnp.float32), cache, cache, 2, pos))
   with pytest.raises(TypeError, match="float32 only"):
-    _cpu_matmul.attention(jnp.ones((3, 32), jnp.float32), cache.astype(jnp.bfloat16), cache, 0, pos)
+    _cpu_decode.attention(jnp.ones((3, 32), jnp.float32), cache.astype(jnp.bfloat16), cache, 0, pos)
 
 
 def test_off_switch_and_missing_compiler_are_explained(monkeypatch, tmp_path):
   monkeypatch.setenv("AEPO_JAX_CPU_KERNELS", "0")
-  assert _cpu_matmul._LIB.load() == {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}
+  assert _cpu_decode._LIB.load() == {"ok": False, "reason": "turned off by AEPO_JAX_CPU_KERNELS=0"}
   monkeypatch.delenv("AEPO_JAX_CPU_KERNELS")
   monkeypatch.setenv("AEPO_JAX_KERNEL_CACHE", str(tmp_path))  # nothing cached: must compile
   monkeypatch.setenv("CXX", "no-such-compiler-aepo")
-  status = _cpu_matmul._LIB.load()
+  status = _cpu_decode._LIB.load()
   assert not status["ok"] and "no C++ compiler 'no-such-compiler-aepo'" in status["reason"]
   assert not list(tmp_path.iterdir())  # no half-written library left behind
 
@@ -137,6 +138,34 @@ def test_decode_forward_kernel_equals_xla_dots(family):
   logits, new_cache = f(cfg, params, tokens, pos, cache, max_len, weights_t=decode_weights(cfg, params))
   scale = float(jnp.abs(ref_logits).max())
   np.testing.assert_allclose(logits, ref_logits, atol=2e-6 * scale)
+  for n in ("k", "v"):
+    np.testing.assert_allclose(new_cache[n], ref_cache[n], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decode_forward_equals_the_decoders_cached_forward(family):
+  """The model's decode step (XLA path) against the Flax decoder's own cached forward with T = 1: the same logits
+  and the same new KV entries (the decode step is the decoder's math arranged for memory traffic)."""
+  from aepo_jax.model import forward_cached
+
+  cfg = ModelConfig(
+    vocab_size=101,
+    hidden_size=48,
+    intermediate_size=80,
+    num_layers=3,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    **FAMILIES[family],
+  )
+  params = init_params(cfg, jax.random.PRNGKey(2))
+  s, max_len = 5, 16
+  rng = np.random.default_rng(1)
+  cache = {n: jnp.asarray(rng.standard_normal((3, s, max_len, 2, 8)), jnp.float32) for n in ("k", "v")}
+  tokens, pos = jnp.asarray([3, 17, 99, 0, 42]), jnp.asarray([0, 4, 9, 15, 2])
+  logits, new_cache = jax.jit(decode_forward, static_argnums=(0, 5))(cfg, params, tokens, pos, cache, max_len)
+  ref_logits, ref_cache = forward_cached(cfg, params, tokens[:, None], pos[:, None], cache, pos)
+  np.testing.assert_allclose(logits, ref_logits[:, 0], atol=2e-5 * float(jnp.abs(ref_logits).max()))
   for n in ("k", "v"):
     np.testing.assert_allclose(new_cache[n], ref_cache[n], atol=1e-5)
 

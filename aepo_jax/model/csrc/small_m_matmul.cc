@@ -7,7 +7,7 @@
 // tile after next while computing, so that the weight stream and the FMAs overlap. Taking the stacked weights
 // and the layer index also avoids the copy XLA makes when slicing a layer out of scanned parameters.
 //
-// Called from JAX through the XLA FFI (aepo_jax/rollout/_cpu_matmul.py builds and registers it). Work is split
+// Called from JAX through the XLA FFI (aepo_jax/model/_cpu_decode.py builds and registers it). Work is split
 // over columns into parts run on XLA's intra-op thread pool; the caller claims parts itself and waits only for
 // parts another thread has already started, so a busy pool never blocks it.
 #include <immintrin.h>

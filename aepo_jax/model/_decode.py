@@ -1,4 +1,4 @@
-"""A one-token-per-row decoder forward specialised for the engine's decode step.
+"""The model's decode step: a one-token-per-row decoder forward over the KV cache, for the engine.
 
 Same math as `aepo_jax.model.forward_cached` with T = 1 (tested equal), arranged for memory traffic, which is
 what bounds decode at small batch:
@@ -9,7 +9,7 @@ what bounds decode at small batch:
 The mask depends only on the positions, so it is built once per step, outside the layer loop.
 
 On CPU the engine passes `weights_t = decode_weights(config, params)` (prepared once per parameter version) and
-the projections run through the small-M kernel of `_cpu_matmul` instead of XLA dots, and attention (float32 cache)
+the projections run through the small-M kernel of `_cpu_decode` instead of XLA dots, and attention (float32 cache)
 through its decode-attention kernel, which reads each row's entries [0, pos] in place instead of copying the
 layer's first `attend_len` entries of every row (docs/performance.md).
 """
@@ -21,8 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from aepo_jax.model._decoder import apply_rope, rope_inv_freq  # TODO(model): export these publicly
-from aepo_jax.rollout import _cpu_matmul
+from aepo_jax.model import _cpu_decode
+from aepo_jax.model._decoder import apply_rope, rope_inv_freq
 
 _NEG_INF = -1e30
 
@@ -34,7 +34,7 @@ def _rms(x, scale, eps, dt):
 
 
 def decode_weights(config, params) -> dict:
-  """The projection weights re-laid out for `aepo_jax.rollout._cpu_matmul` (one row per output column), float32:
+  """The projection weights re-laid out for `aepo_jax.model._cpu_decode` (one row per output column), float32:
   qkv [L, (H + 2K) * hd, D] (q, k, v fused), o [L, D, H * hd], gate_up [L, 2F, D] (gate, up fused),
   down [L, D, F], and head [V, D] when the embeddings are untied (a tied head is the embedding itself)."""
   lay = params["layers"]
@@ -65,8 +65,8 @@ def decode_forward(
   """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache).
 
   weights_t: `decode_weights(config, params)`; when given, the projections run through the CPU small-M kernel
-  (`_cpu_matmul.matmul_t`) on the stacked weights with the layer index (no per-layer weight slices), and with a
-  float32 cache attention runs through `_cpu_matmul.attention`; otherwise both are XLA dots on `params`.
+  (`_cpu_decode.matmul_t`) on the stacked weights with the layer index (no per-layer weight slices), and with a
+  float32 cache attention runs through `_cpu_decode.attention`; otherwise both are XLA dots on `params`.
   """
   cfg = config
   dt = jnp.dtype(cfg.dtype)
@@ -99,8 +99,8 @@ def decode_forward(
 
     layer_xs = lay
   else:
-    kmm = _cpu_matmul.matmul_t
-    kernel_attention = _cpu_matmul.attention_applies(cfg, cache["k"].dtype) and dt == jnp.float32
+    kmm = _cpu_decode.matmul_t
+    kernel_attention = _cpu_decode.attention_applies(cfg, cache["k"].dtype) and dt == jnp.float32
 
     def qkv(x, p, li):
       y = kmm(x, weights_t["qkv"], li)
@@ -146,7 +146,7 @@ def decode_forward(
     ck = cache["k"].at[li, rows, pos_s].set(k.astype(cache["k"].dtype))
     cv = cache["v"].at[li, rows, pos_s].set(v.astype(cache["v"].dtype))
     if kernel_attention:  # reads each row's entries [0, pos] in place
-      out = _cpu_matmul.attention(q.reshape(s, h_heads * d), ck, cv, li, pos_s)
+      out = _cpu_decode.attention(q.reshape(s, h_heads * d), ck, cv, li, pos_s)
     else:
       keys = jax.lax.dynamic_slice_in_dim(ck[li], 0, attend_len, axis=1).astype(dt)  # [S,A,K,D]
       vals = jax.lax.dynamic_slice_in_dim(cv[li], 0, attend_len, axis=1).astype(dt)
@@ -167,7 +167,7 @@ def decode_forward(
     return h_sd, cache
   if weights_t is not None:
     head = weights_t["head"] if "head" in weights_t else params["embed_tokens"]["embedding"]
-    logits = _cpu_matmul.matmul_t(h_sd, head.astype(jnp.float32), jnp.int32(0))
+    logits = _cpu_decode.matmul_t(h_sd, head.astype(jnp.float32), jnp.int32(0))
   elif cfg.tie_word_embeddings:
     logits = h_sd @ params["embed_tokens"]["embedding"].astype(dt).T
   else:
