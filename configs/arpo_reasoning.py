@@ -8,9 +8,9 @@ Command:  python launch/tpu_pod.py --config=configs/arpo_reasoning.py:qwen2.5-3b
 Hardware: a TPU v5p-64 slice (`v5p:4x4x2`, 32 chips; fsdp 8 x tensor 4, the 3B model fsdp 16 x tensor 2).
   Compiled for v5p:4x4x2 with launch/compile.py (2026-12-01; 256 slots x 5,632 tokens per host), per-chip peaks:
     llama-3.1-8b: update 18.1 GB, logprob 8.2 GB, prefill 55.7 GB, decode 55.8 GB of 95 GB.
-    qwen2.5-3b: tensor 2 for training and a rollout mesh of 2 x 2, because its 2 KV heads cannot split over 4
-      chips (with tensor 4 every chip holds the whole 53 GB cache and prefill and decode do not fit: the dated
-      compile is in docs/benchmarks.md); this form holds about a quarter of that cache per chip; not compiled.
+    qwen2.5-3b: update 6.3 GB, logprob 2.0 GB, prefill 18.0 GB, decode 18.0 GB, with tensor 2 for training and a
+      rollout mesh of 2 x 2, because its 2 KV heads cannot split over 4 chips (with tensor 4 every chip holds the
+      whole cache and prefill and decode do not fit: the dated compile is in docs/benchmarks.md).
     qwen2.5-7b: not compiled here (the shapes of configs/aepo_reasoning.py).
 Needs: the instruct model as an HF directory; ARPO's train_10k (train) and valid (validation), bundled; python +
   search tools (search: replay of search_cache.json or a retrieval server).

@@ -183,20 +183,7 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
     }
 
   if "update" in programs:
-    step = _step.make_update_step(
-      model_cfg,
-      loss_fn=a.loss,
-      loss_hp=_wiring.loss_hparams(config),
-      optimizer=optimizer,
-      micro_batches=mb_per_update,
-      mesh=mesh,
-      temperature=r.temperature,
-      kl_name=a.kl.name,
-      kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
-      need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
-      logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
-      saved_logits_mb=t.saved_logits_mb,
-    )
+    step = _wiring.make_rl_update_step(config, model_cfg, optimizer, mesh)
     keys = ["tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages"]
     if a.kl.coef > 0 and not a.kl.use_in_reward:
       keys.append("ref_log_prob")

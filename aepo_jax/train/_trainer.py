@@ -385,21 +385,7 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   pad_id = _wiring.pad_id(model_cfg, tokenizer)
   seq_len = r.max_prompt_len + r.max_response_len
   mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
-  update_step = _step.make_update_step(
-    model_cfg,
-    loss_fn=a.loss,
-    loss_hp=_wiring.loss_hparams(config),
-    optimizer=optimizer,
-    micro_batches=mb_per_update,
-    mesh=mesh,
-    temperature=r.temperature,
-    kl_name=a.kl.name,
-    kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
-    need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
-    logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
-    saved_logits_mb=t.saved_logits_mb,
-    aggregation=a.aggregation,
-  )
+  update_step = _wiring.make_rl_update_step(config, model_cfg, optimizer, mesh)
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
 
   eval_rollout, judge = [], []  # built on first use

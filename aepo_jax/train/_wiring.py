@@ -527,6 +527,30 @@ def correct_b(traj, prompts) -> np.ndarray:
   return np.asarray([float(bool(v)) for v in ok], np.float32)
 
 
+def make_rl_update_step(config, model_cfg, optimizer, mesh):
+  """The RL update step as `config` sets it up (loss, KL, entropy, aggregation, logits): what the trainer runs and
+  launch/compile.py compiles for a slice."""
+  from aepo_jax.train import _step
+
+  t, r, a = config.train, config.rollout, config.algo
+  seq_len = r.max_prompt_len + r.max_response_len
+  return _step.make_update_step(
+    model_cfg,
+    loss_fn=a.loss,
+    loss_hp=loss_hparams(config),
+    optimizer=optimizer,
+    micro_batches=t.ppo_mini_batch_size * r.n // t.micro_batch_size,
+    mesh=mesh,
+    temperature=r.temperature,
+    kl_name=a.kl.name,
+    kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
+    need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
+    logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
+    saved_logits_mb=t.saved_logits_mb,
+    aggregation=a.aggregation,
+  )
+
+
 def loss_hparams(config) -> dict:
   """algo.* -> the keyword hyperparameters the configured loss accepts (spec §1.5, §2.2, §3)."""
   from aepo_jax import objectives
