@@ -13,7 +13,8 @@ Public API:
   decode_weights(config, params)                the projections re-laid out for the CPU decode kernels
   decode_kernels_unavailable(config, max_slots, mesh, params) / decode_attention_kernel_applies(config, dtype)
   fill_cache_rows(config, params, tokens, positions, cache, rows, starts, attend_len)  a chunk's KV into cache rows
-  resolve_attention_impl(config, mesh)          config with attention_impl 'auto' resolved ('cpu_kernel' on one CPU)
+  resolve_attention_impl(config, mesh)          config with attention_impl 'auto' resolved ('cpu_kernel' on one CPU,
+                                                'splash' on TPU, else 'xla')
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
   param_shapes(config) / param_shardings(config, mesh, rules=None)   ShapeDtypeStructs / NamedShardings
   from_hf_config(dict) / to_hf_config(config)   HF config.json (transformers 4 and 5 forms) <-> ModelConfig

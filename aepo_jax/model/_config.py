@@ -9,6 +9,7 @@ import dataclasses
 from typing import Optional
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+ATTENTION_IMPLS = ("auto", "xla", "cpu_kernel", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,9 +37,15 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer in the backward pass (training)
   # Full-sequence attention: 'xla' (jnp ops, any backend and mesh), 'cpu_kernel' (the C++ kernel of
-  # model/_cpu_attention.py: float32, one CPU device), 'auto' ('xla', except where a training or scoring step
-  # resolves it with `resolve_attention_impl(config, mesh)`). Execution only: parameters are the same.
+  # model/_cpu_attention.py: float32, one CPU device), 'splash' (JAX's Pallas splash-attention kernel,
+  # model/_splash.py: TPU; interpret mode elsewhere), 'auto' ('xla', except where a training or scoring step
+  # resolves it with `resolve_attention_impl(config, mesh)`: 'cpu_kernel' on one CPU device, 'splash' on TPU).
+  # Execution only: parameters are the same.
   attention_impl: str = "auto"
+  # Splash attention's query and key/value blocks (tokens, multiples of 128; forward and both backward kernels),
+  # capped at the row length. 512 compiles for Qwen3-14B's 8,192- and 20,480-token rows (docs/performance.md).
+  splash_block_q: int = 512
+  splash_block_kv: int = 512
   # Layers of the scanned layer loop per loop iteration (nn.scan's `unroll`; num_layers = fully unrolled). On CPU
   # a full unroll made the SmolLM2 8 x 256 update step ~5% faster and its compile ~12 s longer
   # (docs/performance.md). Execution only: parameters are the same.
@@ -53,8 +60,12 @@ class ModelConfig:
       )
     if not 1 <= self.scan_unroll:
       raise ValueError(f"ModelConfig.scan_unroll={self.scan_unroll}: must be >= 1 (num_layers unrolls fully).")
-    if self.attention_impl not in ("auto", "xla", "cpu_kernel"):
-      raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}: use 'auto', 'xla' or 'cpu_kernel'.")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}: use one of {ATTENTION_IMPLS}.")
+    for name in ("splash_block_q", "splash_block_kv"):
+      block = getattr(self, name)
+      if not (isinstance(block, int) and block >= 128 and block % 128 == 0):
+        raise ValueError(f"ModelConfig.{name}={block!r}: must be a positive multiple of 128 (the TPU lane width).")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16", "float64"):
         raise ValueError(

@@ -12,7 +12,8 @@ register-tiled GEMMs. The backward recomputes the probabilities from the saved l
 gradients match `_decoder._attend_recompute`'s, including query rows with no valid key (uniform probabilities
 over all keys, zero score gradient). Its backward is itself a kernel call, so it has no derivative of its own:
 grad-of-grad (Hessian-vector products) needs `attention_impl='xla'`. Used by the decoder when
-`ModelConfig.attention_impl == 'cpu_kernel'`, which the training steps select on a single CPU device (`resolve`).
+`ModelConfig.attention_impl == 'cpu_kernel'`, which the training steps select on a single CPU device (`resolve`,
+which also picks splash attention on TPU).
 Build and fallback rules: `aepo_jax.parallel._native`.
 """
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aepo_jax.model import _splash
 from aepo_jax.parallel import _native
 
 _SRC = Path(__file__).parent / "csrc" / "train_attention.cc"
@@ -56,11 +58,17 @@ def unavailable_reason(config, mesh=None) -> Optional[str]:
 
 
 def resolve(config, mesh=None):
-  """`config` with `attention_impl='cpu_kernel'` where the kernel applies on `mesh`, else `config` unchanged.
-  An explicit `attention_impl='xla'` other than the default is never overridden: only 'auto' is resolved."""
+  """`config` with `attention_impl='auto'` resolved for `mesh` (default: the first device): 'cpu_kernel' where this
+  kernel applies (one CPU device), 'splash' where the mesh's devices are TPUs (`_splash`), else 'xla'. An explicit
+  choice is never overridden: only 'auto' is resolved."""
   if config.attention_impl != "auto":
     return config
-  return config.replace(attention_impl="xla" if unavailable_reason(config, mesh) else "cpu_kernel")
+  if unavailable_reason(config, mesh) is None:
+    return config.replace(attention_impl="cpu_kernel")
+  devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+  if all(d.platform == "tpu" for d in devices) and _splash.unavailable_reason(config) is None:
+    return config.replace(attention_impl="splash")
+  return config.replace(attention_impl="xla")
 
 
 def _check(q, k, v, mask):

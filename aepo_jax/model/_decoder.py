@@ -15,7 +15,9 @@ Differentiated (training) calls go through two custom backward rules, `_attend_r
 not stored per layer) and `_swiglu` (weight gradients from row-major activations); their gradients are checked
 against transformers' autograd in tests/model/test_grad_parity.py, the reasons and timings are in
 docs/performance.md. With `attention_impl='cpu_kernel'` (float32, one CPU device; selected by the
-training steps) full-sequence attention runs through the C++ kernel of `_cpu_attention` instead.
+training steps) full-sequence attention runs through the C++ kernel of `_cpu_attention` instead, with 'splash'
+(selected on TPU) through JAX's Pallas splash-attention kernel (`_splash`), which takes the [B, T] segment ids of
+`_splash.segment_ids` where the other paths take the [B, T, S] mask.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aepo_jax.model import _cpu_attention
+from aepo_jax.model import _cpu_attention, _splash
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.parallel import constrain
 
@@ -235,6 +237,9 @@ class Attention(nn.Module):
     b, t = x_btd.shape[:2]
     if layer_cache is None and cfg.attention_impl == "cpu_kernel":
       out_btnd = _cpu_attention.attention(q_btnd, k_bskd, v_bskd, mask_bts)
+    elif layer_cache is None and cfg.attention_impl == "splash":
+      # mask_bts is the [B, T] segment ids here (`_splash.segment_ids`): the kernel builds the mask block by block
+      out_btnd = _splash.attention(q_btnd, k_bskd, v_bskd, mask_bts, cfg)
     else:
       q_btkgd = q_btnd.reshape(b, t, k, h // k, d)
       # Cached calls (engine) are never differentiated; full-sequence calls may be (training).

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aepo_jax.model import _splash
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.model._decoder import Block, Decoder
 
@@ -44,6 +45,14 @@ def _causal_mask(attention_mask_bt, segment_ids_bt=None):
   if segment_ids_bt is not None:  # packed rows: a token attends only to its own segment
     mask = mask & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
   return mask
+
+
+def _full_mask(config: ModelConfig, attention_mask_bt, segment_ids_bt=None):
+  """The decoder's mask argument for a full-sequence call: [B, T, S] bool, or the [B, T] segment ids splash
+  attention takes (it builds the causal mask block by block)."""
+  if config.attention_impl == "splash":
+    return _splash.segment_ids(attention_mask_bt, segment_ids_bt)
+  return _causal_mask(attention_mask_bt, segment_ids_bt)
 
 
 def init_params(config: ModelConfig, rng, *, boxed: bool = False):
@@ -92,7 +101,8 @@ def _flax_init(config: ModelConfig, rng, boxed: bool = True):
   """Flax's own init of the modules (the source of the tree's structure, shapes and logical axes)."""
   tokens = jnp.zeros((1, 4), jnp.int32)
   mask = jnp.ones((1, 4), jnp.int32)
-  variables = _module(config).init(rng, tokens, default_positions(mask), _causal_mask(mask), method=Decoder.init_all)
+  module = _module(config.replace(attention_impl="xla"))  # parameters do not depend on the attention kernel
+  variables = module.init(rng, tokens, default_positions(mask), _causal_mask(mask), method=Decoder.init_all)
   params = variables["params"]
   return params if boxed else nn.unbox(params)
 
@@ -129,7 +139,7 @@ def forward_hidden(
   if positions_bt is None:
     positions_bt = default_positions(attention_mask_bt) if segment_ids_bt is None else segment_positions(segment_ids_bt)
   h_btd, _ = _module(config).apply(
-    {"params": params}, tokens_bt, positions_bt, _causal_mask(attention_mask_bt, segment_ids_bt)
+    {"params": params}, tokens_bt, positions_bt, _full_mask(config, attention_mask_bt, segment_ids_bt)
   )
   return h_btd
 

@@ -6,6 +6,7 @@ DEFAULT_RULES                                          logical axis -> mesh axis
 logical_sharding(logical_specs, shapes, mesh, rules)   NamedShardings for a pytree
 shard_params(params, logical_axes, mesh, rules)        device_put a pytree onto those shardings
 sharding_context(mesh, rules) / constrain(x, axes)     activation constraints by logical axis, active while tracing
+current_mesh() / activation_spec(shape, axes)          the enclosing context's mesh / the spec `constrain` would use
 to_host_local(tree, local_shardings, dtype=None)       every host's own copy of global arrays (rollout weights)
 on_tpu_vm() / platform_is_cpu()                        what a launcher is about to run on (before JAX starts)
 initialize_distributed(...) -> (process_index, process_count)   jax.distributed for multi-host; no-op on one
@@ -23,7 +24,9 @@ from aepo_jax.parallel._distributed import (
 from aepo_jax.parallel._mesh import (
   DEFAULT_RULES,
   MESH_AXES,
+  activation_spec,
   constrain,
+  current_mesh,
   local_mesh,
   logical_sharding,
   logical_to_mesh,

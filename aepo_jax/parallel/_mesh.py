@@ -131,19 +131,33 @@ _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("aepo_jax_sharding_con
 def sharding_context(mesh: Optional[Mesh], rules=DEFAULT_RULES):
   """Within this context `constrain` pins activations to `mesh` through `rules`. A one-device mesh (or None)
   makes every constraint a no-op."""
-  token = _CONTEXT.set(None if mesh is None or mesh.devices.size == 1 else (mesh, tuple(rules)))
+  token = _CONTEXT.set(None if mesh is None else (mesh, tuple(rules)))
   try:
     yield
   finally:
     _CONTEXT.reset(token)
 
 
+def current_mesh() -> Optional[Mesh]:
+  """The mesh of the enclosing `sharding_context` (one device included), or None outside one."""
+  ctx = _CONTEXT.get()
+  return None if ctx is None else ctx[0]
+
+
+def activation_spec(shape, logical_axes: Sequence[Optional[str]]) -> Optional[PartitionSpec]:
+  """The mesh PartitionSpec that `constrain` gives an array of `shape` with these logical axes under the current
+  `sharding_context` (axes that do not divide a dimension dropped); None outside a context or on one device."""
+  ctx = _CONTEXT.get()
+  if ctx is None or ctx[0].devices.size == 1:
+    return None
+  mesh, rules = ctx
+  return _fit(logical_to_mesh(PartitionSpec(*logical_axes), rules), shape, mesh, quiet=True)
+
+
 def constrain(x, logical_axes: Sequence[Optional[str]]):
   """`x` with a sharding constraint from its logical axes (one name or None per dimension) under the current
   `sharding_context`; dimensions the mapped mesh axes do not divide stay replicated. No context: `x` unchanged."""
-  ctx = _CONTEXT.get()
-  if ctx is None:
+  spec = activation_spec(x.shape, logical_axes)
+  if spec is None:
     return x
-  mesh, rules = ctx
-  spec = _fit(logical_to_mesh(PartitionSpec(*logical_axes), rules), x.shape, mesh, quiet=True)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(current_mesh(), spec))

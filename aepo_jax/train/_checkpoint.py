@@ -178,6 +178,8 @@ def model_mismatch(saved_config, config) -> list[str]:
       "model.tokenizer",
       "model.init",
       "model.overrides.attention_impl",
+      "model.overrides.splash_block_q",
+      "model.overrides.splash_block_kv",
       "model.overrides.scan_unroll",
     ):
       d.pop(k, None)  # these do not change parameter shapes

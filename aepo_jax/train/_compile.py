@@ -53,6 +53,13 @@ class ProgramMemory:
   resident_gb: float  # on the chip during the program, not among its arguments
   compile_s: float
   devices: int
+  kernels: tuple = ()  # the Mosaic (Pallas TPU) kernels the program calls, e.g. 'splash_mha_fwd_segmented_residuals'
+
+  @property
+  def attention(self) -> str:
+    """'splash' where the program calls splash-attention kernels, other Mosaic kernels by name, else 'xla'."""
+    kinds = {"splash" if k.startswith("splash_") else k for k in self.kernels}
+    return ", ".join(sorted(kinds)) or "xla"
 
   @property
   def peak_gb(self) -> float:
@@ -111,9 +118,16 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def mosaic_kernels(lowered) -> tuple:
+  """Names of the Mosaic (Pallas TPU) kernels a lowered program calls: each is a `tpu_custom_call` with a
+  `kernel_name` attribute (the name the Pallas call gave it). Read before compiling, so a refused program has them."""
+  return tuple(sorted(set(re.findall(r'kernel_name = "([^"]+)"', lowered.as_text()))))
+
+
 def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemory:
   """Compiles `lowered` and reads its per-chip memory. XLA:TPU refuses to compile a program whose temporaries
   exceed the chip's HBM (RESOURCE_EXHAUSTED): that program is reported with the temporaries XLA asked for."""
+  kernels = mosaic_kernels(lowered)
   t0 = time.perf_counter()
   try:
     m = lowered.compile().memory_analysis()
@@ -123,7 +137,7 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemor
       raise
     temp = float(need.group(1)) * {"K": 1e-6, "M": 1e-3, "G": 1.0, "T": 1e3}[need.group(2)] * 2**30 / GB
     log.warning("%s: XLA:TPU refused to compile it: %s", name, str(e).splitlines()[0][:300])
-    return ProgramMemory(name, args_gb, 0.0, 0.0, temp, resident_gb, time.perf_counter() - t0, devices)
+    return ProgramMemory(name, args_gb, 0.0, 0.0, temp, resident_gb, time.perf_counter() - t0, devices, kernels)
   return ProgramMemory(
     name,
     m.argument_size_in_bytes / GB,
@@ -133,6 +147,7 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemor
     resident_gb,
     time.perf_counter() - t0,
     devices,
+    kernels,
   )
 
 
@@ -290,6 +305,8 @@ def report_json(report: dict) -> dict:
         "temp_gb": round(p.temp_gb, 2),
         "resident_gb": round(p.resident_gb, 2),
         "compile_s": round(p.compile_s, 1),
+        "attention": p.attention,
+        "kernels": list(p.kernels),
       }
       for name, p in report["programs"].items()
     },
@@ -314,16 +331,16 @@ def format_table(report: dict) -> str:
   )
   head = (
     f"{'program':<9}{'chips':>6}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'resident':>10}{'peak':>9}"
-    f"{'compile':>9}  fits"
+    f"{'compile':>9}  fits  attention"
   )
   lines += [head, "-" * len(head)]
   for name, p in report["programs"].items():
     ok = p.peak_gb <= report["hbm_gb"]
     lines.append(
       f"{name:<9}{p.devices:>6}{p.argument_gb:>9.2f}{p.output_gb:>9.2f}{p.alias_gb:>9.2f}{p.temp_gb:>9.2f}"
-      f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s  {'yes' if ok else 'NO'}"
+      f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s  {'yes' if ok else 'NO':<4}  {p.attention}"
     )
-  lines.append("(GB per chip; peak = args + out - alias + temp + resident)")
+  lines.append("(GB per chip; peak = args + out - alias + temp + resident; attention: the kernels it calls, xla: none)")
   sh = report.get("shardings", {})
   if sh:
     lines.append("parameter shardings: " + ", ".join(f"{k}={v}" for k, v in list(sh["params"].items())[:6]) + ", ...")

@@ -62,6 +62,17 @@ def _fits(topology, chips, hbm):
   # The training state stays on the chips during rollouts; the engine's programs run on one host's 4 chips.
   assert report["programs"]["decode"]["resident_gb"] > 0 and report["programs"]["update"]["resident_gb"] == 0
   assert "program   chips" in out.stdout and "KV cache sharding" in out.stdout
+  # Training and scoring attention on TPU is splash attention: its forward, and in the update its backward kernels.
+  programs = report["programs"]
+  assert programs["update"]["attention"] == programs["logprob"]["attention"] == "splash", programs
+  assert {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals"} <= set(
+    programs["update"]["kernels"]
+  ) and any(k.startswith("splash_mha_dkv_segmented") for k in programs["update"]["kernels"])
+  assert any(k.startswith("splash_mha_fwd_segmented") for k in programs["logprob"]["kernels"])
+  assert not any(k.startswith("splash_") for k in programs["logprob"]["kernels"] if "fwd" not in k)
+  assert all(
+    line.rstrip().endswith("splash") for line in out.stdout.splitlines() if line.startswith(("update ", "logprob "))
+  )
 
 
 @pytest.mark.slow
