@@ -11,6 +11,7 @@ from aepo_jax.rollout.policies import (
   PolicyConfig,
   branch_probability,
   decide_branches,
+  decide_round,
   premonitor_split,
   rollout_policy,
   rollout_policy_names,
@@ -111,6 +112,42 @@ def test_children_go_to_free_slots_in_order():
   assert out["children_c"].tolist() == [1, 1, 0, 1, 1, 0]
   assert out["child_src_k"][:4].tolist() == [0, 1, 3, 4] and (out["child_src_k"][4:] == -1).all()
   assert out["child_dst_k"][:4].tolist() == [5, -1, 7, 2]
+
+
+@pytest.mark.parametrize("estimator", ["exact", "official"])
+def test_the_round_decision_is_one_compiled_function_from_the_accumulators(estimator):
+  """decide_round: the window statistics from the engine's accumulators and the decision in one jitted call (no
+  eager statistic on the host), equal to the statistic followed by decide_branches."""
+  rng = np.random.default_rng(0)
+  c = 8
+  acc = np.stack([rng.integers(0, 40, c), rng.uniform(0, 60, c), rng.uniform(0, 90, c)], 1).astype(np.float32)
+  ini = np.stack([rng.integers(1, 40, c), rng.uniform(0, 60, c), rng.uniform(0, 90, c)], 1).astype(np.float32)
+  args = (
+    jnp.ones((c,), bool),
+    jnp.asarray([0, 0, 0, 1, 1, 1, 1, 1], jnp.int32),
+    jnp.asarray([0, 1, 1, 0, 1, 1, 0, 1], bool),
+    jnp.asarray([5, 6], jnp.int32),
+    jnp.asarray([0, 3], jnp.int32),
+    jnp.asarray([4, 9, -1, -1], jnp.int32),
+    2,
+  )
+  rule_kw = dict(rule="aepo", beam_size=3, num_prompts=2, weight=0.2, threshold=0.5, penalty_slope=0.05)
+  stat_kw = dict(estimator=estimator, window=20, vocab_size=1000)
+  key = jax.random.PRNGKey(3)
+  got = jax.device_get(decide_round(key, jnp.asarray(acc), jnp.asarray(ini), *args, **stat_kw, **rule_kw))
+
+  def stat(a):
+    return window_statistic(jnp.asarray(a[:, 0], jnp.int32), jnp.asarray(a[:, 1]), jnp.asarray(a[:, 2]), **stat_kw)
+
+  want = jax.device_get(decide_branches(key, stat(acc), stat(ini), *args, **rule_kw))
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
+  assert np.abs(got["delta_h_c"]).max() > 0
+  # one compiled program: the jaxpr is a single jit whose body holds the statistic (the division) and the draws
+  jaxpr = jax.make_jaxpr(lambda a, i: decide_round(key, a, i, *args, **stat_kw, **rule_kw))(acc, ini)
+  assert [e.primitive.name for e in jaxpr.eqns] in (["jit"], ["pjit"]), jaxpr
+  body = str(jaxpr.eqns[0].params["jaxpr"])
+  assert "div" in body and ("random_bits" in body or "threefry" in body)
 
 
 @pytest.mark.parametrize("n", [1, 4, 12, 16])

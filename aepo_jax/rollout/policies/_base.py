@@ -3,7 +3,7 @@
 The agent loop (aepo_jax/rollout/_agent.py) runs rounds (spec §1.2 step 2: every active trajectory generates to
 its next stop and its tool returns) and calls `plan_round` when one closes. The policy looks at the host
 records, builds small candidate arrays in creation order and makes the decision in one jitted call
-(`decide_branches`); the agent then forks (engine.copy_slots + truncate) and queues refills.
+(`decide_round`: the window statistics and `decide_branches` in one compiled function); the agent then forks (engine.copy_slots + truncate) and queues refills.
 
 Quirk modes (spec §1.2 Q1 and "branch timing", §5.5):
   faithful:  initial entropy from a table keyed by the within-call copy index that is never cleared (it
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aepo_jax.rollout.policies._entropy import ESTIMATORS, decide_branches, window_statistic
+from aepo_jax.rollout.policies._entropy import ESTIMATORS, decide_round
 
 MODES = ("corrected", "faithful")
 
@@ -176,19 +176,11 @@ class RolloutPolicy:
         resident[i] = rec.slot >= 0 and rec.device_len >= fork_pos
       free = np.full((_bucket(max(len(free_slots), 1)),), -1, np.int32)
       free[: len(free_slots)] = free_slots
-      stat = lambda a: window_statistic(
-        jnp.asarray(a[:, 0]).astype(jnp.int32),
-        jnp.asarray(a[:, 1]),
-        jnp.asarray(a[:, 2]),
-        estimator=cfg.estimator,
-        window=cfg.entropy_window,
-        vocab_size=vocab_size,
-      )
       out = jax.device_get(
-        decide_branches(
+        decide_round(
           key,
-          stat(cur),
-          stat(ini),
+          jnp.asarray(cur),
+          jnp.asarray(ini),
           jnp.asarray(valid),
           jnp.asarray(prompt),
           jnp.asarray(resident),
@@ -196,6 +188,9 @@ class RolloutPolicy:
           jnp.asarray(self.consecutive_p, jnp.int32),
           jnp.asarray(free),
           len(free_slots),
+          estimator=cfg.estimator,
+          window=cfg.entropy_window,
+          vocab_size=vocab_size,
           rule=self.rule,
           beam_size=cfg.beam_size,
           num_prompts=num_prompts,

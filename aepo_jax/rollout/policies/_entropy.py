@@ -129,6 +129,58 @@ def decide_branches(
   }
 
 
+@functools.partial(jax.jit, static_argnames=("rule", "beam_size", "num_prompts", "estimator", "window", "vocab_size"))
+def decide_round(
+  key,
+  accum_c3,
+  initial_accum_c3,
+  valid_c,
+  prompt_c,
+  resident_c,
+  remaining_p,
+  consecutive_p,
+  free_slots_f,
+  num_free,
+  *,
+  estimator: str,
+  window: int,
+  vocab_size: int,
+  rule: str,
+  beam_size: int,
+  num_prompts: int,
+  weight: float,
+  threshold: float,
+  penalty_slope: float,
+):
+  """`decide_branches` from the engine's segment accumulators, as ONE compiled function: the window statistics
+  of the current and initial segments ([C, 3] float32 rows of (count, entropy sum, top-k entropy sum), see
+  `window_statistic`), ΔH, the probabilities, the draws, the budget scan and the slot choice."""
+
+  def stat(a):
+    return window_statistic(
+      a[:, 0].astype(jnp.int32), a[:, 1], a[:, 2], estimator=estimator, window=window, vocab_size=vocab_size
+    )
+
+  return decide_branches(
+    key,
+    stat(accum_c3),
+    stat(initial_accum_c3),
+    valid_c,
+    prompt_c,
+    resident_c,
+    remaining_p,
+    consecutive_p,
+    free_slots_f,
+    num_free,
+    rule=rule,
+    beam_size=beam_size,
+    num_prompts=num_prompts,
+    weight=weight,
+    threshold=threshold,
+    penalty_slope=penalty_slope,
+  )
+
+
 @functools.partial(jax.jit, static_argnames=("n",))
 def premonitor_split(h_root_p, h_tool_p, *, n: int, beta: float):
   """AEPO entropy pre-monitoring (spec §2.1, code form):
