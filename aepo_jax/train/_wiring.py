@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Optional
 
 import jax
@@ -189,6 +190,22 @@ def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
 
 
 _SUITES: dict = {}
+_SUITE_PREFIX = "aepo_jax_suite_"
+
+
+def _sweep_stale_suites(tmp_root: str) -> None:
+  """Removes the suite directories of processes that no longer exist (killed before their atexit ran): each is named
+  aepo_jax_suite_<pid>_<random>."""
+  for path in Path(tmp_root).glob(_SUITE_PREFIX + "*_*"):
+    pid = path.name[len(_SUITE_PREFIX) :].split("_", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      os.kill(int(pid), 0)
+    except ProcessLookupError:
+      shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+      pass  # alive under another user: not ours to remove
 
 
 def _suite(config):
@@ -197,7 +214,8 @@ def _suite(config):
   if key not in _SUITES:
     from aepo_jax import data as data_lib
 
-    corpus_dir = tempfile.mkdtemp(prefix="aepo_jax_suite_")
+    _sweep_stale_suites(tempfile.gettempdir())
+    corpus_dir = tempfile.mkdtemp(prefix=f"{_SUITE_PREFIX}{os.getpid()}_")
     atexit.register(shutil.rmtree, corpus_dir, ignore_errors=True)  # the corpus and its index die with the process
     _SUITES[key] = data_lib.generate_suite(
       **dict(config.data.suite), corpus_dir=corpus_dir, template=config.data.template

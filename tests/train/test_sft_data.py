@@ -65,3 +65,19 @@ def test_tool_demo_fraction_changes_only_the_demos(setup):
     assert d.response == f"<think> I know this. </think> <answer> \\boxed{{{d.example.answers[0]}}} </answer>"
   with pytest.raises(ValueError, match="tool_demo_fraction"):
     generate_suite(3, 4, 2, tool_demo_fraction=1.5)
+
+
+def test_suite_directories_of_killed_processes_are_swept(tmp_path):
+  """A run killed before its atexit leaves its generated corpus behind; the next run removes those of dead
+  processes and nothing else."""
+  import subprocess
+
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  stale = tmp_path / f"aepo_jax_suite_{dead.pid}_abc"
+  live = tmp_path / f"aepo_jax_suite_{os.getppid()}_def"
+  other = tmp_path / "aepo_jax_suite_notapid"
+  for d in (stale, live, other):
+    (d / "corpus").mkdir(parents=True)
+  _wiring._sweep_stale_suites(str(tmp_path))
+  assert not stale.exists() and live.exists() and other.exists()
