@@ -73,7 +73,11 @@ class _Preemption:
 
 def run(config, *, mode: Optional[str] = None) -> dict:
   """Train as `config` says (mode: sft | rl | both; default config.mode). Returns summary metrics."""
-  mode = mode or config.mode
+  with _wiring.run_scope():  # run-scoped state (the generated suite and its corpus) ends with the run
+    return _run(config, mode or config.mode)
+
+
+def _run(config, mode: str) -> dict:
   # ---------------------------------------------------------------------------------------------------
   # Config, work directory, writers.
   # ---------------------------------------------------------------------------------------------------

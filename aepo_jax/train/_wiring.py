@@ -189,7 +189,8 @@ def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
   return out
 
 
-_SUITES: dict = {}
+_SUITES: dict = {}  # settings -> generated suite, within `run_scope`
+_SUITE_DIRS: dict = {}  # settings -> its corpus directory
 _SUITE_PREFIX = "aepo_jax_suite_"
 
 
@@ -208,15 +209,31 @@ def _sweep_stale_suites(tmp_root: str) -> None:
       pass  # alive under another user: not ours to remove
 
 
+@contextlib.contextmanager
+def run_scope():
+  """The generated suites (and their temp corpus directories) made inside belong to this scope: `train.run` holds
+  one for the whole run, so nothing outlives it in the process (a killed process's directory is swept by the next
+  run, `_sweep_stale_suites`)."""
+  before = set(_SUITES)
+  try:
+    yield
+  finally:
+    for key in set(_SUITES) - before:
+      _SUITES.pop(key)
+      shutil.rmtree(_SUITE_DIRS.pop(key), ignore_errors=True)
+
+
 def _suite(config):
-  """The generated task suite (cached per settings: SFT, RL, evaluation and search share one)."""
+  """The generated task suite (cached per settings within a run, `run_scope`: SFT, RL, evaluation and search share
+  one)."""
   key = (tuple(sorted(dict(config.data.suite).items())), config.data.template)
   if key not in _SUITES:
     from aepo_jax import data as data_lib
 
     _sweep_stale_suites(tempfile.gettempdir())
     corpus_dir = tempfile.mkdtemp(prefix=f"{_SUITE_PREFIX}{os.getpid()}_")
-    atexit.register(shutil.rmtree, corpus_dir, ignore_errors=True)  # the corpus and its index die with the process
+    atexit.register(shutil.rmtree, corpus_dir, ignore_errors=True)  # outside a run_scope: dies with the process
+    _SUITE_DIRS[key] = corpus_dir
     _SUITES[key] = data_lib.generate_suite(
       **dict(config.data.suite), corpus_dir=corpus_dir, template=config.data.template
     )

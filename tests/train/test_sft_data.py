@@ -81,3 +81,15 @@ def test_suite_directories_of_killed_processes_are_swept(tmp_path):
     (d / "corpus").mkdir(parents=True)
   _wiring._sweep_stale_suites(str(tmp_path))
   assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_the_generated_suite_belongs_to_the_run_scope(monkeypatch):
+  monkeypatch.setattr(_wiring, "_SUITES", {})  # suites cached outside any scope by earlier tests stay theirs
+  monkeypatch.setattr(_wiring, "_SUITE_DIRS", {})
+  config = load_config("configs/testing/tiny_rl.py")
+  with _wiring.run_scope():
+    suite = _wiring._suite(config)
+    assert _wiring._suite(config) is suite  # shared within the run
+    corpus_dir = suite.corpus_path.parent
+    assert corpus_dir.exists()
+  assert not corpus_dir.exists() and not _wiring._SUITES
