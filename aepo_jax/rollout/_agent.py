@@ -443,23 +443,32 @@ class AgentLoop:
     return any(not r.done or r.end_round > rnd for r in run.records)
 
   def _fork_on_device(self, run: _Run, forks) -> None:
+    """Children copy their parent's slot and rewind to the fork position. Where the parent's device state stops
+    short of it (the tool result that ends the fork prefix is still on the host, waiting for the parent's next
+    round), the child is rewound to what the device holds and extended with the rest, as the parent would be."""
     src = [p.slot for p, _, _ in forks]
     dst = [d for _, _, d in forks]
+    cut = {c.index: min(p.device_len, c.fork_pos) for p, c, _ in forks}
     run.state = self.engine.copy_slots(run.state, src, dst, [c.seed for _, c, _ in forks])
-    run.state = self.engine.truncate(run.state, dst, [len(c.prompt_tokens) + c.fork_pos for _, c, _ in forks])
+    run.state = self.engine.truncate(run.state, dst, [len(c.prompt_tokens) + cut[c.index] for _, c, _ in forks])
     for _, child, d in forks:
       run.free.remove(d)
       run.slot_rec[d] = child.index
-      child.slot, child.device_len, child.forked_on_device = d, child.fork_pos, True
+      child.slot, child.device_len, child.forked_on_device = d, cut[child.index], True
     ok = [c for _, c, _ in forks if c.room > 0]
     for _, c, _ in forks:
       if c.room <= 0:
         self._end(c, "length")
     if ok:
       run.state = self.engine.extend(
-        run.params, run.state, [c.slot for c in ok], [[] for _ in ok], [self._call_budget(c) for c in ok]
+        run.params,
+        run.state,
+        [c.slot for c in ok],
+        [c.tokens[c.device_len : c.fork_pos] for c in ok],
+        [self._call_budget(c) for c in ok],
       )
       for c in ok:
+        c.device_len = c.fork_pos
         self._start_segment(c)
         run.decoding.add(c.slot)
 

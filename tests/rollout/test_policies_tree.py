@@ -211,3 +211,17 @@ def test_budget_is_spent_when_every_trajectory_finished_a_round_ahead(seed, n, n
   tr = loop.rollout(None, PROMPTS, pol, seed=seed)
   globals_p = [sum(k == "global" for k, g in zip(tr.kind_b, tr.group_id_b) if g == p) for p in range(3)]
   _check_tree(tr, n, globals_p)
+
+
+@pytest.mark.parametrize("mode", ["corrected", "faithful"])
+def test_every_fork_is_on_device_when_slots_suffice(mode):
+  """A parent in a slot is a fork source even before its tool result is on the device (faithful mode decides at
+  the end of the round whose result ends the fork prefix): the child copies the slot and is extended with the rest."""
+  forks = on_device = 0
+  for seed in range(4):
+    pol = rollout_policy("arpo", n=8, initial_rollouts=2, mode=mode, beam_size=3)
+    tr = _loop(max_slots=64, fail_rate=0.2, seed=seed).rollout(None, PROMPTS, pol, seed=seed)
+    _check_tree(tr, 8, [2, 2, 2])
+    forks += int((tr.parent_b >= 0).sum())
+    on_device += int(tr.stats["rollout/forks_on_device"])
+  assert forks > 20 and on_device == forks, (on_device, forks)

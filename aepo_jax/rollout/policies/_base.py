@@ -173,7 +173,7 @@ class RolloutPolicy:
         init = self.initial_accum(rec)
         cur[i], ini[i] = accum, (accum if init is None else init)
         valid[i], prompt[i] = True, rec.prompt
-        resident[i] = rec.slot >= 0 and rec.device_len >= fork_pos
+        resident[i] = rec.slot >= 0 and rec.device_len > 0  # the agent extends a child with what is on the host
       free = np.full((_bucket(max(len(free_slots), 1)),), -1, np.int32)
       free[: len(free_slots)] = free_slots
       out = jax.device_get(
