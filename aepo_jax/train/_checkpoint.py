@@ -413,13 +413,13 @@ class Checkpointer:
       raise self._corrupt(step, problems)
     return state
 
-  def restore(self, step: Optional[int], abstract_state, config=None):
+  def restore(self, step: Optional[int], abstract_state, config=None, *, check_files: bool = True):
     """(state, meta) at `step` (default: latest). `abstract_state` gives shapes, dtypes and shardings.
 
     With `config`, first compares the checkpoint's model section with it and names every differing field.
     Raises CheckpointCorruptError when the step's files or arrays differ from what was saved or are not finite.
     """
-    step, meta, recorded = self._verified_meta(step)
+    step, meta, recorded = self._verified_meta(step, check_files=check_files)
     if config is not None and "config" in meta:
       diff = model_mismatch(_config.from_json(meta["config"]), config)
       if diff:
@@ -439,12 +439,28 @@ class Checkpointer:
     """
     damaged = []
     for step in sorted(self.all_steps(), reverse=True):
-      try:
-        state, meta = self.restore(step, abstract_state, config)
+      # Every host must resume from the same step, and Orbax's reads are collective (a barrier per restore): the
+      # hosts first agree on the files (each checks its own view, e.g. a read error on its own disk or network
+      # path), and only then read; a step that fails on one host is damaged for all.
+      if is_remote(self.directory):
+        self._refresh()
+      problems = integrity.file_problems(self._step_dir(step))
+      err = self._corrupt(step, problems) if problems else None
+      agreed = _every_host_agrees(err is None)
+      if agreed:
+        try:
+          state, meta = self.restore(step, abstract_state, config, check_files=False)
+        except CheckpointCorruptError as e:
+          err = e
+        agreed = _every_host_agrees(err is None)
+      if err is None and not agreed:
+        err = CheckpointCorruptError(
+          f"checkpoint {self._step_dir(step)} failed verification on another host (its log names the file).", step
+        )
+      if err is None:
         break
-      except CheckpointCorruptError as e:
-        log.error("%s", e)
-        damaged.append(e)
+      log.error("%s", err)
+      damaged.append(err)
     else:
       if damaged:
         raise CheckpointCorruptError(
@@ -511,15 +527,44 @@ class Checkpointer:
     self._mgr.close()
 
 
+def _every_host_agrees(ok: bool) -> bool:
+  """True when `ok` holds on every process (a collective on multi-host runs: every process calls it in the same
+  order); `ok` itself on one process."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+
+  return bool(np.asarray(multihost_utils.process_allgather(np.int32(ok))).min())
+
+
+def _is_failed_read_noise(exc, obj=None) -> bool:
+  """What a failed tensorstore read leaves behind: the other reads' callbacks meeting a closed event loop, and
+  their coroutines finalized with the read error."""
+  if isinstance(exc, (RuntimeError, GeneratorExit)) and (
+    isinstance(exc, GeneratorExit) or "Event loop is closed" in str(exc)
+  ):
+    return True
+  return "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", "")
+
+
 def _finalize_quietly():
-  """A failed tensorstore read leaves the other reads' coroutines pending; collect them now, without the pages of
-  'Event loop is closed' / GeneratorExit reports their finalizers print."""
-  hook = sys.unraisablehook
-  sys.unraisablehook = lambda unraisable: None
-  try:
-    gc.collect()
-  finally:
-    sys.unraisablehook = hook
+  """A failed tensorstore read leaves the other reads' coroutines pending; collect them now, and from then on
+  drop the 'Event loop is closed' / GeneratorExit reports their callbacks and finalizers print (some arrive from
+  tensorstore's threads after this returns), passing every other report to the hooks that were there."""
+  if not getattr(sys.unraisablehook, "_aepo_quiet", False):
+    unraisable_hook, except_hook = sys.unraisablehook, sys.excepthook
+
+    def quiet_unraisable(u):
+      if not _is_failed_read_noise(u.exc_value, u.object):
+        unraisable_hook(u)
+
+    def quiet_except(kind, value, tb):
+      if not _is_failed_read_noise(value):
+        except_hook(kind, value, tb)
+
+    quiet_unraisable._aepo_quiet = True
+    sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_except
+  gc.collect()
 
 
 def _first_line(e: BaseException) -> str:
