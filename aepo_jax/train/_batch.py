@@ -271,14 +271,32 @@ def gather_trajectories(traj, rewards_b, *, pad_id: int):
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape((len(sizes),) + padded.shape)
     for p, host in enumerate(hosts):
       host[name] = every[p, : sizes[p, 0], : sizes[p, 1]] if x.ndim == 2 else every[p, : sizes[p, 0]]
-  parts = [dataclasses.replace(traj, **{k: v for k, v in h.items() if k != "rewards"}) for h in hosts]
+  stats = _allgather_json(dict(traj.stats))
+  parts = [
+    dataclasses.replace(traj, stats=s, **{k: v for k, v in h.items() if k != "rewards"}) for h, s in zip(hosts, stats)
+  ]
   return merge_hosts(parts, pad_id=pad_id), np.concatenate([h["rewards"] for h in hosts])
+
+
+def _allgather_json(obj) -> list:
+  """`obj` (JSON-serialisable) of every process, in process order (a collective)."""
+  import json
+
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64))).reshape(-1)
+  padded = np.zeros((int(sizes.max()),), np.uint8)
+  padded[: data.size] = data
+  every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+  return [json.loads(bytes(every[p, : sizes[p]]).decode()) for p in range(len(sizes))]
 
 
 def merge_hosts(parts: Sequence, *, pad_id: int):
   """One `Trajectories` from the hosts' own, in process order: group ids and parent rows offset by the earlier
   hosts' (so they stay unique), columns right-padded to the widest host. The per-trajectory text fields are left
-  empty and `stats` are the first host's."""
+  empty; `stats` combine the hosts' (`rollout.policies.combine_stats`: counts summed, maxima maxed, means weighted by
+  trajectories)."""
   groups = [int(np.max(tr.group_id_b)) + 1 if len(tr.group_id_b) else 0 for tr in parts]
   rows = [len(tr.group_id_b) for tr in parts]
   group_off, row_off = np.cumsum([0] + groups)[:-1], np.cumsum([0] + rows)[:-1]
@@ -297,7 +315,10 @@ def merge_hosts(parts: Sequence, *, pad_id: int):
         x = np.where(x >= 0, x + r0, -1)
       xs.append(x)
     out[name] = np.concatenate(xs).astype(np.asarray(getattr(parts[0], name)).dtype)
-  return dataclasses.replace(parts[0], stop_reason_b=[], response_text=[], kind_b=[], **out)
+  from aepo_jax.rollout.policies import combine_stats
+
+  stats = combine_stats([tr.stats for tr in parts])
+  return dataclasses.replace(parts[0], stop_reason_b=[], response_text=[], kind_b=[], stats=stats, **out)
 
 
 def process_rows(batch_np: Mapping[str, np.ndarray]) -> dict:

@@ -112,6 +112,8 @@ def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
   records = _metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
   assert len(rl) == 1 and rl[0]["rollout/trajectories"] == 24, rl
+  # the rollout tree statistics are those of all four hosts' rollouts, not host 0's 8 trajectories
+  assert rl[0]["rollout/num_trajectories"] == 24, rl
   assert rl[0]["train/sequences"] == 8.0  # ppo_mini_batch_size 2 prompts x n 4, as on one host
   assert [r["step"] for r in records if "eval/suite/accuracy" in r] == [1]
   assert _steps(workdir, "rl") == [1]
@@ -135,3 +137,36 @@ def test_merge_hosts_renumbers_groups_and_parents():
   assert traj.group_id_b.tolist() == [0, 0, 1, 2, 3, 3]  # host 1's groups after host 0's two
   assert traj.parent_b.tolist() == [-1, 0, -1, -1, -1, 4]  # host 1's row 2 branched from its row 1 = global row 4
   assert traj.fork_pos_b.tolist() == host0.fork_pos_b.tolist() + host1.fork_pos_b.tolist()
+
+
+def test_merged_rollout_statistics_are_those_of_every_host():
+  """Counts add up, maxima take the max, means are weighted by each host's trajectories."""
+  from aepo_jax.train import _batch
+  from test_rl_loop import _traj
+
+  a = _traj([2, 1], width=6)
+  b = _traj([1, 2], width=8, offset=10)
+  a.stats = {
+    "rollout/num_trajectories": 3.0,
+    "rollout/forks_on_device": 1.0,
+    "rollout/tree_depth_max": 1.0,
+    "rollout/tree_depth_mean": 0.5,
+    "rollout/rounds": 2.0,
+  }
+  b.stats = {
+    "rollout/num_trajectories": 1.0,
+    "rollout/forks_on_device": 0.0,
+    "rollout/tree_depth_max": 3.0,
+    "rollout/tree_depth_mean": 2.5,
+    "rollout/rounds": 4.0,
+    "rollout/probe_h_root": 1.5,
+  }
+  stats = _batch.merge_hosts([a, b], pad_id=0).stats
+  assert stats == {
+    "rollout/num_trajectories": 4.0,
+    "rollout/forks_on_device": 1.0,
+    "rollout/tree_depth_max": 3.0,
+    "rollout/tree_depth_mean": (3 * 0.5 + 1 * 2.5) / 4,
+    "rollout/rounds": 4.0,
+    "rollout/probe_h_root": 1.5,  # only one host has it
+  }

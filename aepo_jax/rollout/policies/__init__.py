@@ -6,7 +6,7 @@ PolicyConfig                                  n, initial_rollouts, beam_size, w,
 RolloutPolicy.plan_round(...) -> RoundPlan    branches + refills at the end of a round (used by the agent loop)
 Pure jitted pieces: window_statistic, branch_probability, decide_branches, decide_round (the statistic and the
   decision in one compiled function, what plan_round calls), premonitor_split
-Tree statistics: tree_stats(records, ...)
+Tree statistics: tree_stats(records, ...); combine_stats(per-host stats) -> the stats of all hosts' rollouts
 """
 
 from aepo_jax.rollout.policies._base import MODES, PolicyConfig, RolloutPolicy, RoundPlan
@@ -24,4 +24,4 @@ from aepo_jax.rollout.policies import _none, _arpo, _aepo  # noqa: F401,E402  (r
 from aepo_jax.rollout.policies._aepo import AepoPolicy
 from aepo_jax.rollout.policies._arpo import ArpoPolicy
 from aepo_jax.rollout.policies._none import NonePolicy
-from aepo_jax.rollout.policies._stats import tree_stats
+from aepo_jax.rollout.policies._stats import combine_stats, tree_stats

@@ -81,3 +81,38 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
   for reason, k in stops.items():
     out[f"rollout/stop_{reason}"] = k / n
   return out
+
+
+# How each statistic of several hosts' rollouts combines into the statistic of all of them (`combine_stats`):
+# counts add up, maxima take the max, everything else is a mean weighted by each host's trajectories.
+_SUMMED = (
+  "rollout/num_trajectories",
+  "rollout/tool_failures",
+  "rollout/prefill_tokens_saved_by_fork",
+  "rollout/forks_on_device",
+  "rollout/decode_tokens",
+)
+_MAXED = ("rollout/rounds",)
+
+
+def combine_stats(stats: list) -> dict:
+  """The statistics of several rollouts (one per host, each from `tree_stats` plus the agent's) as those of their
+  union: counts summed, maxima (`*_max`, rounds) maxed, the rest averaged with each rollout's trajectories as weights
+  (per-prompt means are trajectory-weighted: equal where every prompt has n trajectories). A key missing from a
+  rollout is left out of its mean."""
+  stats = [dict(s) for s in stats]
+  if len(stats) == 1:
+    return stats[0]
+  weights = [max(float(s.get("rollout/num_trajectories", 1.0)), 0.0) for s in stats]
+  out = {}
+  for key in sorted(set().union(*stats)):
+    have = [(s[key], w) for s, w in zip(stats, weights) if key in s]
+    values = [float(v) for v, _ in have]
+    if key in _SUMMED:
+      out[key] = float(sum(values))
+    elif key in _MAXED or key.endswith("_max"):
+      out[key] = float(max(values))
+    else:
+      total = sum(w for _, w in have)
+      out[key] = float(sum(v * w for v, (_, w) in zip(values, have)) / total) if total > 0 else float(np.mean(values))
+  return out
