@@ -5,6 +5,9 @@ Command:  python launch/tpu_pod.py --config=configs/arpo_gaia.py:released --conf
           (':paper' for our corrected rollout quirks and a global token-mean; ':cold_start' as in
           configs/aepo_gaia.py)
 Hardware: as configs/aepo_gaia.py (a v5p-64 / v4-128 class TPU slice).
+Compiled with `python launch/compile.py --config=configs/arpo_gaia.py --topology=v5p:4x4x2`
+  (2026-12-01): update step 24.33 GB per chip of 95 (`--programs=update`);
+  log-prob, prefill and decode are configs/aepo_gaia.py's programs (the same model and rollout shapes).
 Needs: a Qwen3-14B cold-start SFT checkpoint (HF directory); hard_search_1k, gaia_test, hle_test (bundled).
 Time: 85 RL steps, about a day.
 Expected: ARPO README: Qwen3-14B + ARPO Pass@5 GAIA 61.2, HLE 24.0 (LLM-judge evaluation, spec §2.5), with

@@ -6,6 +6,9 @@ Command:  python launch/tpu_pod.py --config=configs/arpo_gaia_8b.py:released --c
           configs/aepo_gaia.py)
 Hardware: a TPU v5p-64 slice (`v5p:4x4x2`, 32 chips), as configs/aepo_gaia_8b.py (the same programs without the
   entropy pass of AEPO's advantage, so at most its per-chip peaks).
+Compiled with `python launch/compile.py --config=configs/arpo_gaia_8b.py --topology=v5p:4x4x2`
+  (2026-12-01): update step 18.89 GB per chip of 95 (`--programs=update`);
+  log-prob, prefill and decode are configs/aepo_gaia_8b.py's programs (the same model and rollout shapes).
 Needs: a Qwen3-8B cold-start SFT checkpoint (HF directory); hard_search_1k, gaia_test, hle_test (bundled).
 Time: 45 RL steps (5 epochs x 9 steps of 128 prompts x 16 rollouts of up to 10,000 tokens); about a day.
 Expected: ARPO's 8B deep-search rows were not in the text available here (spec §2.5); the ARPO README reports

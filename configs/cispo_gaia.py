@@ -3,6 +3,9 @@ r"""CISPO on Qwen3-14B deep search, a baseline of AEPO's comparison (spec §3.6)
 Command:  python launch/tpu_pod.py --config=configs/cispo_gaia.py --config.workdir=gs://BUCKET/cispo_gaia \
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
 Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `baseline_14b`).
+Compiled with `python launch/compile.py --config=configs/cispo_gaia.py --topology=v5p:4x4x2`
+  (2026-12-01): update step 24.33 GB per chip of 95 (`--programs=update`);
+  log-prob, prefill and decode are configs/aepo_gaia.py's programs (the same model and rollout shapes).
 Expected: no per-baseline number is in the text available here (spec §2.5); run beside configs/aepo_gaia.py.
 CISPO (MiniMax-M1): REINFORCE with a clipped, detached IS weight; no lower bound, ε_high 0.28 (AEPO's value is
 unknown), token-level mean, no KL.

@@ -4,6 +4,7 @@ import ast
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,9 @@ def test_every_experiment_config_loads_and_validates(path):
   for part in ("Command", "Hardware", "Time", "Expected"):
     assert part in doc, f"{path}: the docstring must say {part}"
   assert config.workdir
+  if config.model.name.startswith("gs://"):  # a pod config: the slice it was compiled for, and per-chip peaks
+    assert "launch/compile.py" in doc and "v5p:4x4x2" in doc, f"{path}: the docstring must give its compile"
+    assert re.search(r"update\s+(step\s+)?\d+\.\d+", doc), f"{path}: the docstring must give the per-chip peaks"
 
 
 def test_aepo_gaia_paper_vs_released_is_explicit():
