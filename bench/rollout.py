@@ -12,7 +12,7 @@ jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction
 in a decode step (alternating rounds, and the sampling step alone); the decode step's weight matmuls alone at batch
 8 with XLA's, numpy's BLAS and our CPU kernel (aepo_jax/model/_cpu_decode.py), against the read limit; ours
 against the same engine decoding with XLA's dots; the cost of a fork (copy_slots) against re-prefilling a
-512-token prefix. Where the time goes: docs/performance.md.
+prefix (`--fork-len`, 512 by default). Where the time goes: docs/performance.md.
 """
 
 from __future__ import annotations
