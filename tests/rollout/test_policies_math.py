@@ -11,7 +11,6 @@ from aepo_jax.rollout.policies import (
   PolicyConfig,
   branch_probability,
   decide_branches,
-  decide_round,
   premonitor_split,
   rollout_policy,
   rollout_policy_names,
@@ -116,8 +115,8 @@ def test_children_go_to_free_slots_in_order():
 
 @pytest.mark.parametrize("estimator", ["exact", "official"])
 def test_the_round_decision_is_one_compiled_function_from_the_accumulators(estimator):
-  """decide_round: the window statistics from the engine's accumulators and the decision in one jitted call (no
-  eager statistic on the host), equal to the statistic followed by decide_branches."""
+  """decide_branches with `estimator`: the window statistics from the engine's accumulators and the decision in one
+  jitted call (no eager statistic on the host), equal to the statistic computed first."""
   rng = np.random.default_rng(0)
   c = 8
   acc = np.stack([rng.integers(0, 40, c), rng.uniform(0, 60, c), rng.uniform(0, 90, c)], 1).astype(np.float32)
@@ -134,7 +133,7 @@ def test_the_round_decision_is_one_compiled_function_from_the_accumulators(estim
   rule_kw = dict(rule="aepo", beam_size=3, num_prompts=2, weight=0.2, threshold=0.5, penalty_slope=0.05)
   stat_kw = dict(estimator=estimator, window=20, vocab_size=1000)
   key = jax.random.PRNGKey(3)
-  got = jax.device_get(decide_round(key, jnp.asarray(acc), jnp.asarray(ini), *args, **stat_kw, **rule_kw))
+  got = jax.device_get(decide_branches(key, jnp.asarray(acc), jnp.asarray(ini), *args, **stat_kw, **rule_kw))
 
   def stat(a):
     return window_statistic(jnp.asarray(a[:, 0], jnp.int32), jnp.asarray(a[:, 1]), jnp.asarray(a[:, 2]), **stat_kw)
@@ -144,7 +143,7 @@ def test_the_round_decision_is_one_compiled_function_from_the_accumulators(estim
     np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
   assert np.abs(got["delta_h_c"]).max() > 0
   # one compiled program: the jaxpr is a single jit whose body holds the statistic (the division) and the draws
-  jaxpr = jax.make_jaxpr(lambda a, i: decide_round(key, a, i, *args, **stat_kw, **rule_kw))(acc, ini)
+  jaxpr = jax.make_jaxpr(lambda a, i: decide_branches(key, a, i, *args, **stat_kw, **rule_kw))(acc, ini)
   assert [e.primitive.name for e in jaxpr.eqns] in (["jit"], ["pjit"]), jaxpr
   body = str(jaxpr.eqns[0].params["jaxpr"])
   assert "div" in body and ("random_bits" in body or "threefry" in body)

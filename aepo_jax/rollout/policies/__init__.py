@@ -4,8 +4,8 @@ rollout_policy(name, config=PolicyConfig(), **overrides) -> RolloutPolicy   'non
 register_rollout_policy(name)                 class decorator for new policies
 PolicyConfig                                  n, initial_rollouts, beam_size, w, τ, window, estimator, mode, ...
 RolloutPolicy.plan_round(...) -> RoundPlan    branches + refills at the end of a round (used by the agent loop)
-Pure jitted pieces: window_statistic, branch_probability, decide_branches, decide_round (the statistic and the
-  decision in one compiled function, what plan_round calls), premonitor_split
+Pure jitted pieces: window_statistic, branch_probability, decide_branches (from the segment accumulators: the
+  statistic and the decision in one compiled function), premonitor_split
 Tree statistics: tree_stats(records, ...); combine_stats(per-host stats) -> the stats of all hosts' rollouts
 """
 
@@ -15,7 +15,6 @@ from aepo_jax.rollout.policies._entropy import (
   RULES,
   branch_probability,
   decide_branches,
-  decide_round,
   premonitor_split,
   window_statistic,
 )

@@ -3,7 +3,8 @@
 The agent loop (aepo_jax/rollout/_agent.py) runs rounds (spec §1.2 step 2: every active trajectory generates to
 its next stop and its tool returns) and calls `plan_round` when one closes. The policy looks at the host
 records, builds small candidate arrays in creation order and makes the decision in one jitted call
-(`decide_round`: the window statistics and `decide_branches` in one compiled function); the agent then forks (engine.copy_slots + truncate) and queues refills.
+(`decide_branches` from the segment accumulators: the window statistics and the decision in one compiled
+function); the agent then forks (engine.copy_slots + truncate) and queues refills.
 
 Quirk modes (spec §1.2 Q1 and "branch timing", §5.5):
   faithful:  initial entropy from a table keyed by the within-call copy index that is never cleared (it
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aepo_jax.rollout.policies._entropy import ESTIMATORS, decide_round
+from aepo_jax.rollout.policies._entropy import ESTIMATORS, decide_branches
 
 MODES = ("corrected", "faithful")
 
@@ -177,7 +178,7 @@ class RolloutPolicy:
       free = np.full((_bucket(max(len(free_slots), 1)),), -1, np.int32)
       free[: len(free_slots)] = free_slots
       out = jax.device_get(
-        decide_round(
+        decide_branches(
           key,
           jnp.asarray(cur),
           jnp.asarray(ini),

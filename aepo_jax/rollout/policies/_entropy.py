@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ def _attempt_succeeds(rule, u_cz, delta_h_c, penalty_c, weight, threshold):
   return jnp.clip((u_cz + weight * delta_h_c[:, None]) * penalty_c[:, None], 0.0, 1.0) >= threshold
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "beam_size", "num_prompts"))
+@functools.partial(jax.jit, static_argnames=("rule", "beam_size", "num_prompts", "estimator", "window", "vocab_size"))
 def decide_branches(
   key,
   stat_c,
@@ -77,11 +78,16 @@ def decide_branches(
   weight: float,
   threshold: float,
   penalty_slope: float,
+  estimator: Optional[str] = None,
+  window: int = 20,
+  vocab_size: int = 2,
 ):
   """One branching round (spec §1.2 2.6 with the AEPO rule of §2.1), for C candidates in creation order.
 
   Args:
-    key: PRNG key of this round. stat_c / initial_c: step entropy now and the initial entropy ([C] float32).
+    key: PRNG key of this round. stat_c / initial_c: step entropy now and the initial entropy ([C] float32); with
+      `estimator`, the segments' accumulators instead ([C, 3]: count, entropy sum, top-k entropy sum), from which
+      the window statistic (`window_statistic`) is computed inside this one compiled function.
     valid_c: real candidate (padding False). prompt_c: prompt index. resident_c: the candidate's state is still
       in an engine slot (a child can then be forked on device).
     remaining_p: n − rollouts so far, per prompt. consecutive_p: AEPO's consecutive-branch counter l.
@@ -91,6 +97,13 @@ def decide_branches(
   attempts_c [C], delta_h_c [C], child_src_k [K] (candidate index of child k, −1 = none; K = C·(Z−1),
   candidate-major order) and child_dst_k [K] (free slot for an on-device fork, −1 = re-prefill on the host).
   """
+  if estimator is not None:
+    stat_c, initial_c = (
+      window_statistic(
+        a[:, 0].astype(jnp.int32), a[:, 1], a[:, 2], estimator=estimator, window=window, vocab_size=vocab_size
+      )
+      for a in (stat_c, initial_c)
+    )
   c_size = stat_c.shape[0]
   z1 = beam_size - 1
   delta_h_c = (stat_c - initial_c).astype(jnp.float32)
@@ -127,58 +140,6 @@ def decide_branches(
     "child_src_k": child_src_k,
     "child_dst_k": child_dst_k,
   }
-
-
-@functools.partial(jax.jit, static_argnames=("rule", "beam_size", "num_prompts", "estimator", "window", "vocab_size"))
-def decide_round(
-  key,
-  accum_c3,
-  initial_accum_c3,
-  valid_c,
-  prompt_c,
-  resident_c,
-  remaining_p,
-  consecutive_p,
-  free_slots_f,
-  num_free,
-  *,
-  estimator: str,
-  window: int,
-  vocab_size: int,
-  rule: str,
-  beam_size: int,
-  num_prompts: int,
-  weight: float,
-  threshold: float,
-  penalty_slope: float,
-):
-  """`decide_branches` from the engine's segment accumulators, as ONE compiled function: the window statistics
-  of the current and initial segments ([C, 3] float32 rows of (count, entropy sum, top-k entropy sum), see
-  `window_statistic`), ΔH, the probabilities, the draws, the budget scan and the slot choice."""
-
-  def stat(a):
-    return window_statistic(
-      a[:, 0].astype(jnp.int32), a[:, 1], a[:, 2], estimator=estimator, window=window, vocab_size=vocab_size
-    )
-
-  return decide_branches(
-    key,
-    stat(accum_c3),
-    stat(initial_accum_c3),
-    valid_c,
-    prompt_c,
-    resident_c,
-    remaining_p,
-    consecutive_p,
-    free_slots_f,
-    num_free,
-    rule=rule,
-    beam_size=beam_size,
-    num_prompts=num_prompts,
-    weight=weight,
-    threshold=threshold,
-    penalty_slope=penalty_slope,
-  )
 
 
 @functools.partial(jax.jit, static_argnames=("n",))
