@@ -10,10 +10,14 @@ current_mesh() / activation_spec(shape, axes)          the enclosing context's m
 to_host_local(tree, local_shardings, dtype=None)       every host's own copy of global arrays (rollout weights)
 on_tpu_vm() / platform_is_cpu()                        what a launcher is about to run on (before JAX starts)
 initialize_distributed(...) -> (process_index, process_count)   jax.distributed for multi-host; no-op on one
+any_host(flag) / every_host(flag) / allgather_json(obj)  small agreements across processes (host values)
 use_cpu_xla_flags()                                    the XLA:CPU flags this code is tuned for (before JAX starts)
 """
 
 from aepo_jax.parallel._distributed import (
+  allgather_json,
+  any_host,
+  every_host,
   hosts_mesh,
   initialize_distributed,
   on_tpu_vm,

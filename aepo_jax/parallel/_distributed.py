@@ -102,6 +102,39 @@ def shard_params(params, logical_axes, mesh, rules=DEFAULT_RULES):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Small agreements across processes (host-side values; every process calls them at the same point).
+# ---------------------------------------------------------------------------------------------------------
+def any_host(flag: bool) -> bool:
+  """True when `flag` holds on at least one process; `flag` itself on one process."""
+  if jax.process_count() == 1:
+    return bool(flag)
+  from jax.experimental import multihost_utils
+
+  return bool(np.asarray(multihost_utils.process_allgather(np.asarray([bool(flag)], np.int32))).max())
+
+
+def every_host(flag: bool) -> bool:
+  """True when `flag` holds on every process; `flag` itself on one process."""
+  return not any_host(not flag)
+
+
+def allgather_json(obj) -> list:
+  """`obj` (JSON-serialisable) of every process, in process order; `[obj]` on one process."""
+  if jax.process_count() == 1:
+    return [obj]
+  import json
+
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64))).reshape(-1)
+  padded = np.zeros((int(sizes.max()),), np.uint8)
+  padded[: data.size] = data
+  every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+  return [json.loads(bytes(every[p, : sizes[p]]).decode()) for p in range(len(sizes))]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Host-local copies of global arrays (rollouts: every host decodes on its own devices).
 # ---------------------------------------------------------------------------------------------------------
 def hosts_mesh(shape=(1, 1, -1)):

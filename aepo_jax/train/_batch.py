@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from aepo_jax import parallel
 from aepo_jax.parallel import DEFAULT_RULES, logical_to_mesh
 
 _INT_KEYS = ("tokens", "attention_mask", "loss_mask", "segment_ids")
@@ -271,25 +272,11 @@ def gather_trajectories(traj, rewards_b, *, pad_id: int):
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape((len(sizes),) + padded.shape)
     for p, host in enumerate(hosts):
       host[name] = every[p, : sizes[p, 0], : sizes[p, 1]] if x.ndim == 2 else every[p, : sizes[p, 0]]
-  stats = _allgather_json(dict(traj.stats))
+  stats = parallel.allgather_json(dict(traj.stats))
   parts = [
     dataclasses.replace(traj, stats=s, **{k: v for k, v in h.items() if k != "rewards"}) for h, s in zip(hosts, stats)
   ]
   return merge_hosts(parts, pad_id=pad_id), np.concatenate([h["rewards"] for h in hosts])
-
-
-def _allgather_json(obj) -> list:
-  """`obj` (JSON-serialisable) of every process, in process order (a collective)."""
-  import json
-
-  from jax.experimental import multihost_utils
-
-  data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-  sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int64))).reshape(-1)
-  padded = np.zeros((int(sizes.max()),), np.uint8)
-  padded[: data.size] = data
-  every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-  return [json.loads(bytes(every[p, : sizes[p]]).decode()) for p in range(len(sizes))]
 
 
 def merge_hosts(parts: Sequence, *, pad_id: int):

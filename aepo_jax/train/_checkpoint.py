@@ -39,6 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from aepo_jax import parallel
 from aepo_jax.train import _checkpoint_integrity as integrity
 from aepo_jax.train import _config
 
@@ -442,17 +443,15 @@ class Checkpointer:
       # Every host must resume from the same step, and Orbax's reads are collective (a barrier per restore): the
       # hosts first agree on the files (each checks its own view, e.g. a read error on its own disk or network
       # path), and only then read; a step that fails on one host is damaged for all.
-      if is_remote(self.directory):
-        self._refresh()
       problems = integrity.file_problems(self._step_dir(step))
       err = self._corrupt(step, problems) if problems else None
-      agreed = _every_host_agrees(err is None)
+      agreed = parallel.every_host(err is None)
       if agreed:
         try:
           state, meta = self.restore(step, abstract_state, config, check_files=False)
         except CheckpointCorruptError as e:
           err = e
-        agreed = _every_host_agrees(err is None)
+        agreed = parallel.every_host(err is None)
       if err is None and not agreed:
         err = CheckpointCorruptError(
           f"checkpoint {self._step_dir(step)} failed verification on another host (its log names the file).", step
@@ -527,39 +526,29 @@ class Checkpointer:
     self._mgr.close()
 
 
-def _every_host_agrees(ok: bool) -> bool:
-  """True when `ok` holds on every process (a collective on multi-host runs: every process calls it in the same
-  order); `ok` itself on one process."""
-  if jax.process_count() == 1:
-    return ok
-  from jax.experimental import multihost_utils
-
-  return bool(np.asarray(multihost_utils.process_allgather(np.int32(ok))).min())
-
-
-def _is_failed_read_noise(exc, obj=None) -> bool:
-  """What a failed tensorstore read leaves behind: the other reads' callbacks meeting a closed event loop, and
-  their coroutines finalized with the read error."""
-  if isinstance(exc, (RuntimeError, GeneratorExit)) and (
-    isinstance(exc, GeneratorExit) or "Event loop is closed" in str(exc)
-  ):
-    return True
+def _is_failed_read_noise(exc, tb=None, obj=None) -> bool:
+  """What a failed tensorstore read leaves behind: the other reads' callbacks raising asyncio's 'Event loop is
+  closed', and their coroutines (orbax's) finalized with GeneratorExit or the read error."""
+  if isinstance(exc, RuntimeError) and tb is not None:
+    while tb.tb_next is not None:
+      tb = tb.tb_next
+    return tb.tb_frame.f_code.co_name == "_check_closed"  # asyncio's closed-loop check
   return "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", "")
 
 
 def _finalize_quietly():
   """A failed tensorstore read leaves the other reads' coroutines pending; collect them now, and from then on
-  drop the 'Event loop is closed' / GeneratorExit reports their callbacks and finalizers print (some arrive from
+  drop the 'Event loop is closed' and coroutine-finalizer reports their callbacks print (some arrive from
   tensorstore's threads after this returns), passing every other report to the hooks that were there."""
   if not getattr(sys.unraisablehook, "_aepo_quiet", False):
     unraisable_hook, except_hook = sys.unraisablehook, sys.excepthook
 
     def quiet_unraisable(u):
-      if not _is_failed_read_noise(u.exc_value, u.object):
+      if not _is_failed_read_noise(u.exc_value, u.exc_traceback, u.object):
         unraisable_hook(u)
 
     def quiet_except(kind, value, tb):
-      if not _is_failed_read_noise(value):
+      if not _is_failed_read_noise(value, tb):
         except_hook(kind, value, tb)
 
     quiet_unraisable._aepo_quiet = True

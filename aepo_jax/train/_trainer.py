@@ -21,6 +21,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from aepo_jax import parallel
 from aepo_jax.parallel import make_mesh
 from aepo_jax.train import _batch, _checkpoint, _config, _metrics, _optim, _step, _wiring
 
@@ -51,8 +52,7 @@ class _Preemption:
       synced = multihost_utils.reached_preemption_sync_point(step)
     except RuntimeError:  # the preemption service is off (jax_enable_preemption_service)
       synced = False
-    flags = multihost_utils.process_allgather(np.asarray([self.requested or synced], np.int32))
-    self.requested = bool(np.any(flags))
+    self.requested = parallel.any_host(self.requested or synced)
     return self.requested
 
   def __enter__(self):
@@ -560,11 +560,7 @@ def _generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):
     for g in dict.fromkeys(g_b.tolist()):
       rows = g_b == g
       (kept if keep_b[rows].all() else dropped).append((traj, g, prompts[g], rewards_b[rows]))
-    need_more = len(kept) < want
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-
-      need_more = bool(np.any(multihost_utils.process_allgather(np.asarray([need_more]))))
+    need_more = parallel.any_host(len(kept) < want)
     if not need_more:
       break
     if a.max_num_gen_batches and gen >= a.max_num_gen_batches:

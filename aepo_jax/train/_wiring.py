@@ -189,8 +189,7 @@ def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
   return out
 
 
-_SUITES: dict = {}  # settings -> generated suite, within `run_scope`
-_SUITE_DIRS: dict = {}  # settings -> its corpus directory
+_SUITES: dict = {}  # settings -> generated suite (its corpus in its own temp directory), within `run_scope`
 _SUITE_PREFIX = "aepo_jax_suite_"
 
 
@@ -219,8 +218,7 @@ def run_scope():
     yield
   finally:
     for key in set(_SUITES) - before:
-      _SUITES.pop(key)
-      shutil.rmtree(_SUITE_DIRS.pop(key), ignore_errors=True)
+      shutil.rmtree(_SUITES.pop(key).corpus_path.parent, ignore_errors=True)
 
 
 def _suite(config):
@@ -233,7 +231,6 @@ def _suite(config):
     _sweep_stale_suites(tempfile.gettempdir())
     corpus_dir = tempfile.mkdtemp(prefix=f"{_SUITE_PREFIX}{os.getpid()}_")
     atexit.register(shutil.rmtree, corpus_dir, ignore_errors=True)  # outside a run_scope: dies with the process
-    _SUITE_DIRS[key] = corpus_dir
     _SUITES[key] = data_lib.generate_suite(
       **dict(config.data.suite), corpus_dir=corpus_dir, template=config.data.template
     )

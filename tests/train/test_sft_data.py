@@ -85,7 +85,6 @@ def test_suite_directories_of_killed_processes_are_swept(tmp_path):
 
 def test_the_generated_suite_belongs_to_the_run_scope(monkeypatch):
   monkeypatch.setattr(_wiring, "_SUITES", {})  # suites cached outside any scope by earlier tests stay theirs
-  monkeypatch.setattr(_wiring, "_SUITE_DIRS", {})
   config = load_config("configs/testing/tiny_rl.py")
   with _wiring.run_scope():
     suite = _wiring._suite(config)

@@ -170,7 +170,7 @@ class RolloutPolicy:
       valid = np.zeros((size,), bool)
       prompt = np.zeros((size,), np.int32)
       resident = np.zeros((size,), bool)
-      for i, (rec, accum, fork_pos) in enumerate(cands):
+      for i, (rec, accum, _) in enumerate(cands):
         init = self.initial_accum(rec)
         cur[i], ini[i] = accum, (accum if init is None else init)
         valid[i], prompt[i] = True, rec.prompt
