@@ -138,7 +138,7 @@ def test_silent_program_answers_once_with_its_real_time():
   out = tools.execute(ToolCall("python", "import time\ntime.sleep(2)\nx = 1"), CallState())
   elapsed = time.monotonic() - start
   assert out.text == "Tool(python) returned empty output." and not out.info.get("timeout"), out
-  assert 2 <= out.info["seconds"] <= elapsed < 4.5
+  assert 2 <= out.info["seconds"] <= elapsed  # one run, not retried: the metrics below count it
   assert tools.metrics()["tools/python_calls"] == 1 and "tools/python_retries" not in tools.metrics()
 
 

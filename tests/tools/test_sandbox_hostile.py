@@ -127,20 +127,21 @@ def test_socket_to_outside_address(isolation):
   # 192.0.2.1 is TEST-NET-1 (documentation): with no network namespace route it fails at once.
   res = _run("import socket\ns = socket.create_connection(('192.0.2.1', 80), timeout=1)\nprint('connected')", isolation)
   assert res.exit_code == 1 and "connected" not in res.stdout
+  # "unreachable" (not "timed out") shows it failed at once rather than waiting out the 1 s connect timeout;
+  # no wall-clock bound, which a loaded CI machine would break.
   assert "unreachable" in res.text.lower()
-  assert res.wall_s < 2.0
 
 
 def test_fork_bomb_raising(isolation):
   res = _run("import os\nwhile True:\n    os.fork()", isolation, timeout_s=10, max_processes=32)
-  assert res.exit_code != 0 and res.limit_hit == "processes"
-  assert res.wall_s < 10
+  assert res.exit_code != 0 and res.limit_hit == "processes" and not res.timed_out
 
 
 def test_fork_bomb_persistent(isolation):
   code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
   res = _run(code, isolation, timeout_s=3, max_processes=32)
-  assert res.timed_out and res.limit_hit == "wall" and res.wall_s < 6
+  # Killed with its whole process tree: the call returns (generous bound, the kill itself is what is tested).
+  assert res.timed_out and res.limit_hit == "wall" and res.wall_s < 30
 
 
 def test_memory_bomb(isolation):
@@ -153,13 +154,15 @@ def test_memory_bomb(isolation):
 def test_infinite_loop_wall_clock(isolation):
   res = _run("while True:\n    pass", isolation, timeout_s=2)
   assert res.timed_out and res.limit_hit == "wall" and res.exit_code == -signal.SIGKILL
-  assert 2 <= res.wall_s < 6
+  assert 2 <= res.wall_s < 30
   assert "time limit" in res.text
 
 
 def test_cpu_limit(isolation):
   res = _run("while True:\n    pass", isolation, timeout_s=20, cpu_s=1)
-  assert not res.timed_out and res.limit_hit == "cpu" and res.wall_s < 5
+  # The CPU limit, not the 20 s wall limit, ended it. No tighter wall bound: on a loaded machine 1 s of CPU
+  # can take many seconds of wall time (CI measured 9 s with another worker compiling).
+  assert not res.timed_out and res.limit_hit == "cpu"
 
 
 def test_endless_output_is_killed(isolation):
@@ -168,7 +171,7 @@ def test_endless_output_is_killed(isolation):
   )
   assert res.limit_hit == "output" and res.truncated
   assert len(res.stdout) < 4096 + 100 and "output truncated" in res.stdout
-  assert res.wall_s < 10
+  assert not res.timed_out
 
 
 def test_large_finite_output_truncated(isolation):
