@@ -12,7 +12,11 @@ jitted 1 GiB sum (what a decode step's weight reads can reach), and our fraction
 in a decode step (alternating rounds, and the sampling step alone); the decode step's weight matmuls alone at batch
 8 with XLA's, numpy's BLAS and our CPU kernel (aepo_jax/model/_cpu_decode.py), against the read limit; ours
 against the same engine decoding with XLA's dots; the cost of a fork (copy_slots) against re-prefilling a
-prefix (`--fork-len`, 512 by default). Where the time goes: docs/performance.md.
+prefix (`--fork-len`, 512 by default), with the dense KV cache and with the paged one (and the pages the paged fork
+takes: only the parent's partly filled last page; its full pages are shared). Where the time goes:
+docs/performance.md.
+
+  python bench/rollout.py --fork-only --fork-len 4000   # just the fork comparison
 """
 
 from __future__ import annotations
@@ -228,18 +232,40 @@ def step_ms(config, params, batch: int, steps: int = 16, rounds: int = 4) -> dic
   return {"with": best[True], "without": best[False], "sample_with": sample[True], "sample_without": sample[False]}
 
 
-def fork_vs_prefill(config, params, prefix_len: int = 512):
-  eng = Engine(config, max_slots=4, max_len=prefix_len + 64, eos_ids=(), prefill_chunk=128)
+def fork_vs_prefill(config, params, prefix_len: int = 512, kv_layout: str = "dense", page_size: int = 64) -> dict:
+  """Seconds of a fork (copy_slots) of a prefix_len-token slot and of re-prefilling that prefix, and for the paged
+  layout the pages the fork took against the pages the parent holds."""
+  eng = Engine(
+    config,
+    max_slots=4,
+    max_len=prefix_len + 64,
+    eos_ids=(),
+    prefill_chunk=128,
+    kv_layout=kv_layout,
+    page_size=page_size,
+  )
   prefix = [int(t) for t in np.random.default_rng(0).integers(3, config.vocab_size, prefix_len)]
   s = eng.add(params, eng.init_decode_state(), [0], [prefix], [0], 8)
   s = eng.add(params, s, [1], [prefix], [0], 8)  # compile
-  t_prefill = timed(lambda: eng.add(params, s, [1], [prefix], [0], 8).length)
-  s = eng.add(params, eng.init_decode_state(), [0], [prefix], [0], 8)
-  holder = {"s": eng.copy_slots(s, [0], [2], [1])}  # compile
-  t_fork = timed(
+  holder = {"s": s}
+  t_prefill = timed(lambda: holder.__setitem__("s", eng.add(params, holder["s"], [1], [prefix], [0], 8)) or 0)
+  holder["s"] = eng.release(holder["s"], [1])
+  holder["s"] = eng.copy_slots(holder["s"], [0], [2], [1])  # compile
+  out = {"fork_s": 0.0, "prefill_s": t_prefill}
+  if eng.page_size:
+    holder["s"] = eng.release(holder["s"], [2])
+    free = eng.pages_free(holder["s"])
+    holder["s"] = eng.copy_slots(holder["s"], [0], [2], [1])
+    stats = eng.page_stats(holder["s"])
+    out.update(
+      parent_pages=int(eng._held([prefix_len])[0]),
+      fork_new_pages=free - stats["pages_free"],
+      shared_pages=stats["pages_shared"],
+    )
+  out["fork_s"] = timed(
     lambda: holder.__setitem__("s", eng.copy_slots(holder["s"], [0], [2], [1])) or holder["s"].length, repeats=3
   )
-  return t_fork, t_prefill
+  return out
 
 
 def main():
@@ -248,7 +274,12 @@ def main():
   ap.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
   ap.add_argument("--prompt-len", type=int, default=32)
   ap.add_argument("--fork-len", type=int, default=512, help="prefix length of the fork vs re-prefill comparison")
+  ap.add_argument("--fork-only", action="store_true", help="only the fork vs re-prefill comparison (both layouts)")
   args = ap.parse_args()
+  if args.fork_only:
+    config, params, _, what = load_models(args.threads)
+    print(f"model: {what}")
+    return fork_report(config, params, args.fork_len)
   batches, new_tokens = ((1, 8), 16) if args.quick else ((1, 8, 32), 64)
 
   bw, rbw = bandwidth_gbs(), read_bandwidth_gbs()
@@ -320,11 +351,22 @@ def main():
       f"{read_ms / mm['kernel']:.0%} of the limit)"
     )
   print(line + f"; our whole decode step reaches {read_ms / ms['with']:.0%} of the limit")
-  t_fork, t_prefill = fork_vs_prefill(config, params, args.fork_len)
-  print(
-    f"fork (copy_slots: the dense layout copies the whole {args.fork_len + 64}-entry slot) {1000 * t_fork:.1f} ms vs "
-    f"re-prefilling a {args.fork_len}-token prefix {1000 * t_prefill:.1f} ms -> {100 * t_fork / t_prefill:.2f}%"
-  )
+  fork_report(config, params, args.fork_len)
+
+
+def fork_report(config, params, fork_len: int):
+  for layout in ("dense", "paged"):
+    r = fork_vs_prefill(config, params, fork_len, layout)
+    what = (
+      f"the dense layout copies the whole {fork_len + 64}-entry slot"
+      if layout == "dense"
+      else f"pages of 64 tokens: {r['fork_new_pages']} new page(s) for a parent holding {r['parent_pages']}, "
+      f"{r['shared_pages']} shared"
+    )
+    print(
+      f"fork, {layout} KV cache (copy_slots: {what}) {1000 * r['fork_s']:.1f} ms vs re-prefilling a "
+      f"{fork_len}-token prefix {1000 * r['prefill_s']:.1f} ms -> {100 * r['fork_s'] / r['prefill_s']:.3g}%"
+    )
 
 
 if __name__ == "__main__":

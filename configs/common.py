@@ -134,6 +134,11 @@ def deep_search_14b():
   )
   c.data.train = "hard_search_1k"  # 1,071 prompts
   c.data.val = ("gaia_test", "hle_test")  # 103 + 100
+  # The paged KV pool per host (4 chips): 393,216 tokens, 16.1 GB per chip, whatever the response length, so
+  # 20,480-token trajectories fit a v6e host (32 GB) beside the weights; slots that run short of pages wait or are
+  # preempted (the agent loop). 4 rows per prefill call bound its attention window (20,480 tokens) to ~2.5 GB.
+  c.rollout.kv_tokens = 393_216
+  c.rollout.prefill_rows = 4
   return c
 
 

@@ -33,6 +33,7 @@ from aepo_jax.model._config import FAMILIES, PRESETS, ModelConfig, preset
 from aepo_jax.model._decode import decode_forward, decode_weights
 from aepo_jax.model._functional import (
   CACHE_LOGICAL_AXES,
+  PAGED_CACHE_LOGICAL_AXES,
   default_positions,
   fill_cache_rows,
   forward,

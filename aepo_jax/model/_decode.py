@@ -59,14 +59,63 @@ def decode_weights(config, params) -> dict:
   return out
 
 
+def _paged_attention(cache, q_shd, k_skd, v_skd, pos_s, page_table, write_page_s, attend_len, kernel):
+  """One layer's decode-step cache write and attention over its paged pool ({'k', 'v'}: [K, pages, page_size, D])
+  -> (k pool, v pool, out [S, H * D])."""
+  s, h, d = q_shd.shape
+  kh, ps = cache["k"].shape[0], cache["k"].shape[2]
+  off_s = pos_s % ps
+  # x.at[:, page_s, off_s]: adjacent indexed axes stay in place, so the update is [K, S, D]
+  ck = cache["k"].at[:, write_page_s, off_s].set(jnp.swapaxes(k_skd, 0, 1).astype(cache["k"].dtype))
+  cv = cache["v"].at[:, write_page_s, off_s].set(jnp.swapaxes(v_skd, 0, 1).astype(cache["v"].dtype))
+  n = -(-attend_len // ps)
+  table = page_table[:, :n]
+  if kernel:
+    from aepo_jax import parallel
+    from aepo_jax.model import _paged_tpu
+
+    # Rows that write nowhere (inactive) read nothing: length 0 (their outputs are not used).
+    lengths = jnp.where(write_page_s > 0, pos_s + 1, 0)
+    out = _paged_tpu.paged_decode_attention(
+      q_shd, ck, cv, lengths, table, mesh=parallel.current_mesh(), interpret=kernel == "interpret"
+    )
+    return ck, cv, out.reshape(s, h * d)
+  dt = q_shd.dtype
+  keys = ck[:, table].reshape(kh, s, n * ps, d).astype(dt)  # [K, S, A, D] gathered pages
+  vals = cv[:, table].reshape(kh, s, n * ps, d).astype(dt)
+  logits = jnp.einsum("skgd,ksad->skga", q_shd.reshape(s, kh, h // kh, d), keys).astype(jnp.float32) / math.sqrt(d)
+  mask_sa = jnp.arange(n * ps)[None, :] <= pos_s[:, None]
+  logits = jnp.where(mask_sa[:, None, None, :], logits, _NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+  out = jnp.einsum("skga,ksad->skgd", probs, vals).reshape(s, h * d)
+  return ck, cv, out
+
+
 def decode_forward(
-  config, params, token_s, pos_s, cache, attend_len: int, *, return_hidden: bool = False, weights_t: dict = None
+  config,
+  params,
+  token_s,
+  pos_s,
+  cache,
+  attend_len: int,
+  *,
+  return_hidden: bool = False,
+  weights_t: dict = None,
+  page_table=None,
+  write_page_s=None,
+  paged_kernel: str = "",
 ):
   """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache).
 
   weights_t: `decode_weights(config, params)`; when given, the projections run through the CPU small-M kernel
   (`_cpu_decode.matmul_t`) on the stacked weights with the layer index (no per-layer weight slices), and with a
   float32 cache attention runs through `_cpu_decode.attention`; otherwise both are XLA dots on `params`.
+
+  Paged cache (`page_table` [S, P] given; per layer a pool [K, pages, page_size, D], aepo_jax/rollout/_pages.py):
+  row s writes its new entries at page `write_page_s[s]`, offset pos % page_size (page 0, the null page, for a row
+  that must not write), and attends to the pages of its table up to `attend_len`: gathered for XLA's attention, or
+  read in place by JAX's Pallas paged-attention kernel when `paged_kernel` is 'tpu' ('interpret': the same kernel
+  in Pallas's interpret mode, for tests on CPU).
   """
   cfg = config
   dt = jnp.dtype(cfg.dtype)
@@ -100,7 +149,7 @@ def decode_forward(
     layer_xs = lay
   else:
     kmm = _cpu_decode.matmul_t
-    kernel_attention = _cpu_decode.attention_applies(cfg, cache["k"].dtype) and dt == jnp.float32
+    kernel_attention = page_table is None and _cpu_decode.attention_applies(cfg, cache["k"].dtype) and dt == jnp.float32
 
     def qkv(x, p, li):
       y = kmm(x, weights_t["qkv"], li)
@@ -143,11 +192,15 @@ def decode_forward(
     q = apply_rope(q, pos_s1, inv_freq)[:, 0]  # [S,H,D]
     k = apply_rope(k, pos_s1, inv_freq)[:, 0]  # [S,K,D]
     v = v[:, 0]
-    ck = cache["k"].at[li, rows, pos_s].set(k.astype(cache["k"].dtype))
-    cv = cache["v"].at[li, rows, pos_s].set(v.astype(cache["v"].dtype))
-    if kernel_attention:  # reads each row's entries [0, pos] in place
+    if page_table is not None:  # cache: this layer's pools (the layers are unrolled)
+      ck, cv, out = _paged_attention(cache, q, k, v, pos_s, page_table, write_page_s, attend_len, paged_kernel)
+    elif kernel_attention:  # reads each row's entries [0, pos] in place
+      ck = cache["k"].at[li, rows, pos_s].set(k.astype(cache["k"].dtype))
+      cv = cache["v"].at[li, rows, pos_s].set(v.astype(cache["v"].dtype))
       out = _cpu_decode.attention(q.reshape(s, h_heads * d), ck, cv, li, pos_s)
     else:
+      ck = cache["k"].at[li, rows, pos_s].set(k.astype(cache["k"].dtype))
+      cv = cache["v"].at[li, rows, pos_s].set(v.astype(cache["v"].dtype))
       keys = jax.lax.dynamic_slice_in_dim(ck[li], 0, attend_len, axis=1).astype(dt)  # [S,A,K,D]
       vals = jax.lax.dynamic_slice_in_dim(cv[li], 0, attend_len, axis=1).astype(dt)
       q_skgd = q.reshape(s, k_heads, g, d)
@@ -161,7 +214,16 @@ def decode_forward(
     x_sd = x_sd + down(jax.nn.silu(gate) * up, p, li)
     return (x_sd, {"k": ck, "v": cv}), None
 
-  (x_sd, cache), _ = jax.lax.scan(layer, (x_sd, cache), (layer_xs, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+  if page_table is None:
+    (x_sd, cache), _ = jax.lax.scan(layer, (x_sd, cache), (layer_xs, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+  else:  # per-layer pools, layers unrolled: every write in place (aepo_jax/rollout/_pages.py)
+    new = {"k": [], "v": []}
+    for li in range(cfg.num_layers):
+      xs = (jax.tree.map(lambda x: x[li], layer_xs), jnp.int32(li))
+      (x_sd, c), _ = layer((x_sd, {"k": cache["k"][li], "v": cache["v"][li]}), xs)
+      new["k"].append(c["k"])
+      new["v"].append(c["v"])
+    cache = {n: tuple(c) for n, c in new.items()}
   h_sd = _rms(x_sd, params["norm"]["scale"], cfg.rms_norm_eps, dt)
   if return_hidden:
     return h_sd, cache

@@ -174,6 +174,8 @@ def init_cache(config: ModelConfig, num_slots: int, max_len: int, dtype: Optiona
 
 
 CACHE_LOGICAL_AXES = ("layers", "cache_batch", "cache_length", "cache_kv_heads", "head_dim")
+# The engine's paged pool, per layer [kv_heads, pages, page_size, head_dim] (aepo_jax/rollout/_pages.py).
+PAGED_CACHE_LOGICAL_AXES = ("cache_kv_heads", "cache_pages", "cache_length", "head_dim")
 
 
 def forward_cached(
@@ -198,7 +200,19 @@ def forward_cached(
   return module.apply({"params": params}, h_btd, method=Decoder.unembed), new_cache
 
 
-def fill_cache_rows(config: ModelConfig, params, tokens_nt, positions_nt, cache, rows_n, start_n, attend_len: int):
+def fill_cache_rows(
+  config: ModelConfig,
+  params,
+  tokens_nt,
+  positions_nt,
+  cache,
+  rows_n,
+  start_n,
+  attend_len: int,
+  *,
+  page_table=None,
+  write_from_n=None,
+):
   """Writes the KV entries of a chunk of T tokens for n cache rows and returns the new cache; nothing else.
 
   Row i's tokens_nt[i] sit at cache indices start_n[i] .. start_n[i] + T - 1 of cache row rows_n[i] and attend to
@@ -206,29 +220,68 @@ def fill_cache_rows(config: ModelConfig, params, tokens_nt, positions_nt, cache,
   with the whole cache in the carry: each layer reads only its own [n, attend_len] window of the rows (attend_len
   static, >= every start_n + T) and writes only the chunk's [n, T] entries back, so no step holds more than one
   layer's window of n rows, and the (donated) cache is updated in place. Rows may repeat (identical writes).
-  The same layer code as `forward_cached` (tested equal)."""
+  The same layer code as `forward_cached` (tested equal).
+
+  Paged cache (`page_table` [S, P] given; per layer a pool [K, pages, page_size, D], aepo_jax/rollout/_pages.py): the
+  window is gathered from the row's pages and written back as whole pages: start_n must be a multiple of the page
+  size and T too. The entries of the page holding write_from_n[i] before it are rewritten with recomputed values
+  (that page is the row's own, _pages.py's invariant); a page that ends before write_from_n[i] (the window was moved
+  back to fit) is not written, it may be shared; pages not assigned take the writes on the null page."""
   t = tokens_nt.shape[1]
+  paged = page_table is not None
+  if paged:
+    ps = cache["k"][0].shape[2]
+    n_pages = -(-attend_len // ps)
+    attend_len = n_pages * ps
+    table_np = page_table[rows_n, :n_pages]
+    full_np = page_table[rows_n]
   query_nt = start_n[:, None] + jnp.arange(t)[None, :]
   mask_nts = jnp.arange(attend_len)[None, None, :] <= query_nt[:, :, None]
   h_ntd = jnp.take(params["embed_tokens"]["embedding"], tokens_nt, axis=0).astype(jnp.dtype(config.dtype))
   block = Block(config)
   window = jax.vmap(lambda c, i: jax.lax.dynamic_slice_in_dim(c, i, t, axis=0))  # [n, A, K, D] -> [n, T, K, D]
   idx_nt = query_nt
+  if paged:  # whole pages: the window starts on a page and spans T / ps of them (the engine aligns it)
+    p, jn = page_table.shape[1], t // ps
+    j_nj = start_n[:, None] // ps + jnp.arange(jn)[None, :]
+    page_nj = jnp.take_along_axis(full_np, jnp.clip(j_nj, 0, p - 1), axis=1)
+    # A page that ends before write_from (the window was moved back to fit) is not written: it may be shared.
+    keep = ((j_nj + 1) * ps > (start_n if write_from_n is None else write_from_n)[:, None]) & (j_nj < p)
+    page_nj = jnp.where(keep, page_nj, 0)
+
+  def gather(c, li):
+    if not paged:
+      return jax.lax.dynamic_index_in_dim(c, li, 0, keepdims=False)[rows_n, :attend_len]
+    g = c[:, table_np]  # this layer's pool [K, pages, ps, D] -> [K, n, pages, ps, D]
+    kh, n = g.shape[0], g.shape[1]
+    return jnp.moveaxis(g.reshape(kh, n, attend_len, g.shape[-1]), 0, 2)  # [n, A, K, D]
+
+  def scatter(c, li, new_ntkd):
+    if not paged:
+      return c.at[li, rows_n[:, None], idx_nt].set(new_ntkd.astype(c.dtype))
+    n, _, kh, d = new_ntkd.shape
+    pages = jnp.moveaxis(new_ntkd.reshape(n, jn, ps, kh, d), 3, 0)  # [K, n, T / ps, ps, D]
+    # Whole pages, indexed on the page axis only: XLA:TPU writes them in place (a scatter of ~1,000 single tokens
+    # made it copy the layer's pool to another layout and back).
+    return c.at[:, page_nj].set(pages.astype(c.dtype))
 
   def layer(carry, xs):
     h_ntd, cache = carry
     layer_params, li = xs
-    rows = {
-      name: jax.lax.dynamic_index_in_dim(c, li, 0, keepdims=False)[rows_n, :attend_len] for name, c in cache.items()
-    }
+    rows = {name: gather(c, li) for name, c in cache.items()}
     h_ntd, new_rows = block.apply({"params": layer_params}, h_ntd, rows, positions_nt, mask_nts, start_n)
-    cache = {
-      name: c.at[li, rows_n[:, None], idx_nt].set(window(new_rows[name], start_n).astype(c.dtype))
-      for name, c in cache.items()
-    }
+    cache = {name: scatter(c, li, window(new_rows[name], start_n)) for name, c in cache.items()}
     return (h_ntd, cache), None
 
-  (_, cache), _ = jax.lax.scan(
-    layer, (h_ntd, cache), (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32))
-  )
-  return cache
+  if not paged:
+    (_, cache), _ = jax.lax.scan(
+      layer, (h_ntd, cache), (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32))
+    )
+    return cache
+  new = {"k": [], "v": []}  # per-layer pools, layers unrolled: every write in place (aepo_jax/rollout/_pages.py)
+  for li in range(config.num_layers):
+    xs = (jax.tree.map(lambda x: x[li], params["layers"]), li)
+    (h_ntd, c), _ = layer((h_ntd, {"k": cache["k"][li], "v": cache["v"][li]}), xs)
+    new["k"].append(c["k"])
+    new["v"].append(c["v"])
+  return {n: tuple(c) for n, c in new.items()}

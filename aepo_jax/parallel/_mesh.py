@@ -34,6 +34,7 @@ DEFAULT_RULES = (
   ("cache_batch", ("data", "fsdp")),
   ("cache_length", None),
   ("cache_kv_heads", "tensor"),
+  ("cache_pages", None),  # the paged pool: every slot of a host draws from it (the engine refuses data x fsdp > 1)
 )
 
 

@@ -1,7 +1,8 @@
 """Rollout: the slot engine and what drives it.
 
 Engine (docs/rollout_contract.md):
-  Engine(model_config, *, max_slots, max_len, eos_ids, stop_sequences, sampling, entropy_window, topk_entropy, ...)
+  Engine(model_config, *, max_slots, max_len, eos_ids, stop_sequences, sampling, entropy_window, topk_entropy, ...,
+         kv_layout='dense' | 'paged' | 'auto', page_size, num_pages)   OutOfPages: a paged pool ran short
     .init_decode_state() .add() .decode() .extend() .copy_slots() .truncate() .release() .host_info()
   make_engine(model_config, *, max_slots, max_len, tokenizer, stop_strings, eos_ids, tokenizer_eos, sampling, mesh,
               ...)                             the Engine of a run's settings (trainer, evaluation, server, generate)
@@ -12,7 +13,7 @@ Engine (docs/rollout_contract.md):
                                                 (optional extra; jetstream is imported only when it is called)
 """
 
-from aepo_jax.rollout._engine import Engine
+from aepo_jax.rollout._engine import KV_LAYOUTS, Engine, OutOfPages
 from aepo_jax.rollout._factory import make_engine
 from aepo_jax.rollout._sampling import SamplingParams, topk_entropy
 from aepo_jax.rollout._state import (
@@ -20,6 +21,7 @@ from aepo_jax.rollout._state import (
   STOP_BUDGET,
   STOP_CACHE_FULL,
   STOP_EOS,
+  STOP_NO_PAGES,
   STOP_REASON_NAMES,
   STOP_SEQUENCE,
   DecodeState,

@@ -88,6 +88,14 @@ class _Run:
     self.tool_overlap: list = []  # tokens decoded by other slots while each tool ran
     self.decisions: list = []
     self.restarts: dict = collections.Counter()
+    # Paged KV cache (Engine kv_layout='paged'): slots stopped for want of a page, the open segments of trajectories
+    # preempted mid-segment (record index -> its device accumulators), and whether a step was held back this
+    # iteration for lack of pages.
+    self.stalled: set = set()
+    self.seg_resume: dict = {}
+    self.page_blocked = False
+    self.preemptions = 0
+    self.stall_events = 0
 
 
 class AgentLoop:
@@ -151,6 +159,13 @@ class AgentLoop:
           f"AgentLoop.rollout: prompt {i} ({len(p)} tokens) + max_response_len "
           f"{self.config.max_response_len} exceeds the engine's max_len={self.engine.max_len}; "
           "build the Engine with a larger max_len or lower AgentConfig.max_response_len."
+        )
+      if self._paged() and self._pages_for(len(p) + self.config.max_response_len) > self.engine.num_pages - 1:
+        raise ValueError(
+          f"AgentLoop.rollout: prompt {i} ({len(p)} tokens) + max_response_len {self.config.max_response_len} "
+          f"needs {self._pages_for(len(p) + self.config.max_response_len)} KV pages but the engine's pool has "
+          f"{self.engine.num_pages - 1} of {self.engine.page_size} tokens; the pool cannot hold one trajectory: "
+          "raise rollout.kv_tokens (Engine num_pages) or lower max_response_len."
         )
 
   # ------------------------------------------------------------------------------------------------ probe
@@ -226,6 +241,8 @@ class AgentLoop:
   # ------------------------------------------------------------------------------------------------ driving
   def _drive(self, run: _Run, policy: RolloutPolicy) -> None:
     while True:
+      run.page_blocked = False
+      self._unstall(run)
       self._admit(run)
       self._resume(run)
       if run.decoding:
@@ -241,13 +258,17 @@ class AgentLoop:
         if not self._end_round(run, policy):
           self._release(run, list(run.slot_rec))
           return
-      if not run.decoding and not run.futures and not self._progress_possible(run):
+      if not run.decoding and not run.futures and (run.stalled or run.page_blocked):
+        self._preempt(run)  # every slot waits for pages that only a preempted trajectory can free
+      elif not run.decoding and not run.futures and not self._progress_possible(run):
         self._evict_paused(run)
 
   def _next_round(self, rec) -> int:
     return rec.first_round + len(rec.segments)
 
   def _may_start(self, run, rec) -> bool:
+    if rec.index in run.seg_resume:  # preempted mid-segment: its round is already open
+      return True
     return self._next_round(rec) <= run.round + (1 if self.config.lookahead else 0)
 
   def _admit(self, run: _Run) -> None:
@@ -257,6 +278,15 @@ class AgentLoop:
     if len(ready) > len(run.free):  # free slots held by finished trajectories (kept for possible forks)
       self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done][: len(ready) - len(run.free)])
     take = ready[: len(run.free)]
+    if self._paged():  # only as many as the free pages hold (a prompt of n tokens holds ceil((n - 1) / page))
+      free, fit = self.engine.pages_free(run.state), 0
+      for i in take:
+        free -= self._pages_for(len(run.records[i].prompt_tokens) + run.records[i].response_len)
+        if free < 0:
+          run.page_blocked = True
+          break
+        fit += 1
+      take = take[:fit]
     if not take:
       return
     slots = [run.free.pop(0) for _ in take]
@@ -269,13 +299,21 @@ class AgentLoop:
       slots,
       [r.prompt_tokens + r.tokens for r in recs],
       [self._seed(run, r.index) for r in recs],
-      [self._call_budget(r) for r in recs],
+      [self._resume_budget(r) if r.index in run.seg_resume else self._call_budget(r) for r in recs],
     )
+    resumed = []
     for s, r in zip(slots, recs):
       r.slot, r.device_len = s, r.response_len
       run.slot_rec[s] = r.index
-      self._start_segment(r)
+      if r.index in run.seg_resume:  # preempted mid-segment: the same segment goes on
+        resumed.append((s, len(r.prompt_tokens) + r.segments[-1].start, run.seg_resume.pop(r.index)))
+      else:
+        self._start_segment(r)
       run.decoding.add(s)
+    if resumed:
+      run.state = self.engine.set_segment(
+        run.state, [s for s, _, _ in resumed], [p for _, p, _ in resumed], *zip(*[a for _, _, a in resumed])
+      )
 
   def _resume(self, run: _Run) -> None:
     """Extends paused slots with their tool results (already on the host record) when the round allows."""
@@ -289,6 +327,17 @@ class AgentLoop:
       and r.device_len < r.response_len
       and self._may_start(run, r)
     ]
+    if recs and self._paged():
+      free, fit = self.engine.pages_free(run.state), []
+      for r in recs:
+        free -= self._pages_for(len(r.prompt_tokens) + r.response_len) - self._pages_for(
+          len(r.prompt_tokens) + r.device_len
+        )
+        if free < 0:
+          run.page_blocked = True
+          break
+        fit.append(r)
+      recs = fit
     if not recs:
       return
     run.state = self.engine.extend(
@@ -332,6 +381,10 @@ class AgentLoop:
     for s, reason in stopped:
       rec = run.records[run.slot_rec[s]]
       run.decoding.discard(s)
+      if reason == st.STOP_NO_PAGES:  # paused mid-segment until pages are free (_unstall) or preempted
+        run.stalled.add(s)
+        run.stall_events += 1
+        continue
       seg = rec.segments[-1]
       seg.end = rec.response_len
       seg.accum = (int(info["seg_count"][s]), float(info["seg_entropy_sum"][s]), float(info["seg_topk_entropy_sum"][s]))
@@ -449,6 +502,17 @@ class AgentLoop:
     src = [p.slot for p, _, _ in forks]
     dst = [d for _, _, d in forks]
     cut = {c.index: min(p.device_len, c.fork_pos) for p, c, _ in forks}
+    if self._paged():  # at most a copied page for the fork, one for the cut, and the pages of the extension
+      need = sum(
+        2 + self._pages_for(len(c.prompt_tokens) + c.fork_pos) - self._pages_for(len(c.prompt_tokens) + cut[c.index])
+        for _, c, _ in forks
+      )
+      if need > self.engine.pages_free(run.state):
+        run.page_blocked = True
+        for _, child, _ in forks:  # re-prefilled from the host tokens once pages are free
+          child.slot = -1
+          run.queue.append(child.index)
+        return
     run.state = self.engine.copy_slots(run.state, src, dst, [c.seed for _, c, _ in forks])
     run.state = self.engine.truncate(run.state, dst, [len(c.prompt_tokens) + cut[c.index] for _, c, _ in forks])
     for _, child, d in forks:
@@ -471,6 +535,65 @@ class AgentLoop:
         c.device_len = c.fork_pos
         self._start_segment(c)
         run.decoding.add(c.slot)
+
+  # ------------------------------------------------------------------------------------------------ pages
+  def _paged(self) -> bool:
+    return bool(getattr(self.engine, "page_size", 0))
+
+  def _pages_for(self, length: int) -> int:
+    """Pages a slot of `length` tokens holds (aepo_jax/rollout/_pages.py)."""
+    return -(-max(int(length) - 1, 0) // self.engine.page_size)
+
+  def _resume_budget(self, rec) -> int:
+    """The budget of a trajectory re-admitted mid-segment: its room, and what is left of the call's cap."""
+    cap = self.config.max_tokens_per_call
+    return min(rec.room, cap - (rec.response_len - rec.segments[-1].start)) if cap else rec.room
+
+  def _unstall(self, run: _Run) -> None:
+    """Slots that stopped for want of a page decode again, as many as there are free pages (one each to start)."""
+    if not run.stalled:
+      return
+    free = self.engine.pages_free(run.state)
+    if free <= 0:
+      run.page_blocked = True
+      return
+    slots = sorted(run.stalled)[:free]
+    run.state = self.engine.resume(run.state, slots)
+    run.stalled.difference_update(slots)
+    run.decoding.update(slots)
+
+  def _preempt(self, run: _Run) -> None:
+    """No slot decodes, no tool runs, and what waits needs pages: release the waiting trajectory that holds the most
+    tokens; it goes back to the queue (its tokens are on the host) and is re-prefilled when pages are free, in the
+    same segment if it was cut mid-segment."""
+    waiting = [s for s, i in run.slot_rec.items() if not run.records[i].done and s not in run.decoding]
+    waiting = [s for s in waiting if run.slot_rec[s] not in run.futures]
+    done = [s for s, i in run.slot_rec.items() if run.records[i].done]
+    if done:  # finished trajectories kept as fork sources go first
+      self._release(run, done)
+      return
+    alone = len(run.slot_rec) == 1 and set(run.slot_rec) <= run.stalled  # one trajectory fills the pool by itself
+    if not waiting or alone:
+      pool = (self.engine.num_pages - 1) * self.engine.page_size
+      raise RuntimeError(
+        f"AgentLoop: the KV page pool ({self.engine.num_pages - 1} pages of {self.engine.page_size} tokens, "
+        f"{pool} tokens) cannot hold one trajectory of this rollout (prompt + max_response_len); raise "
+        "rollout.kv_tokens (Engine num_pages)."
+      )
+    s = max(waiting, key=lambda s: run.records[run.slot_rec[s]].device_len)
+    idx = run.slot_rec[s]
+    if s in run.stalled:
+      info = self.engine.host_info(run.state)
+      run.seg_resume[idx] = (
+        int(info["seg_count"][s]),
+        float(info["seg_entropy_sum"][s]),
+        float(info["seg_topk_entropy_sum"][s]),
+      )
+      run.stalled.discard(s)
+    self._release(run, [s])
+    run.restarts[idx] += 1
+    run.preemptions += 1
+    run.queue.append(idx)
 
   def _release(self, run: _Run, slots) -> None:
     slots = [s for s in slots if s in run.slot_rec]
@@ -516,6 +639,8 @@ class AgentLoop:
     )
     out["rollout/rounds"] = float(run.round)
     out["rollout/decode_tokens"] = float(run.decoded_tokens)
+    if self._paged():
+      out["rollout/preemptions"] = float(run.preemptions)
     if run.tool_overlap:
       out["rollout/decode_tokens_during_tool_mean"] = float(np.mean(run.tool_overlap))
     if getattr(policy, "last_probe", None) is not None and policy.needs_probe():

@@ -7,6 +7,7 @@ validates inputs, chunks prefill/extend, and reads small per-slot summaries. See
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -20,6 +21,7 @@ import numpy as np
 from aepo_jax import model as model_lib
 from aepo_jax.model import ModelConfig
 from aepo_jax.rollout import _ops
+from aepo_jax.rollout import _pages
 from aepo_jax.rollout import _state as st
 from aepo_jax.rollout._sampling import SamplingParams, SlotSampling
 
@@ -36,6 +38,7 @@ class _StepSpec:
   stop_ids_key: tuple  # the stop sequences as a tuple of tuples (hash/eq); arrays below are derived
   attend_len: int  # cache entries read by attention (a bucket >= every row's length during the call)
   top_logprobs: int = 0  # StepOutputs.top_ids / top_logprobs width
+  paged_kernel: str = ""  # paged layout: '' XLA's attention over gathered pages, 'tpu' / 'interpret' the Pallas kernel
 
   @property
   def stop_ids(self) -> np.ndarray:
@@ -61,10 +64,14 @@ def _stop_matrix(seqs: tuple):
 _decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _decode_weights = jax.jit(_ops.decode_weights, static_argnums=(0,))
 _fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,))
+_page_needs = jax.jit(_ops.page_needs)
+_free_pages = jax.jit(lambda refs: _pages.free_count(refs))
 _start = jax.jit(_ops.start_rows, static_argnames=("reset_generated", "window", "width"), donate_argnums=(0,))
 _copy = jax.jit(_ops.copy_rows, donate_argnums=(0,))
 _truncate = jax.jit(_ops.truncate_rows, static_argnums=(3, 4), donate_argnums=(0,))
 _release = jax.jit(_ops.release_rows, donate_argnums=(0,))
+_resume = jax.jit(_ops.resume_rows, donate_argnums=(0,))
+_set_segment = jax.jit(_ops.set_segment, donate_argnums=(0,))
 
 
 class _PreparedWeights:
@@ -103,6 +110,19 @@ class _PreparedWeights:
 prepared_weights = _PreparedWeights()
 
 
+class OutOfPages(RuntimeError):
+  """A paged engine has fewer free KV pages than an operation needs. Nothing was changed: the state passed in is
+  still valid (returned in `.state`). Free pages (release or truncate slots) and retry, or size the pool larger
+  (`Engine(num_pages=...)`, config `rollout.kv_tokens`)."""
+
+  def __init__(self, message: str, state, needed: int, free: int):
+    super().__init__(message)
+    self.state, self.needed, self.free = state, needed, free
+
+
+KV_LAYOUTS = ("auto", "dense", "paged")
+
+
 def _bucket(n: int, lo: int = 1) -> int:
   return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
@@ -128,6 +148,10 @@ class Engine:
     cpu_kernels: Optional[bool] = None,
     compact: bool = True,
     per_slot_sampling: bool = False,
+    kv_layout: str = "dense",
+    page_size: int = 64,
+    num_pages: int = 0,
+    paged_kernel: Optional[str] = None,
   ):
     """sampling: the settings of every slot; with per_slot_sampling=True, the default of a slot whose `add` gives
     none: each slot then samples with the settings `add` gave it (a server's requests in one decode call).
@@ -136,7 +160,13 @@ class Engine:
     cannot), False for XLA's dots.
     compact: unless slots are split over devices (mesh data x fsdp > 1), a decode call with at most max(4, ceil(S/4)) active slots (< S) runs only
     those rows (padded with inactive ones to that size; one more compiled variant) instead of all S slots. Fewer
-    rows than 4 would save little: a small-batch step is bound by reading the weights."""
+    rows than 4 would save little: a small-batch step is bound by reading the weights.
+    kv_layout: 'dense' (a max_len row per slot), 'paged' (a pool of `num_pages` pages of `page_size` tokens,
+    aepo_jax/rollout/_pages.py: forks share full pages, the pool is sized by the tokens in flight rather than
+    slots x max_len) or 'auto' (paged on TPU unless slots are split over devices; dense elsewhere, where the CPU
+    kernels read dense rows). num_pages 0: enough for every slot at max_len (+ the null page).
+    paged_kernel: the paged decode attention: None (JAX's Pallas paged-attention kernel on TPU when head_dim is a
+    multiple of 128, XLA's attention over gathered pages otherwise), '' (XLA's everywhere), 'tpu' or 'interpret' (the kernel in Pallas interpret mode)."""
     if max_slots < 1 or max_len < 2:
       raise ValueError(f"Engine: max_slots={max_slots} must be >= 1 and max_len={max_len} >= 2.")
     self.config = model_config
@@ -164,6 +194,38 @@ class Engine:
     self.cpu_kernels = cpu_kernels
     self.compact = bool(compact)
     self._use_kernels = None  # decided at the first decode (needs the parameters' device)
+    if kv_layout not in KV_LAYOUTS:
+      raise ValueError(f"Engine: kv_layout={kv_layout!r}; use one of {KV_LAYOUTS}.")
+    platform = self._platform()
+    if kv_layout == "auto":
+      kv_layout = "paged" if platform == "tpu" and not self._rows_sharded() else "dense"
+    if kv_layout == "paged" and self._rows_sharded():
+      raise ValueError(
+        f"Engine(kv_layout='paged'): the rollout mesh splits slots over data x fsdp ({dict(mesh.shape)}); the page "
+        "pool is shared by all slots of a host, so use a mesh with data = fsdp = 1 (KV heads over tensor) or "
+        "kv_layout='dense'."
+      )
+    self.kv_layout = kv_layout
+    self.page_size = int(page_size) if kv_layout == "paged" else 0
+    self.pages_per_slot = -(-self.max_len // self.page_size) if self.page_size else 0
+    if self.page_size:
+      if self.page_size < 1:
+        raise ValueError(f"Engine: page_size={page_size} must be >= 1.")
+      self.num_pages = int(num_pages) or self.max_slots * self.pages_per_slot + 1
+      if self.num_pages < 2:
+        raise ValueError(f"Engine: num_pages={num_pages} must be >= 2 (page 0 is the null page).")
+    else:
+      self.num_pages = 0
+    if (
+      paged_kernel is None
+    ):  # the kernel's TPU lowering needs head_dim a multiple of 128 (aepo_jax/model/_paged_tpu.py)
+      paged_kernel = "tpu" if platform == "tpu" and model_config.head_dim % 128 == 0 else ""
+    if paged_kernel not in ("", "tpu", "interpret"):
+      raise ValueError(f"Engine: paged_kernel={paged_kernel!r}; use None, '', 'tpu' or 'interpret'.")
+    self.paged_kernel = paged_kernel if self.page_size else ""
+
+  def _platform(self) -> str:
+    return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
 
   # ------------------------------------------------------------------------------------------------
   # JetStream-style sizes
@@ -189,6 +251,7 @@ class Engine:
       self.stop_sequences,
       int(attend_len or self.max_len),
       top_logprobs=int(top_logprobs),
+      paged_kernel=self.paged_kernel,
     )
 
   def attend_bucket(self, max_length: int) -> int:
@@ -199,8 +262,13 @@ class Engine:
   # ------------------------------------------------------------------------------------------------
   # State
   # ------------------------------------------------------------------------------------------------
+  def _empty_state(self) -> st.DecodeState:
+    return st.empty_state(
+      self.config, self.max_slots, self.max_len, self.tail_width, self.cache_dtype, self.page_size, self.num_pages
+    )
+
   def init_decode_state(self) -> st.DecodeState:
-    state = st.empty_state(self.config, self.max_slots, self.max_len, self.tail_width, self.cache_dtype)
+    state = self._empty_state()
     if self.mesh is not None:
       state = jax.device_put(state, self._state_shardings(state))
     return state
@@ -208,11 +276,14 @@ class Engine:
   def _state_shardings(self, state):
     """The KV cache over the mesh by CACHE_LOGICAL_AXES (slots over data x fsdp, KV heads over tensor); every
     other field replicated."""
-    from aepo_jax.model import CACHE_LOGICAL_AXES
+    from aepo_jax.model import CACHE_LOGICAL_AXES, PAGED_CACHE_LOGICAL_AXES
     from aepo_jax.parallel import logical_sharding
     from jax.sharding import NamedSharding, PartitionSpec
 
-    specs = {k: PartitionSpec(*CACHE_LOGICAL_AXES) for k in state.cache}
+    if state.paged:
+      specs = jax.tree.map(lambda _: PartitionSpec(*PAGED_CACHE_LOGICAL_AXES), state.cache)
+    else:
+      specs = {k: PartitionSpec(*CACHE_LOGICAL_AXES) for k in state.cache}
     replicated = NamedSharding(self.mesh, PartitionSpec())
     return jax.tree.map(lambda _: replicated, state.replace(cache={})).replace(
       cache=logical_sharding(specs, state.cache, self.mesh)
@@ -223,9 +294,7 @@ class Engine:
   # ------------------------------------------------------------------------------------------------
   def abstract_decode_state(self) -> st.DecodeState:
     """ShapeDtypeStructs (with the engine's shardings when it has a mesh) of `init_decode_state()`."""
-    shapes = jax.eval_shape(
-      lambda: st.empty_state(self.config, self.max_slots, self.max_len, self.tail_width, self.cache_dtype)
-    )
+    shapes = jax.eval_shape(self._empty_state)
     if self.mesh is None:
       return shapes
     return jax.tree.map(
@@ -239,9 +308,20 @@ class Engine:
     rows = None
     if compact:
       rows = jax.ShapeDtypeStruct((max(4, -(-self.max_slots // 4)),), jnp.int32)
-    return _decode.lower(
-      self.config, self.step_spec(attend_len=self.max_len), int(num_steps), params, state, None, rows
-    )
+    if self.page_size:  # the paged engine runs one step per call (see `decode`)
+      num_steps = 1
+    with self._kernel_context():
+      return _decode.lower(
+        self.config, self.step_spec(attend_len=self.max_len), int(num_steps), params, state, None, rows
+      )
+
+  def _kernel_context(self):
+    """The mesh for the paged-attention kernel's shard_map (read while the decode step traces)."""
+    if self.paged_kernel and self.mesh is not None:
+      from aepo_jax.parallel import sharding_context
+
+      return sharding_context(self.mesh)
+    return contextlib.nullcontext()
 
   def lower_fill(self, params):
     """The lowered prefill/extend call: prefill_rows rows, one prefill_chunk each, reading the whole window."""
@@ -308,6 +388,12 @@ class Engine:
     if not need.size or need.max() <= 0:
       return state
     chunk = min(self.prefill_chunk, self.max_len, _bucket(int(need.max()), lo=16))
+    span = self.max_len
+    if self.page_size:  # whole pages: windows start on a page boundary and span whole pages (model.fill_cache_rows)
+      ps = self.page_size
+      span = self.pages_per_slot * ps
+      chunk = min(-(-chunk // ps) * ps, span)
+      begin = begin // ps * ps
     k = 0
     while True:
       start = begin + k * chunk
@@ -316,15 +402,21 @@ class Engine:
         return state
       # Clamp the window inside the cache: recomputing a few already-valid entries gives the same values,
       # while dynamic_update_slice would silently clamp a window that runs past max_len.
-      win = np.minimum(start[rows], self.max_len - chunk)
+      win = np.minimum(start[rows], span - chunk)
       for lo in range(0, rows.size, self.prefill_rows):  # at most prefill_rows rows per call
         part = slice(lo, lo + self.prefill_rows)
         n = _bucket(len(rows[part]))
         pad = n - len(rows[part])
         slots_n = np.concatenate([slots[rows[part]], np.repeat(slots[rows[part][:1]], pad)]).astype(np.int32)
         starts_n = np.concatenate([win[part], np.repeat(win[part][:1], pad)]).astype(np.int32)
-        attend = min(self.max_len, _bucket(int(starts_n.max()) + chunk, lo=128))  # the window any row reads
-        state = _fill(self.config, chunk, attend, params, state, jnp.asarray(slots_n), jnp.asarray(starts_n))
+        attend = min(span, _bucket(int(starts_n.max()) + chunk, lo=128))  # the window any row reads
+        from_n = None  # paged: pages wholly before the unclamped start are not written (they may be shared)
+        if self.page_size:
+          # On TPU one window, the whole table: the paged prefill unrolls its layers (see _pages.py) and compiles
+          # for minutes on a 14B model, so one variant per rows/chunk bucket instead of one per window bucket.
+          attend = span if self.paged_kernel == "tpu" else max(attend, int(starts_n.max()) + chunk)
+          from_n = jnp.asarray(np.concatenate([start[rows[part]], np.repeat(start[rows[part][:1]], pad)]), jnp.int32)
+        state = _fill(self.config, chunk, attend, params, state, jnp.asarray(slots_n), jnp.asarray(starts_n), from_n)
       k += 1
 
   def add(self, params, state, slots, token_lists, seeds, max_new_tokens, sampling=None):
@@ -358,6 +450,9 @@ class Engine:
     budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy()
     lengths = np.asarray([t.size for t in toks], np.int32)
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))), np.uint32) for s in seeds])
+    if self.page_size:  # the slots' old pages go back first (add overwrites them), then the prompt's are counted
+      state = _release(state, jnp.asarray(slots))
+      self._need_pages(state, int(self._held(lengths).sum()), "add")
     state = _start(
       state,
       jnp.asarray(slots),
@@ -401,6 +496,8 @@ class Engine:
       if max_new_tokens is None
       else jnp.asarray(np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
     )
+    if self.page_size:
+      self._need_pages(state, int((self._held(new_len) - self._held(length)).sum()), "extend")
     state = _start(
       state,
       jnp.asarray(slots),
@@ -435,12 +532,27 @@ class Engine:
     if not 0 <= top_logprobs <= self.config.vocab_size:
       raise ValueError(f"Engine.decode: top_logprobs={top_logprobs} must be in [0, {self.config.vocab_size}].")
     weights_t = prepared_weights.get(self.config, params) if self.uses_cpu_kernels(params) else None
-    if weights_t is not None and model_lib.decode_attention_kernel_applies(self.config, state.cache["k"].dtype):
+    if (
+      weights_t is not None
+      and not self.page_size
+      and model_lib.decode_attention_kernel_applies(self.config, state.cache["k"].dtype)
+    ):
       attend = self.max_len  # the kernel's attention reads each row's own entries: one compiled variant
     else:  # XLA's attention reads only the cache prefix any row can reach in this call (one small host read)
       attend = self.attend_bucket(int(jax.device_get(jnp.max(state.length))) + int(num_steps))
     spec = self.step_spec(sampling, with_entropy, attend, top_logprobs)
-    return _decode(self.config, spec, int(num_steps), params, state, weights_t, self._decode_rows(state))
+    rows = self._decode_rows(state)
+    with self._kernel_context():
+      if not self.page_size:
+        return _decode(self.config, spec, int(num_steps), params, state, weights_t, rows)
+      # Paged: one jitted step per call, the calls queued back to back (no host sync between them). In a scan over
+      # steps XLA:TPU would copy the pool every step (aepo_jax/rollout/_pages.py); a step whose rows are all idle
+      # is skipped on device as in the scan.
+      outs = []
+      for _ in range(int(num_steps)):
+        state, out = _decode(self.config, spec, 1, params, state, weights_t, rows)
+        outs.append(out)
+      return state, jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
   def _decode_rows(self, state) -> Optional[jax.Array]:
     """The slots a compact decode call runs (every active slot, padded with inactive ones to max(4, ceil(S/4))
@@ -488,6 +600,10 @@ class Engine:
     if len(seeds) != src.size:
       raise ValueError(f"Engine.copy_slots: {len(seeds)} seeds for {src.size} forks.")
     parent = np.asarray(jax.device_get(state.rng))[src]
+    if self.page_size:  # dst's pages go back first; each fork copies at most its parent's partly filled page
+      state = _release(state, jnp.asarray(dst))
+      length = self.host_info(state)["length"][src]
+      self._need_pages(state, int(((length - 1) % self.page_size > 0).sum()), "copy_slots")
     keys = np.stack(
       [
         parent[i] if s is None else np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
@@ -505,7 +621,70 @@ class Engine:
       raise ValueError(
         f"Engine.truncate: lengths {lengths.tolist()} must be one per slot within 1..current length {cur.tolist()}."
       )
+    if self.page_size:
+      free, need = (int(x) for x in jax.device_get(_page_needs(state, jnp.asarray(slots), jnp.asarray(lengths))))
+      self._need_pages(state, need, "truncate", free=free)
     return _truncate(state, jnp.asarray(slots), jnp.asarray(lengths), self.entropy_window, self.tail_width)
+
+  # ------------------------------------------------------------------------------------------------
+  # Pages (paged layout)
+  # ------------------------------------------------------------------------------------------------
+  def _held(self, lengths) -> np.ndarray:
+    """Pages a slot of `lengths` tokens holds (see _pages.held)."""
+    cached = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
+    return -(-cached // self.page_size)
+
+  def pages_free(self, state) -> int:
+    """Free pages of the pool (0 for the dense layout). One small device read."""
+    return int(jax.device_get(_free_pages(state.page_refs))) if self.page_size else 0
+
+  def page_stats(self, state) -> dict:
+    """{'pages': usable pages, 'pages_free', 'pages_shared': pages held by more than one slot, 'page_size'}."""
+    if not self.page_size:
+      return {}
+    refs = np.asarray(jax.device_get(state.page_refs))[1:]
+    return {
+      "pages": refs.size,
+      "pages_free": int((refs == 0).sum()),
+      "pages_shared": int((refs > 1).sum()),
+      "page_size": self.page_size,
+    }
+
+  def _need_pages(self, state, needed: int, what: str, free: Optional[int] = None):
+    """Raises OutOfPages (with the unchanged state) when the pool has fewer than `needed` free pages."""
+    if needed <= 0:
+      return
+    free = self.pages_free(state) if free is None else free
+    if needed > free:
+      raise OutOfPages(
+        f"Engine.{what}: needs {needed} KV pages of {self.page_size} tokens but {free} of {self.num_pages - 1} are "
+        "free. No slot was started, forked or cut (the target slots of add/copy_slots were released); the state is "
+        "in this error's .state (the one passed in was donated). Release or truncate slots and retry, or build the "
+        "engine with more pages (num_pages; config rollout.kv_tokens).",
+        state,
+        needed,
+        free,
+      )
+
+  def resume(self, state, slots):
+    """Slots that stopped with 'out_of_pages' (paged layout) decode again, in the same segment, from where they
+    stopped; other slots are left as they are. Call it once pages are free (`pages_free`)."""
+    return _resume(state, jnp.asarray(self._check_slots(slots)))
+
+  def set_segment(self, state, slots, starts, counts, entropy_sums, topk_entropy_sums):
+    """Sets the open segment of slots (start position, tokens generated in it, and its window's entropy sums, as
+    `host_info` reported them): a trajectory preempted mid-segment and re-prefilled by `add` continues the same
+    segment's statistic."""
+    slots = self._check_slots(slots)
+    arr = lambda x, dt: jnp.asarray(np.asarray(x, dt).reshape(slots.shape))  # noqa: E731
+    return _set_segment(
+      state,
+      jnp.asarray(slots),
+      arr(starts, np.int32),
+      arr(counts, np.int32),
+      arr(entropy_sums, np.float32),
+      arr(topk_entropy_sums, np.float32),
+    )
 
   def release(self, state, slots):
     """Frees slots (inactive, empty)."""

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from aepo_jax.model import fill_cache_rows
+from aepo_jax.rollout import _pages
 from aepo_jax.rollout import _state as st
 from aepo_jax.model import decode_forward, decode_weights  # noqa: F401 (engine)
 from aepo_jax.rollout._sampling import sample_step
@@ -21,10 +22,19 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
   """One token for every active slot. `spec` is the engine's static `_StepSpec`; weights_t: see decode_forward."""
   s, max_len = state.tokens.shape
   rows = jnp.arange(s)
-  # Paused/free rows also write: the KV of their own last_token at length-1, which is the correct value.
+  # Dense: paused/free rows also write: the KV of their own last_token at length-1, which is the correct value.
   write_s = jnp.clip(state.length - 1, 0, max_len - 1)
+  paged = {}
+  act = state.active
+  if state.paged:  # a page for rows starting one; a row that cannot get one stops before writing (out_of_pages)
+    ps = state.page_size
+    table, refs, stalled = _pages.step_pages(state.page_table, state.page_refs, act, state.length, ps)
+    act = act & ~stalled
+    write_page = jnp.where(act, table[rows, write_s // ps], _pages.NULL_PAGE)  # inactive rows write nowhere
+    state = state.replace(page_table=table, page_refs=refs)
+    paged = dict(page_table=table, write_page_s=write_page, paged_kernel=spec.paged_kernel)
   logits_sv, cache = decode_forward(
-    config, params, state.last_token, write_s, state.cache, spec.attend_len, weights_t=weights_t
+    config, params, state.last_token, write_s, state.cache, spec.attend_len, weights_t=weights_t, **paged
   )
   # spec.sampling None: each slot samples with its own settings (the engine's per-slot mode).
   smp = sample_step(
@@ -38,7 +48,6 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
     top_logprobs=spec.top_logprobs,
   )
   token_s, logprob_s, entropy_s, topk_s, rng = smp.token, smp.logprob, smp.entropy, smp.topk_entropy, smp.rng
-  act = state.active
   token_s = jnp.where(act, token_s, 0)
   put_s = jnp.where(act, state.length, max_len)  # out of range -> dropped
   length = state.length + act
@@ -62,6 +71,8 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
       eos_s &= ~state.sampling.ignore_eos
     reason = jnp.where(eos_s, st.STOP_EOS, reason)
   reason = jnp.where(act, reason, state.stop_reason)
+  if state.paged:
+    reason = jnp.where(stalled, st.STOP_NO_PAGES, reason)
 
   state = state.replace(
     cache=cache,
@@ -94,15 +105,19 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
 
 
 def take_rows(state: st.DecodeState, rows) -> st.DecodeState:
-  """The slots `rows` [R] of the state as an R-slot state (cache rows included)."""
-  return jax.tree.map(lambda x: x[rows], state.replace(cache=None)).replace(
-    cache=jax.tree.map(lambda c: c[:, rows], state.cache)
-  )
+  """The slots `rows` [R] of the state as an R-slot state (dense: cache rows included; paged: the whole pool and
+  page counts, which the rows' page tables index)."""
+  sub = jax.tree.map(lambda x: x[rows], state.slot_fields())
+  if state.paged:
+    return sub.replace(cache=state.cache, page_refs=state.page_refs)
+  return sub.replace(cache=jax.tree.map(lambda c: c[:, rows], state.cache))
 
 
 def put_rows(state: st.DecodeState, rows, sub: st.DecodeState) -> st.DecodeState:
   """Writes the R-slot state `sub` back into slots `rows` of `state`."""
-  out = jax.tree.map(lambda x, y: x.at[rows].set(y), state.replace(cache=None), sub.replace(cache=None))
+  out = jax.tree.map(lambda x, y: x.at[rows].set(y), state.slot_fields(), sub.slot_fields())
+  if state.paged:
+    return out.replace(cache=sub.cache, page_refs=sub.page_refs)
   return out.replace(cache=jax.tree.map(lambda c, u: c.at[:, rows].set(u), state.cache, sub.cache))
 
 
@@ -132,6 +147,11 @@ def decode(config, spec, num_steps: int, params, state, weights_t=None, rows=Non
       top_logprobs=jnp.zeros((s, n), jnp.float32),
     )
 
+  if state.paged and num_steps == 1:  # the paged engine's one step per call: no loop or cond around the pool,
+    # whose page-axis writes XLA:TPU does in place only outside them (aepo_jax/rollout/_pages.py)
+    state, out = decode_step(config, params, state, spec, weights_t)
+    return state, jax.tree.map(lambda x: x[:, None], out)
+
   def body(carry, _):
     return jax.lax.cond(jnp.any(carry.active), lambda c: decode_step(config, params, c, spec, weights_t), idle, carry)
 
@@ -142,15 +162,19 @@ def decode(config, spec, num_steps: int, params, state, weights_t=None, rows=Non
 # ----------------------------------------------------------------------------------------------------
 # KV filling (prefill and extend): write KV of tokens[start : start + T] for a few rows
 # ----------------------------------------------------------------------------------------------------
-def fill_chunk(config, chunk: int, attend_len: int, params, state, slots_n, start_n):
+def fill_chunk(config, chunk: int, attend_len: int, params, state, slots_n, start_n, from_n=None):
   """Computes and writes the KV entries of tokens[slot, start : start + chunk] (start + chunk <= attend_len <=
   max_len) through `model.fill_cache_rows`: each layer reads only the rows' first attend_len entries and writes
   only the chunk's window (no logits are needed, see the invariant in _state.py). Duplicate rows (padding) write
-  identical values."""
+  identical values. from_n (paged layout): the first index each row writes (the window may start earlier)."""
   rows_tok = state.tokens[slots_n]
+  if state.paged:  # a window of whole pages may run past max_len (up to pages x page size): zeros there
+    span = state.page_table.shape[1] * state.page_size
+    rows_tok = jnp.pad(rows_tok, ((0, 0), (0, span - rows_tok.shape[1])))
   tok_nt = jax.vmap(lambda r, s: jax.lax.dynamic_slice(r, (s,), (chunk,)))(rows_tok, start_n)
   pos_nt = start_n[:, None] + jnp.arange(chunk)[None, :]
-  cache = fill_cache_rows(config, params, tok_nt, pos_nt, state.cache, slots_n, start_n, attend_len)
+  paged = dict(page_table=state.page_table, write_from_n=from_n) if state.paged else {}
+  cache = fill_cache_rows(config, params, tok_nt, pos_nt, state.cache, slots_n, start_n, attend_len, **paged)
   return state.replace(cache=cache)
 
 
@@ -173,8 +197,19 @@ def start_rows(
 ):
   """Writes tokens[slot, keep_from:length] from tokens_nl (the rest of the row is kept), sets length,
   last_token, budget, a new segment starting at `length`, and the run/stop flags. Used by add and extend.
-  rng_n2 / budget_n / sampling_n (a SlotSampling of [n] arrays) None keep the slot's own."""
+  rng_n2 / budget_n / sampling_n (a SlotSampling of [n] arrays) None keep the slot's own.
+
+  Paged layout: the rows' pages from keep_from on are returned and the pages for `length_n` tokens taken, all or
+  nothing (the engine checks free pages first; were they short, the state would be left as it was)."""
   max_len = state.tokens.shape[1]
+  old = state
+  ok = jnp.bool_(True)
+  if state.paged:
+    ps = state.page_size
+    j = jnp.arange(state.page_table.shape[1])[None, :]
+    rows, refs = _pages.drop(state.page_table[slots_n], state.page_refs, j >= _pages.held(keep_from_n, ps)[:, None])
+    table, refs, ok = _pages.extend(state.page_table.at[slots_n].set(rows), refs, slots_n, keep_from_n, length_n, ps)
+    state = state.replace(page_table=table, page_refs=refs)
   pos_l = jnp.arange(max_len)[None, :]
   new_nl = pos_l >= keep_from_n[:, None]
   old_tok = state.tokens[slots_n]
@@ -188,7 +223,7 @@ def start_rows(
   reason_n = jnp.where(length_n >= max_len, st.STOP_CACHE_FULL, reason_n)
   last_n = jnp.take_along_axis(row_tok, jnp.maximum(length_n - 1, 0)[:, None], axis=1)[:, 0]
   n_gen = jnp.sum(row_gen & (pos_l < length_n[:, None]), axis=1).astype(jnp.int32)
-  return state.replace(
+  new = state.replace(
     tokens=state.tokens.at[slots_n].set(row_tok),
     generated=state.generated.at[slots_n].set(row_gen),
     length=state.length.at[slots_n].set(length_n),
@@ -207,23 +242,49 @@ def start_rows(
     if sampling_n is None
     else jax.tree.map(lambda x, y: x.at[slots_n].set(y), state.sampling, sampling_n),
   )
+  return _all_or_nothing(ok, new, old)
+
+
+def _all_or_nothing(ok, new, old):
+  """`new` if ok else `old`, selecting every field but the cache (the callers never write a live page unless ok).
+  A guard: the engine checks the free pages before each call (`Engine._need_pages`), so ok is True in practice."""
+  if not new.paged:
+    return new
+  return _pages.when(ok, new.replace(cache=None), old.replace(cache=None)).replace(cache=new.cache)
 
 
 def copy_rows(state, src_n, dst_n, rng_n2):
-  """Fork: every per-slot field of src (KV rows included) copied to dst, with the given keys."""
+  """Fork: every per-slot field of src (KV rows included) copied to dst, with the given keys.
+
+  Paged layout: dst's own pages are returned, then dst shares src's full pages and gets a copy of the partly
+  filled last one (one page per fork at most); all or nothing."""
 
   def cp(x):
     return x.at[dst_n].set(x[src_n])
 
-  copied = jax.tree.map(cp, state.replace(cache={}))  # every per-slot field (leading slot axis)
-  cache = jax.tree.map(lambda c: c.at[:, dst_n].set(c[:, src_n]), state.cache)  # [layers, slots, ...]
-  return copied.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2))
+  copied = jax.tree.map(cp, state.slot_fields())  # every per-slot field (leading slot axis)
+  if not state.paged:
+    cache = jax.tree.map(lambda c: c.at[:, dst_n].set(c[:, src_n]), state.cache)  # [layers, slots, ...]
+    return copied.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2))
+  ps = state.page_size
+  table, refs = _pages.release(state.page_table, state.page_refs, dst_n)
+  table, refs, ok, (src_m, dst_m) = _pages.fork(table, refs, src_n, dst_n, state.length[src_n], ps)
+  cache = _pages.copy_pages(state.cache, src_m, dst_m, ok)
+  new = copied.replace(cache=cache, rng=state.rng.at[dst_n].set(rng_n2), page_table=table, page_refs=refs)
+  return _all_or_nothing(ok, new, state)
 
 
 def truncate_rows(state, slots_n, length_n, window: int, width: int):
   """Rewinds rows to `length_n` tokens (KV beyond is simply ignored); the slot is left paused. Counters and
-  segment sums are recomputed from the per-position buffers; the segment start moves back if needed."""
+  segment sums are recomputed from the per-position buffers; the segment start moves back if needed.
+  Paged layout: the pages past the new length are returned, and a shared last page is copied first (one page per
+  row at most; all or nothing)."""
   max_len = state.tokens.shape[1]
+  old, ok = state, jnp.bool_(True)
+  if state.paged:
+    ps = state.page_size
+    table, refs, ok, (src_m, dst_m) = _pages.shrink(state.page_table, state.page_refs, slots_n, length_n, ps)
+    state = state.replace(cache=_pages.copy_pages(state.cache, src_m, dst_m, ok), page_table=table, page_refs=refs)
   pos_l = jnp.arange(max_len)[None, :]
   tok = state.tokens[slots_n]
   keep = pos_l < length_n[:, None]
@@ -233,7 +294,7 @@ def truncate_rows(state, slots_n, length_n, window: int, width: int):
   seg_start = jnp.minimum(state.seg_start[slots_n], length_n)
   seg_count = jnp.sum(gen & (pos_l >= seg_start[:, None]), axis=1).astype(jnp.int32)
   ent, topk = state.entropy_buf[slots_n], state.topk_entropy_buf[slots_n]
-  return state.replace(
+  new = state.replace(
     generated=state.generated.at[slots_n].set(gen),
     length=state.length.at[slots_n].set(length_n),
     last_token=state.last_token.at[slots_n].set(
@@ -251,13 +312,44 @@ def truncate_rows(state, slots_n, length_n, window: int, width: int):
       st.segment_sums(topk, seg_start, seg_count, window)
     ),
   )
+  return _all_or_nothing(ok, new, old)
 
 
 def release_rows(state, slots_n):
   zero = jnp.zeros_like(slots_n)
+  if state.paged:
+    table, refs = _pages.release(state.page_table, state.page_refs, slots_n)
+    state = state.replace(page_table=table, page_refs=refs)
   return state.replace(
     length=state.length.at[slots_n].set(zero),
     active=state.active.at[slots_n].set(False),
     stop_reason=state.stop_reason.at[slots_n].set(zero),
     budget=state.budget.at[slots_n].set(zero),
+  )
+
+
+def page_needs(state, slots_n, lengths_n):
+  """(free pages, pages `truncate_rows(state, slots_n, lengths_n)` takes: the shared last pages it copies)."""
+  ps = state.page_size
+  return _pages.free_count(state.page_refs), jnp.sum(
+    _pages.shrink_copies(state.page_table, state.page_refs, slots_n, lengths_n, ps)
+  )
+
+
+def resume_rows(state, slots_n):
+  """Slots stopped for want of a page ('out_of_pages') decode again from where they stopped (same segment)."""
+  stalled = state.stop_reason[slots_n] == st.STOP_NO_PAGES
+  return state.replace(
+    active=state.active.at[slots_n].set(state.active[slots_n] | stalled),
+    stop_reason=state.stop_reason.at[slots_n].set(jnp.where(stalled, st.RUNNING, state.stop_reason[slots_n])),
+  )
+
+
+def set_segment(state, slots_n, start_n, count_n, sum_n, topk_sum_n):
+  """Sets the open segment's start and entropy accumulators (a trajectory re-prefilled mid-segment)."""
+  return state.replace(
+    seg_start=state.seg_start.at[slots_n].set(start_n),
+    seg_count=state.seg_count.at[slots_n].set(count_n),
+    seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(sum_n),
+    seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(topk_sum_n),
   )

@@ -13,24 +13,27 @@ import jax
 import jax.numpy as jnp
 
 from aepo_jax.model import init_cache
+from aepo_jax.rollout import _pages
 from aepo_jax.rollout._sampling import SlotSampling
 
 # stop_reason codes (contract: docs/rollout_contract.md)
-RUNNING, STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_CACHE_FULL = 0, 1, 2, 3, 4
+RUNNING, STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_CACHE_FULL, STOP_NO_PAGES = 0, 1, 2, 3, 4, 5
 STOP_REASON_NAMES = {
   RUNNING: "running",
   STOP_EOS: "eos",
   STOP_SEQUENCE: "stop_sequence",
   STOP_BUDGET: "length",
   STOP_CACHE_FULL: "cache_full",
+  STOP_NO_PAGES: "out_of_pages",  # paged cache: paused before writing; `Engine.extend(slot, [])` resumes it
 }
 
 
 @flax.struct.dataclass
 class DecodeState:
-  """All fields are device arrays with a leading slot axis S (cache: [layers, S, max_len, kv_heads, head_dim])."""
+  """All fields are device arrays with a leading slot axis S, except the cache (dense: [layers, S, max_len, kv_heads,
+  head_dim]; paged: per layer a pool [kv_heads, pages, page_size, head_dim]) and `page_refs` (see _pages.py)."""
 
-  cache: dict  # {'k', 'v'} KV rows
+  cache: dict  # {'k', 'v'} KV rows (dense) or pages (paged)
   tokens: jax.Array  # [S, max_len] int32, tokens of each row (prompt, generated, tool results)
   generated: jax.Array  # [S, max_len] bool, True where the token was sampled by the engine
   entropy_buf: jax.Array  # [S, max_len] float32, exact entropy at each sampled position (0 elsewhere)
@@ -48,6 +51,20 @@ class DecodeState:
   seg_entropy_sum: jax.Array  # [S] float32 exact entropy summed over the first `entropy_window` segment tokens
   seg_topk_entropy_sum: jax.Array  # [S] float32 official top-k entropy summed over the same window
   sampling: SlotSampling  # [S] each: the slot's own sampling settings (set by add; read in per-slot mode)
+  page_table: jax.Array = None  # [S, ceil(max_len / page_size)] int32 page ids (paged layout; None when dense)
+  page_refs: jax.Array = None  # [pages] int32 slots holding each page (paged layout; None when dense)
+
+  @property
+  def paged(self) -> bool:
+    return self.page_table is not None
+
+  @property
+  def page_size(self) -> int:
+    return self.cache["k"][0].shape[2]
+
+  def slot_fields(self) -> "DecodeState":
+    """The state without the fields that have no slot axis (cache, page_refs): for per-slot tree maps."""
+    return self.replace(cache=None, page_refs=None)
 
 
 @flax.struct.dataclass
@@ -63,7 +80,10 @@ class StepOutputs:
   top_logprobs: jax.Array  # [S, num_steps, N] their log-probs (same distribution as `logprob`)
 
 
-def empty_state(config, max_slots: int, max_len: int, tail_width: int, cache_dtype=None) -> DecodeState:
+def empty_state(
+  config, max_slots: int, max_len: int, tail_width: int, cache_dtype=None, page_size: int = 0, num_pages: int = 0
+) -> DecodeState:
+  """page_size 0: the dense layout; else a pool of `num_pages` pages (page 0 the null page, see _pages.py)."""
   s = max_slots
 
   def zi():  # a fresh buffer per field: the state is donated, and a buffer may not be donated twice
@@ -72,8 +92,17 @@ def empty_state(config, max_slots: int, max_len: int, tail_width: int, cache_dty
   def zf():
     return jnp.zeros((s,), jnp.float32)
 
+  table = refs = None
+  if page_size:
+    # One array per layer (see _pages.py: stacked, XLA:TPU copied the pool each step), fresh buffers (donated).
+    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+    dt = jnp.dtype(cache_dtype or config.dtype)
+    cache = {n: tuple(jnp.zeros(shape, dt) for _ in range(config.num_layers)) for n in ("k", "v")}
+    table, refs = _pages.init(s, -(-max_len // page_size), num_pages)
+  else:
+    cache = init_cache(config, s, max_len, cache_dtype)
   return DecodeState(
-    cache=init_cache(config, s, max_len, cache_dtype),
+    cache=cache,
     tokens=jnp.zeros((s, max_len), jnp.int32),
     generated=jnp.zeros((s, max_len), bool),
     entropy_buf=jnp.zeros((s, max_len), jnp.float32),
@@ -91,6 +120,8 @@ def empty_state(config, max_slots: int, max_len: int, tail_width: int, cache_dty
     seg_entropy_sum=zf(),
     seg_topk_entropy_sum=zf(),
     sampling=SlotSampling.filled(s),
+    page_table=table,
+    page_refs=refs,
   )
 
 

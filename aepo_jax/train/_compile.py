@@ -37,8 +37,10 @@ KNOBS = {
   "update": "train.micro_batch_size (rows per micro-batch), model.remat=True, mesh.fsdp / mesh.tensor (more "
   "sharding), rollout.max_response_len",
   "logprob": "train.micro_batch_size, mesh.fsdp / mesh.tensor",
-  "prefill": "rollout.prefill_rows, rollout.prefill_chunk, rollout.max_slots (a smaller KV cache)",
-  "decode": "rollout.max_slots (slots per host; the agent loop queues the rest), rollout.mesh.tensor, "
+  "prefill": "rollout.prefill_rows, rollout.prefill_chunk, rollout.kv_tokens (the paged KV pool per host) or "
+  "rollout.max_slots (a smaller KV cache)",
+  "decode": "rollout.kv_tokens (the paged KV pool per host; slots that run short wait or are preempted), "
+  "rollout.max_slots (slots per host; the agent loop queues the rest), rollout.mesh.tensor, "
   "rollout.dtype=bfloat16, rollout.max_response_len",
 }
 
@@ -58,7 +60,9 @@ class ProgramMemory:
   @property
   def attention(self) -> str:
     """'splash' where the program calls splash-attention kernels, other Mosaic kernels by name, else 'xla'."""
-    kinds = {"splash" if k.startswith("splash_") else k for k in self.kernels}
+    kinds = {
+      "splash" if k.startswith("splash_") else "paged_attention" if k.startswith("paged_") else k for k in self.kernels
+    }
     return ", ".join(sorted(kinds)) or "xla"
 
   @property
@@ -238,6 +242,9 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
       prefill_chunk=r.prefill_chunk,
       prefill_rows=r.prefill_rows,
       cpu_kernels=False,
+      kv_layout=r.kv_layout,
+      page_size=r.page_size,
+      num_pages=-(-r.kv_tokens // r.page_size) + 1 if r.kv_tokens else 0,
     )
     weights = _abstract(model_lib.param_shapes(engine_cfg), model_lib.param_shardings(engine_cfg, rmesh))
     resident = params_gb + opt_gb + ref_gb  # the training state stays on the chips during rollouts
@@ -248,6 +255,8 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
       "max_len": seq_len,
       "weights_gb": _per_chip_gb(weights),
       "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache),
+      "kv_layout": engine.kv_layout,
+      "kv_tokens": (engine.num_pages - 1) * engine.page_size if engine.page_size else slots * seq_len,
     }
     state_gb = _per_chip_gb(weights) + _per_chip_gb(engine.abstract_decode_state())
     if "prefill" in programs:
@@ -259,7 +268,7 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
   out["fits"] = all(p.peak_gb <= out["hbm_gb"] for p in out["programs"].values())
   out["shardings"] = {
     "params": _describe(p_sh),
-    "kv_cache": str(engine.abstract_decode_state().cache["k"].sharding.spec) if "rollout" in out else "",
+    "kv_cache": str(jax.tree.leaves(engine.abstract_decode_state().cache)[0].sharding.spec) if "rollout" in out else "",
   }
   return out
 
@@ -324,7 +333,7 @@ def format_table(report: dict) -> str:
     lines.append(
       f"rollouts: {ro['hosts']} hosts x {ro['host_chips']} chips; {ro['slots']} slots x {ro['max_len']} "
       f"tokens per host; rollout weights {ro['weights_gb']:.2f} GB, KV cache {ro['kv_cache_gb']:.2f} GB "
-      "per chip"
+      f"per chip ({ro.get('kv_layout', 'dense')}, {ro.get('kv_tokens', 0):,} tokens per host)"
     )
   lines.append(
     f"training state per chip: params {report['params_gb']:.2f} GB, optimizer {report['opt_state_gb']:.2f} GB"
@@ -345,7 +354,12 @@ def format_table(report: dict) -> str:
   if sh:
     lines.append("parameter shardings: " + ", ".join(f"{k}={v}" for k, v in list(sh["params"].items())[:6]) + ", ...")
     if sh.get("kv_cache"):
-      lines.append(f"KV cache sharding (layers, slots, length, kv_heads, head_dim): {sh['kv_cache']}")
+      axes = (
+        "per layer (kv_heads, pages, page_size, head_dim)"
+        if report.get("rollout", {}).get("kv_layout") == "paged"
+        else "(layers, slots, length, kv_heads, head_dim)"
+      )
+      lines.append(f"KV cache sharding {axes}: {sh['kv_cache']}")
   return "\n".join(lines)
 
 

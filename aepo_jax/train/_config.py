@@ -139,6 +139,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.dtype = ""
   c.rollout.prefill_chunk = 256  # tokens per prefill/extend call and row
   c.rollout.prefill_rows = 16  # rows per prefill/extend call (bounds its activations and KV window)
+  # The engine's KV cache (aepo_jax/rollout/_pages.py). 'auto': paged on TPU (a pool of pages shared by the host's
+  # slots; a fork shares its parent's full pages; decode through JAX's Pallas paged-attention kernel), dense
+  # elsewhere (a max_len row per slot; the CPU kernels read dense rows). kv_tokens: the paged pool in tokens per
+  # host, 0 = max_slots x max_len (every slot at full length at once). A smaller pool fits longer contexts: slots
+  # that run short wait, and the agent loop preempts (re-prefills later) when nothing else can go on.
+  c.rollout.kv_layout = "auto"
+  c.rollout.page_size = 64
+  c.rollout.kv_tokens = 0
 
   # timeout_s: wall time per response in a scoring worker (math-verify on a hostile answer can run for minutes);
   # past it the response scores 0 and the step goes on.
@@ -436,6 +444,15 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(
     r.dtype in ("", "float32", "bfloat16", "float16"),
     f"rollout.dtype={r.dtype!r}: use '' (= model.dtype), float32, bfloat16 or float16.",
+  )
+  from aepo_jax.rollout import KV_LAYOUTS
+
+  need(r.kv_layout in KV_LAYOUTS, f"rollout.kv_layout={r.kv_layout!r}: use one of {KV_LAYOUTS}.")
+  need(r.page_size >= 1, f"rollout.page_size={r.page_size}: must be >= 1 (tokens per KV page; 64 on TPU).")
+  need(
+    r.kv_tokens == 0 or r.kv_tokens >= r.max_prompt_len + r.max_response_len,
+    f"rollout.kv_tokens={r.kv_tokens}: 0 (every slot at full length) or at least one trajectory, rollout."
+    f"max_prompt_len + max_response_len = {r.max_prompt_len + r.max_response_len} tokens.",
   )
   rm = [int(r.mesh[k]) for k in ("data", "fsdp", "tensor")]
   need(

@@ -435,6 +435,9 @@ class Rollout:
       mesh=self.mesh,
       prefill_chunk=r.prefill_chunk,
       prefill_rows=r.prefill_rows,
+      kv_layout=r.kv_layout,
+      page_size=r.page_size,
+      num_pages=-(-r.kv_tokens // r.page_size) + 1 if r.kv_tokens else 0,
     )
     self.loop = rollout_lib.AgentLoop(
       self.engine,

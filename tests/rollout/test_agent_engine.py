@@ -74,6 +74,40 @@ def _loop(max_slots=8, tool=lambda code: "2", chunk=8):
 PROMPTS = [[6, 7, 8], [9, 10], [11, 12, 13, 14]]
 
 
+def check_trajectories(params, tr, n=4):
+  """Budget, masks, tool results, teacher-forced log-probs / entropies and fork prefixes of a rollout."""
+  assert np.bincount(tr.group_id_b).tolist() == [n] * len(PROMPTS)
+  assert (np.diff(tr.group_id_b) >= 0).all()
+  pad = 60 - tr.tokens_bt.shape[1]  # one shape for every seed: the reference forward compiles once
+  tokens = np.pad(tr.tokens_bt, ((0, 0), (0, pad)))
+  logits = forward(CONFIG, params, tokens, attention_mask=np.pad(tr.attention_mask_bt, ((0, 0), (0, pad))))
+  logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  ent = -(np.exp(logp) * logp).sum(-1)
+  for b in range(len(tr)):
+    p0, n_b = tr.prompt_len_b[b], tr.response_len_b[b]
+    toks, mask = tr.tokens_bt[b, p0 : p0 + n_b], tr.loss_mask_bt[b, p0 : p0 + n_b]
+    # Tool-result tokens (mask 0) are exactly the formatted results, each right after a call.
+    zero = np.nonzero(mask == 0)[0]
+    assert len(zero) % 3 == 0
+    for start in zero[::3]:
+      assert toks[start - 1] == CALL and toks[start : start + 3].tolist() == [R_OPEN, TWO, R_CLOSE]
+    assert (tr.loss_mask_bt[b, p0 + n_b :] == 0).all() and (tr.loss_mask_bt[b, :p0] == 0).all()
+    # Sampled tokens: engine log-probs / entropies equal a teacher-forced forward (forks included).
+    sampled = np.nonzero(mask == 1)[0]
+    if tr.stop_reason_b[b] == "call_limit":
+      sampled = sampled[:-1]  # the appended EOS was not sampled
+    pos = p0 + sampled
+    np.testing.assert_allclose(tr.sampler_logprob_bt[b, pos], logp[b, pos - 1, tr.tokens_bt[b, pos]], atol=1e-4)
+    np.testing.assert_allclose(tr.sampler_entropy_bt[b, pos], ent[b, pos - 1], atol=1e-4)
+    # A branch shares its parent's tokens up to the fork, which is right after a tool result.
+    if tr.parent_b[b] >= 0:
+      f, par = tr.fork_pos_b[b], tr.parent_b[b]
+      assert par < b and tr.group_id_b[par] == tr.group_id_b[b]
+      np.testing.assert_array_equal(tr.tokens_bt[b, :f], tr.tokens_bt[par, :f])
+      assert tr.tokens_bt[b, f - 1] == R_CLOSE
+  return int((tr.parent_b >= 0).sum())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["corrected", "faithful"])
 def test_multi_turn_arpo_on_real_engine(params, mode):
@@ -81,37 +115,59 @@ def test_multi_turn_arpo_on_real_engine(params, mode):
   branches = 0
   for seed in range(3):
     tr = loop.rollout(params, PROMPTS, rollout_policy("arpo", n=4, initial_rollouts=2, mode=mode), seed=seed)
-    assert np.bincount(tr.group_id_b).tolist() == [4, 4, 4]
-    assert (np.diff(tr.group_id_b) >= 0).all()
-    branches += int((tr.parent_b >= 0).sum())
-    pad = 60 - tr.tokens_bt.shape[1]  # one shape for every seed: the reference forward compiles once
-    tokens = np.pad(tr.tokens_bt, ((0, 0), (0, pad)))
-    logits = forward(CONFIG, params, tokens, attention_mask=np.pad(tr.attention_mask_bt, ((0, 0), (0, pad))))
-    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    ent = -(np.exp(logp) * logp).sum(-1)
-    for b in range(len(tr)):
-      p0, n = tr.prompt_len_b[b], tr.response_len_b[b]
-      toks, mask = tr.tokens_bt[b, p0 : p0 + n], tr.loss_mask_bt[b, p0 : p0 + n]
-      # Tool-result tokens (mask 0) are exactly the formatted results, each right after a call.
-      zero = np.nonzero(mask == 0)[0]
-      assert len(zero) % 3 == 0
-      for start in zero[::3]:
-        assert toks[start - 1] == CALL and toks[start : start + 3].tolist() == [R_OPEN, TWO, R_CLOSE]
-      assert (tr.loss_mask_bt[b, p0 + n :] == 0).all() and (tr.loss_mask_bt[b, :p0] == 0).all()
-      # Sampled tokens: engine log-probs / entropies equal a teacher-forced forward (forks included).
-      sampled = np.nonzero(mask == 1)[0]
-      if tr.stop_reason_b[b] == "call_limit":
-        sampled = sampled[:-1]  # the appended EOS was not sampled
-      pos = p0 + sampled
-      np.testing.assert_allclose(tr.sampler_logprob_bt[b, pos], logp[b, pos - 1, tr.tokens_bt[b, pos]], atol=1e-4)
-      np.testing.assert_allclose(tr.sampler_entropy_bt[b, pos], ent[b, pos - 1], atol=1e-4)
-      # A branch shares its parent's tokens up to the fork, which is right after a tool result.
-      if tr.parent_b[b] >= 0:
-        f, par = tr.fork_pos_b[b], tr.parent_b[b]
-        assert par < b and tr.group_id_b[par] == tr.group_id_b[b]
-        np.testing.assert_array_equal(tr.tokens_bt[b, :f], tr.tokens_bt[par, :f])
-        assert tr.tokens_bt[b, f - 1] == R_CLOSE
+    branches += check_trajectories(params, tr)
   assert branches > 0
+
+
+def _paged_loop(num_pages, max_slots=8):
+  engine = Engine(
+    CONFIG,
+    max_slots=max_slots,
+    max_len=96,
+    eos_ids=[EOS],
+    stop_sequences=[[CALL]],
+    entropy_window=20,
+    topk_entropy=4,
+    kv_layout="paged",
+    page_size=8,
+    num_pages=num_pages,
+  )
+  tools = ToolSet({"python": lambda code: "2"}, call_limit=10, retry_count=1, max_workers=8)
+  cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=8, tool_tags=("python",))
+  return AgentLoop(engine, VocabTokenizer(), tools, cfg)
+
+
+@pytest.mark.slow
+def test_paged_engine_gives_the_dense_engines_rollouts(params):
+  """Same seeds, same trajectories (tokens, trees, log-probs) with the paged KV cache as with the dense one."""
+  dense, paged = _loop(), _paged_loop(num_pages=8 * 12 + 1)
+  for seed in range(2):
+    policy = lambda: rollout_policy("arpo", n=4, initial_rollouts=2, mode="faithful")  # noqa: E731
+    a, b = dense.rollout(params, PROMPTS, policy(), seed=seed), paged.rollout(params, PROMPTS, policy(), seed=seed)
+    np.testing.assert_array_equal(a.tokens_bt, b.tokens_bt)
+    np.testing.assert_array_equal(a.parent_b, b.parent_b)
+    np.testing.assert_allclose(a.sampler_logprob_bt, b.sampler_logprob_bt, atol=1e-5)
+    assert b.stats["rollout/preemptions"] == 0
+
+
+@pytest.mark.slow
+def test_a_small_page_pool_stalls_and_preempts_but_every_trajectory_completes(params):
+  """20 pages of 8 tokens for 8 slots whose trajectories reach 51 tokens (7 pages): slots run out of pages mid-
+  segment, wait, get preempted and re-prefilled; the rollout still has its budget and exact log-probs."""
+  loop = _paged_loop(num_pages=21)
+  stalls = preempted = 0
+  for seed in range(2):
+    tr = loop.rollout(params, PROMPTS, rollout_policy("arpo", n=4, initial_rollouts=2, mode="faithful"), seed=seed)
+    check_trajectories(params, tr)
+    preempted += tr.stats["rollout/preemptions"]
+    stalls += loop.last_run.stall_events
+  assert stalls > 0 and preempted > 0
+
+
+def test_a_pool_smaller_than_one_trajectory_is_a_clear_error(params):
+  loop = _paged_loop(num_pages=4)  # 3 pages of 8 tokens: not even 3 + 48 tokens
+  with pytest.raises(ValueError, match="cannot hold one trajectory"):
+    loop.rollout(params, PROMPTS[:1], rollout_policy("none", n=1), seed=0)
 
 
 @pytest.mark.slow  # compiles the engine (~60 s on 2 cores)

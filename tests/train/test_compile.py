@@ -73,6 +73,17 @@ def _fits(topology, chips, hbm):
   assert all(
     line.rstrip().endswith("splash") for line in out.stdout.splitlines() if line.startswith(("update ", "logprob "))
   )
+  # The engine on TPU: a paged KV pool sized by tokens (not slots x length), decode through the Pallas
+  # paged-attention kernel; prefill reads its window of pages with XLA's attention.
+  assert report_rollout_line(out.stdout).endswith("(paged, 393,216 tokens per host)")
+  assert programs["decode"]["attention"] == "paged_attention", programs
+  assert programs["decode"]["kernels"] == ["paged_flash_attention_kernel_inline_seq_dim"]
+  assert programs["prefill"]["attention"] == "xla"
+  assert "per layer (kv_heads, pages, page_size, head_dim): P('tensor'," in out.stdout
+
+
+def report_rollout_line(stdout: str) -> str:
+  return next(line for line in stdout.splitlines() if line.startswith("rollouts: ")).rstrip()
 
 
 @pytest.mark.slow
@@ -83,7 +94,7 @@ def test_a_step_that_does_not_fit_exits_non_zero_and_names_the_knobs():
   )
   assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
   assert report["fits"] is False and report["programs"]["decode"]["peak_gb"] > 16
-  assert "does not fit: decode needs" in out.stdout and "rollout.max_slots" in out.stdout
+  assert "does not fit: decode needs" in out.stdout and "rollout.kv_tokens" in out.stdout
 
 
 def test_unknown_topology_is_a_clear_error():
