@@ -11,9 +11,12 @@ Command (every host of the pod):
 Hardware: a TPU v5p-64 (`v5p:4x4x2`, 32 chips) or a v6e-64 (`v6e:8x8`): fsdp x tensor 4 over all chips for the
   update; each host (4 chips) rolls out its own prompts with the weights in bfloat16 over its chips.
 Memory, compiled with `python launch/compile.py --config=configs/aepo_gaia.py --topology=...` (2026-12-01, peak GB
-  per chip incl. what stays resident; prompt 2,000 + response 6,192 tokens; splash attention in update and logprob):
-    v5p:4x4x2 (95 GB): update 24.5, logprob 7.8, prefill 48.2, decode 46.7 (96 slots per host) -> fits
-    v6e:8x8   (32 GB): update 12.0, logprob 3.7, prefill 28.3, decode 27.6 (48 slots per host) -> fits
+  per chip incl. what stays resident; prompt 2,000 + response 6,192 tokens; splash attention in update and logprob;
+  a paged KV pool of 393,216 tokens per host, decode through the Pallas paged-attention kernel):
+    v5p:4x4x2 (95 GB): update 24.5, logprob 7.8, prefill 31.4, decode 29.9 (96 slots per host) -> fits
+    v6e:8x8   (32 GB): update 12.0, logprob 3.7, prefill 27.3, decode 26.8 (48 slots per host) -> fits
+  Longer trajectories fit too: 20,480 tokens (`--config.rollout.max_response_len=18432`) on v6e:8x8 peaks at 28.4
+  (prefill), 32,768 on v5p:4x4x2 at 56.8 (update); docs/performance.md, section "Paged KV cache".
 Needs: a Qwen3-14B cold-start SFT checkpoint (ARPO-SFT-54K, spec §2.4) as an HF directory; ARPO's
   hard_search_1k (train) and gaia_test + hle_test (validation), bundled; a search backend (default: replay
   of ARPO's search_cache.json; misses return "No search results found.").

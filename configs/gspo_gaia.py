@@ -4,7 +4,8 @@ Command:  python launch/tpu_pod.py --config=configs/gspo_gaia.py --config.workdi
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
 Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `baseline_14b`).
 Compiled with `python launch/compile.py --config=configs/gspo_gaia.py --topology=v5p:4x4x2`
-  (2026-12-01), per-chip peaks of 95 GB: update 24.33, logprob 7.8, prefill 48.2, decode 46.7 (96 slots per host): fits.
+  (2026-12-01), per-chip peaks of 95 GB: update 24.33, logprob 7.8, prefill 31.4, decode 29.9 (96 slots per host,
+  paged KV pool: the rollout programs of configs/aepo_gaia.py): fits.
 Expected: no per-baseline number is in the text available here (spec §2.5); run beside configs/aepo_gaia.py.
 GSPO: sequence-level ratio (GSPO-token form, as verl), ε_l = 3e-4 / ε_h = 4e-4 (paper), no dual clip,
 seq-mean-token-mean; a large clipped fraction is by design.

@@ -117,6 +117,9 @@ def test_model_override_typo():
     ("optim.schedule", "cosine_decay", "optim.schedule='cosine_decay'"),
     ("workdir", "", "workdir is empty"),
     ("train.logit_fraction", 1.5, "train.logit_fraction=1.5: must be in [0, 1]"),
+    ("rollout.kv_layout", "pages", "rollout.kv_layout='pages': use one of ('auto', 'dense', 'paged')"),
+    ("rollout.page_size", 0, "rollout.page_size=0: must be >= 1"),
+    ("rollout.kv_tokens", 1000, "rollout.kv_tokens=1000: 0 (every slot at full length) or at least one trajectory"),
   ],
 )
 def test_bad_values_name_the_key(key, value, needle):
