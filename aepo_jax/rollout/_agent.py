@@ -278,10 +278,10 @@ class AgentLoop:
     if len(ready) > len(run.free):  # free slots held by finished trajectories (kept for possible forks)
       self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done][: len(ready) - len(run.free)])
     take = ready[: len(run.free)]
-    if self._paged():  # only as many as the free pages hold (a prompt of n tokens holds ceil((n - 1) / page))
-      free, fit = self.engine.pages_free(run.state), 0
-      for i in take:
-        free -= self._pages_for(len(run.records[i].prompt_tokens) + run.records[i].response_len)
+    if self._paged():  # only as many as the free pages hold, beyond those reserved for the slots already running
+      free, fit = self._spare_pages(run), 0
+      for i in take:  # its tokens' pages and the page of its first decode write
+        free -= self._pages_for(len(run.records[i].prompt_tokens) + run.records[i].response_len + 1)
         if free < 0:
           run.page_blocked = True
           break
@@ -306,14 +306,12 @@ class AgentLoop:
       r.slot, r.device_len = s, r.response_len
       run.slot_rec[s] = r.index
       if r.index in run.seg_resume:  # preempted mid-segment: the same segment goes on
-        resumed.append((s, len(r.prompt_tokens) + r.segments[-1].start, run.seg_resume.pop(r.index)))
+        resumed.append((s, run.seg_resume.pop(r.index)))
       else:
         self._start_segment(r)
       run.decoding.add(s)
     if resumed:
-      run.state = self.engine.set_segment(
-        run.state, [s for s, _, _ in resumed], [p for _, p, _ in resumed], *zip(*[a for _, _, a in resumed])
-      )
+      run.state = self.engine.set_segment(run.state, [s for s, _ in resumed], [snap for _, snap in resumed])
 
   def _resume(self, run: _Run) -> None:
     """Extends paused slots with their tool results (already on the host record) when the round allows."""
@@ -328,11 +326,10 @@ class AgentLoop:
       and self._may_start(run, r)
     ]
     if recs and self._paged():
-      free, fit = self.engine.pages_free(run.state), []
+      free, fit = self._spare_pages(run), []
       for r in recs:
-        free -= self._pages_for(len(r.prompt_tokens) + r.response_len) - self._pages_for(
-          len(r.prompt_tokens) + r.device_len
-        )
+        p0 = len(r.prompt_tokens)
+        free -= self._pages_for(p0 + r.response_len + 1) - self._pages_for(p0 + r.device_len)
         if free < 0:
           run.page_blocked = True
           break
@@ -504,10 +501,12 @@ class AgentLoop:
     cut = {c.index: min(p.device_len, c.fork_pos) for p, c, _ in forks}
     if self._paged():  # at most a copied page for the fork, one for the cut, and the pages of the extension
       need = sum(
-        2 + self._pages_for(len(c.prompt_tokens) + c.fork_pos) - self._pages_for(len(c.prompt_tokens) + cut[c.index])
+        2
+        + self._pages_for(len(c.prompt_tokens) + c.fork_pos + 1)
+        - self._pages_for(len(c.prompt_tokens) + cut[c.index])
         for _, c, _ in forks
       )
-      if need > self.engine.pages_free(run.state):
+      if need > self._spare_pages(run):
         run.page_blocked = True
         for _, child, _ in forks:  # re-prefilled from the host tokens once pages are free
           child.slot = -1
@@ -543,6 +542,16 @@ class AgentLoop:
   def _pages_for(self, length: int) -> int:
     """Pages a slot of `length` tokens holds (aepo_jax/rollout/_pages.py)."""
     return -(-max(int(length) - 1, 0) // self.engine.page_size)
+
+  def _tokens_held(self, run: _Run, slot: int) -> int:
+    rec = run.records[run.slot_rec[slot]]
+    return len(rec.prompt_tokens) + rec.device_len
+
+  def _spare_pages(self, run: _Run) -> int:
+    """Free pages beyond one for each running or stalled slot (the page its next write may need): what admission,
+    extension and forks may take without starving the slots already going (a preempted trajectory would otherwise
+    take back at once the pages that a stalled slot was waiting for)."""
+    return self.engine.pages_free(run.state) - len(run.decoding) - len(run.stalled)
 
   def _resume_budget(self, rec) -> int:
     """The budget of a trajectory re-admitted mid-segment: its room, and what is left of the call's cap."""
@@ -580,20 +589,21 @@ class AgentLoop:
         f"{pool} tokens) cannot hold one trajectory of this rollout (prompt + max_response_len); raise "
         "rollout.kv_tokens (Engine num_pages)."
       )
-    s = max(waiting, key=lambda s: run.records[run.slot_rec[s]].device_len)
+    s = max(waiting, key=lambda s: self._tokens_held(run, s))
     idx = run.slot_rec[s]
-    if s in run.stalled:
-      info = self.engine.host_info(run.state)
-      run.seg_resume[idx] = (
-        int(info["seg_count"][s]),
-        float(info["seg_entropy_sum"][s]),
-        float(info["seg_topk_entropy_sum"][s]),
-      )
+    if s in run.stalled:  # mid-segment: its segment's per-position entropies go back in with the re-prefill
+      run.seg_resume[idx] = self.engine.segment_snapshot(run.state, s)
       run.stalled.discard(s)
     self._release(run, [s])
     run.restarts[idx] += 1
     run.preemptions += 1
     run.queue.append(idx)
+    if run.preemptions > 8 * len(run.records) + 16:  # never loop for ever: each preemption re-prefills a trajectory
+      raise RuntimeError(
+        f"AgentLoop: {run.preemptions} preemptions for {len(run.records)} trajectories: the KV page pool "
+        f"({self.engine.num_pages - 1} pages of {self.engine.page_size} tokens) is too small for this many slots at "
+        "these lengths; raise rollout.kv_tokens or lower rollout.max_slots."
+      )
 
   def _release(self, run: _Run, slots) -> None:
     slots = [s for s in slots if s in run.slot_rec]

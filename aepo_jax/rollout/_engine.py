@@ -71,7 +71,7 @@ _copy = jax.jit(_ops.copy_rows, donate_argnums=(0,))
 _truncate = jax.jit(_ops.truncate_rows, static_argnums=(3, 4), donate_argnums=(0,))
 _release = jax.jit(_ops.release_rows, donate_argnums=(0,))
 _resume = jax.jit(_ops.resume_rows, donate_argnums=(0,))
-_set_segment = jax.jit(_ops.set_segment, donate_argnums=(0,))
+_set_segment = jax.jit(_ops.set_segment, static_argnums=(6,), donate_argnums=(0,))
 
 
 class _PreparedWeights:
@@ -206,11 +206,11 @@ class Engine:
         "kv_layout='dense'."
       )
     self.kv_layout = kv_layout
+    if kv_layout == "paged" and int(page_size) < 1:
+      raise ValueError(f"Engine: page_size={page_size} must be >= 1 (tokens per KV page).")
     self.page_size = int(page_size) if kv_layout == "paged" else 0
     self.pages_per_slot = -(-self.max_len // self.page_size) if self.page_size else 0
     if self.page_size:
-      if self.page_size < 1:
-        raise ValueError(f"Engine: page_size={page_size} must be >= 1.")
       self.num_pages = int(num_pages) or self.max_slots * self.pages_per_slot + 1
       if self.num_pages < 2:
         raise ValueError(f"Engine: num_pages={num_pages} must be >= 2 (page 0 is the null page).")
@@ -326,9 +326,17 @@ class Engine:
   def lower_fill(self, params):
     """The lowered prefill/extend call: prefill_rows rows, one prefill_chunk each, reading the whole window."""
     state = self.abstract_decode_state()
-    chunk = min(self.prefill_chunk, self.max_len)
+    chunk, span = self._fill_chunk(self.prefill_chunk)
     rows = jax.ShapeDtypeStruct((_bucket(min(self.prefill_rows, self.max_slots)),), jnp.int32)
-    return _fill.lower(self.config, chunk, self.max_len, params, state, rows, rows)
+    return _fill.lower(self.config, chunk, span, params, state, rows, rows, rows if self.page_size else None)
+
+  def _fill_chunk(self, chunk: int) -> tuple:
+    """(tokens per prefill call and row, the window a call may reach): paged, whole pages (model.fill_cache_rows)."""
+    chunk = min(chunk, self.max_len)
+    if not self.page_size:
+      return chunk, self.max_len
+    span = self.pages_per_slot * self.page_size
+    return min(-(-chunk // self.page_size) * self.page_size, span), span
 
   def host_info(self, state: st.DecodeState) -> dict:
     """Per-slot summaries as numpy arrays (one small device-to-host transfer)."""
@@ -387,13 +395,9 @@ class Engine:
     need = end - begin
     if not need.size or need.max() <= 0:
       return state
-    chunk = min(self.prefill_chunk, self.max_len, _bucket(int(need.max()), lo=16))
-    span = self.max_len
+    chunk, span = self._fill_chunk(min(self.prefill_chunk, _bucket(int(need.max()), lo=16)))
     if self.page_size:  # whole pages: windows start on a page boundary and span whole pages (model.fill_cache_rows)
-      ps = self.page_size
-      span = self.pages_per_slot * ps
-      chunk = min(-(-chunk // ps) * ps, span)
-      begin = begin // ps * ps
+      begin = begin // self.page_size * self.page_size
     k = 0
     while True:
       start = begin + k * chunk
@@ -602,8 +606,8 @@ class Engine:
     parent = np.asarray(jax.device_get(state.rng))[src]
     if self.page_size:  # dst's pages go back first; each fork copies at most its parent's partly filled page
       state = _release(state, jnp.asarray(dst))
-      length = self.host_info(state)["length"][src]
-      self._need_pages(state, int(((length - 1) % self.page_size > 0).sum()), "copy_slots")
+      cached = np.maximum(self.host_info(state)["length"][src] - 1, 0)
+      self._need_pages(state, int((cached % self.page_size > 0).sum()), "copy_slots")
     keys = np.stack(
       [
         parent[i] if s is None else np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
@@ -622,8 +626,9 @@ class Engine:
         f"Engine.truncate: lengths {lengths.tolist()} must be one per slot within 1..current length {cur.tolist()}."
       )
     if self.page_size:
-      free, need = (int(x) for x in jax.device_get(_page_needs(state, jnp.asarray(slots), jnp.asarray(lengths))))
-      self._need_pages(state, need, "truncate", free=free)
+      free, need, enough = jax.device_get(_page_needs(state, jnp.asarray(slots), jnp.asarray(lengths)))
+      if not enough:
+        self._need_pages(state, int(need), "truncate", free=int(free))
     return _truncate(state, jnp.asarray(slots), jnp.asarray(lengths), self.entropy_window, self.tail_width)
 
   # ------------------------------------------------------------------------------------------------
@@ -671,19 +676,40 @@ class Engine:
     stopped; other slots are left as they are. Call it once pages are free (`pages_free`)."""
     return _resume(state, jnp.asarray(self._check_slots(slots)))
 
-  def set_segment(self, state, slots, starts, counts, entropy_sums, topk_entropy_sums):
-    """Sets the open segment of slots (start position, tokens generated in it, and its window's entropy sums, as
-    `host_info` reported them): a trajectory preempted mid-segment and re-prefilled by `add` continues the same
-    segment's statistic."""
+  def segment_snapshot(self, state, slot: int) -> dict:
+    """The open segment of a slot as numpy: its start and, from there to the slot's length, the per-position
+    generated flags and exact / top-k entropies (what `set_segment` restores after a re-prefill)."""
+    self._check_slots([slot], "slot")
+    start, length = (int(x) for x in jax.device_get((state.seg_start[slot], state.length[slot])))
+    gen, ent, topk = jax.device_get(
+      (
+        state.generated[slot, start:length],
+        state.entropy_buf[slot, start:length],
+        state.topk_entropy_buf[slot, start:length],
+      )
+    )
+    return {"start": start, "generated": np.asarray(gen), "entropy": np.asarray(ent), "topk_entropy": np.asarray(topk)}
+
+  def set_segment(self, state, slots, snapshots):
+    """Restores `segment_snapshot`s into slots re-prefilled by `add` with the same tokens (a trajectory preempted
+    mid-segment): the segment continues as if never interrupted (its count, window sums, and what `truncate`
+    recomputes)."""
     slots = self._check_slots(slots)
-    arr = lambda x, dt: jnp.asarray(np.asarray(x, dt).reshape(slots.shape))  # noqa: E731
+    n = slots.size
+    gen = np.zeros((n, self.max_len), bool)
+    ent, topk = np.zeros((n, self.max_len), np.float32), np.zeros((n, self.max_len), np.float32)
+    for i, snap in enumerate(snapshots):
+      a, b = snap["start"], snap["start"] + len(snap["generated"])
+      gen[i, a:b], ent[i, a:b], topk[i, a:b] = snap["generated"], snap["entropy"], snap["topk_entropy"]
+    starts = np.asarray([snap["start"] for snap in snapshots], np.int32)
     return _set_segment(
       state,
       jnp.asarray(slots),
-      arr(starts, np.int32),
-      arr(counts, np.int32),
-      arr(entropy_sums, np.float32),
-      arr(topk_entropy_sums, np.float32),
+      jnp.asarray(starts),
+      jnp.asarray(gen),
+      jnp.asarray(ent),
+      jnp.asarray(topk),
+      self.entropy_window,
     )
 
   def release(self, state, slots):

@@ -147,9 +147,11 @@ def decode(config, spec, num_steps: int, params, state, weights_t=None, rows=Non
       top_logprobs=jnp.zeros((s, n), jnp.float32),
     )
 
-  if state.paged and num_steps == 1:  # the paged engine's one step per call: no loop or cond around the pool,
-    # whose page-axis writes XLA:TPU does in place only outside them (aepo_jax/rollout/_pages.py)
-    state, out = decode_step(config, params, state, spec, weights_t)
+  if state.paged and num_steps == 1:  # the paged engine's one step per call: no loop around the pool, whose
+    # page-axis writes XLA:TPU does in place only outside one (aepo_jax/rollout/_pages.py); idle: skipped
+    state, out = jax.lax.cond(
+      jnp.any(state.active), lambda c: decode_step(config, params, c, spec, weights_t), idle, state
+    )
     return state, jax.tree.map(lambda x: x[:, None], out)
 
   def body(carry, _):
@@ -329,11 +331,12 @@ def release_rows(state, slots_n):
 
 
 def page_needs(state, slots_n, lengths_n):
-  """(free pages, pages `truncate_rows(state, slots_n, lengths_n)` takes: the shared last pages it copies)."""
+  """(free pages after the cut returns its pages, pages `truncate_rows(state, slots_n, lengths_n)` copies (shared
+  last pages), whether they are enough)."""
   ps = state.page_size
-  return _pages.free_count(state.page_refs), jnp.sum(
-    _pages.shrink_copies(state.page_table, state.page_refs, slots_n, lengths_n, ps)
-  )
+  _, refs, enough, (_, dst_m) = _pages.shrink(state.page_table, state.page_refs, slots_n, lengths_n, ps)
+  need = jnp.sum(_pages.shrink_copies(state.page_table, state.page_refs, slots_n, lengths_n, ps))
+  return _pages.free_count(refs) + jnp.sum(dst_m != _pages.NULL_PAGE), need, enough
 
 
 def resume_rows(state, slots_n):
@@ -345,11 +348,25 @@ def resume_rows(state, slots_n):
   )
 
 
-def set_segment(state, slots_n, start_n, count_n, sum_n, topk_sum_n):
-  """Sets the open segment's start and entropy accumulators (a trajectory re-prefilled mid-segment)."""
+def set_segment(state, slots_n, start_n, generated_nl, entropy_nl, topk_nl, window: int):
+  """Restores the open segment of rows re-prefilled mid-segment (a preempted trajectory): the per-position buffers
+  from `start_n` up to the row's length (generated flags, exact and top-k entropies), then the segment's start,
+  count, sums and `n_generated` recomputed from them as `truncate_rows` does."""
+  max_len = state.tokens.shape[1]
+  pos_l = jnp.arange(max_len)[None, :]
+  length = state.length[slots_n]
+  seg = (pos_l >= start_n[:, None]) & (pos_l < length[:, None])
+  gen = jnp.where(seg, generated_nl, state.generated[slots_n])
+  ent = jnp.where(seg, entropy_nl, state.entropy_buf[slots_n])
+  topk = jnp.where(seg, topk_nl, state.topk_entropy_buf[slots_n])
+  count = jnp.sum(gen & seg, axis=1).astype(jnp.int32)
   return state.replace(
+    generated=state.generated.at[slots_n].set(gen),
+    entropy_buf=state.entropy_buf.at[slots_n].set(ent),
+    topk_entropy_buf=state.topk_entropy_buf.at[slots_n].set(topk),
+    n_generated=state.n_generated.at[slots_n].set(jnp.sum(gen & (pos_l < length[:, None]), axis=1).astype(jnp.int32)),
     seg_start=state.seg_start.at[slots_n].set(start_n),
-    seg_count=state.seg_count.at[slots_n].set(count_n),
-    seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(sum_n),
-    seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(topk_sum_n),
+    seg_count=state.seg_count.at[slots_n].set(count),
+    seg_entropy_sum=state.seg_entropy_sum.at[slots_n].set(st.segment_sums(ent, start_n, count, window)),
+    seg_topk_entropy_sum=state.seg_topk_entropy_sum.at[slots_n].set(st.segment_sums(topk, start_n, count, window)),
   )

@@ -21,7 +21,7 @@ parent's full pages by count and copies only the partly filled last page; trunca
 past the new length and copies the boundary page first if another slot shares it. Every allocation is all or
 nothing: an operation that cannot get its pages leaves the state unchanged and reports it (the engine raises
 `OutOfPages`); a decode step that cannot get a page stops that slot (`stop_reason` 'out_of_pages') before it
-writes anything, and `Engine.extend(slot, [])` resumes it once pages are free.
+writes anything, and `Engine.resume(state, slots)` lets it go on in the same segment once pages are free.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ STOP_REASON_NAMES = {
   STOP_SEQUENCE: "stop_sequence",
   STOP_BUDGET: "length",
   STOP_CACHE_FULL: "cache_full",
-  STOP_NO_PAGES: "out_of_pages",  # paged cache: paused before writing; `Engine.extend(slot, [])` resumes it
+  STOP_NO_PAGES: "out_of_pages",  # paged cache: paused before writing; `Engine.resume` continues it
 }
 
 

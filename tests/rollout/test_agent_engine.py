@@ -208,3 +208,40 @@ def test_prompt_longer_than_cache_is_rejected(params):
 def test_entropy_window_must_match_the_engine(params):
   with pytest.raises(ValueError, match="entropy_window"):
     _loop().rollout(params, PROMPTS, rollout_policy("arpo", n=2, initial_rollouts=1, entropy_window=10))
+
+
+def test_preempted_trajectories_do_not_take_back_the_pages_a_stalled_slot_waits_for():
+  """Two trajectories of 43 tokens (11 pages of 4 each) and 12 usable pages: both stall, one is preempted, and
+  re-admitting it must not take the freed pages straight back from the other (a livelock found in review)."""
+  cfg = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    eos_token_ids=(96,),
+    pad_token_id=0,
+  )
+  p = init_params(cfg, jax.random.PRNGKey(0))
+  engine = Engine(
+    cfg, max_slots=2, max_len=64, eos_ids=[96], prefill_chunk=16, kv_layout="paged", page_size=4, num_pages=13
+  )
+
+  class Tok:
+    def decode(self, ids):
+      return " ".join(map(str, ids))
+
+    def encode(self, text, add_special_tokens=False):
+      return []
+
+  tools = ToolSet({"python": lambda code: "2"}, call_limit=10, retry_count=1, max_workers=2)
+  agent = AgentConfig(
+    max_response_len=40, max_tool_calls=0, chunk_steps=4, tool_tags=("python",), check_stop_strings=False
+  )
+  loop = AgentLoop(engine, Tok(), tools, agent)
+  tr = loop.rollout(p, [[6, 7, 8], [9, 10, 11]], rollout_policy("none", n=1), seed=0)
+  assert len(tr) == 2 and tr.stats["rollout/preemptions"] <= 4, tr.stats
+  assert loop.last_run.stall_events > 0

@@ -155,11 +155,13 @@ def test_out_of_pages_is_recoverable(params):
   other = 1 - stalled[0]
   s = eng.release(s, [other])
   before = eng.slot_tokens(s, stalled[0]).tolist()
-  s = eng.extend(params, s, [stalled[0]], [[]])
+  seg_before = int(eng.host_info(s)["seg_count"][stalled[0]])
+  s = eng.resume(s, [stalled[0]])
   s, out = eng.decode(params, s, 40)
   check_pages(eng, s)
   after = eng.slot_tokens(s, stalled[0]).tolist()
   assert after[: len(before)] == before and len(after) > len(before)
+  assert int(eng.host_info(s)["seg_count"][stalled[0]]) == seg_before + len(after) - len(before)  # same segment
   # The same continuation as a dense engine that never ran short.
   dense = make("dense", max_slots=3, max_len=64)
   d = dense.init_decode_state()
@@ -240,3 +242,35 @@ def test_paged_equals_dense_on_smollm2():
     np.testing.assert_array_equal(t_d, t_p)
     np.testing.assert_allclose(lp_d, lp_p, atol=5e-4)
     np.testing.assert_allclose(h_d, h_p, atol=5e-4)
+
+
+def test_a_segment_restored_after_a_re_prefill_equals_an_uninterrupted_one(params):
+  """A trajectory preempted mid-segment (released, re-prefilled from its tokens into another slot, `set_segment`
+  with its snapshot) continues the same segment: greedy, its tokens, and after a 2-token cut its count, window sums
+  and n_generated equal those of a slot that was never interrupted."""
+  eng = make("paged")
+  ref = eng.add(params, eng.init_decode_state(), [0], [[5, 6, 7, 8, 9]], [1], 10)
+  ref, _ = eng.decode(params, ref, 10)
+  s = eng.add(params, eng.init_decode_state(), [0], [[5, 6, 7, 8, 9]], [1], 10)
+  s, _ = eng.decode(params, s, 6)
+  snap, toks = eng.segment_snapshot(s, 0), eng.slot_tokens(s, 0).tolist()
+  assert snap["start"] == 5 and snap["generated"].sum() == 6
+  s = eng.release(s, [0])
+  s = eng.add(params, s, [1], [toks], [7], 4)
+  s = eng.set_segment(s, [1], [snap])
+  s, _ = eng.decode(params, s, 4)
+  assert eng.slot_tokens(s, 1).tolist() == eng.slot_tokens(ref, 0).tolist()
+  cut = len(toks) + 4 - 2
+  info_ref = eng.host_info(eng.truncate(ref, [0], [cut]))
+  info = eng.host_info(eng.truncate(s, [1], [cut]))
+  for key in ("seg_start", "seg_count", "n_generated"):
+    assert int(info[key][1]) == int(info_ref[key][0]), key
+  for key in ("seg_entropy_sum", "seg_topk_entropy_sum"):
+    np.testing.assert_allclose(info[key][1], info_ref[key][0], atol=1e-4)
+
+
+def test_lowered_prefill_rounds_its_chunk_to_whole_pages(params):
+  # prefill_chunk 6 and max_len 30 are no multiples of the page size 4: the lowered program is the one that runs
+  eng = Engine(CFG, max_slots=2, max_len=30, eos_ids=(), prefill_chunk=6, kv_layout="paged", page_size=PS)
+  assert eng._fill_chunk(6) == (8, 32)
+  eng.lower_fill(params).compile()
