@@ -6,7 +6,8 @@ Command:  python launch/tpu_pod.py --config=configs/aepo_gaia_8b.py --config.wor
 Hardware: a TPU v5p-64 slice (`v5p:4x4x2`, 32 chips; fsdp 8 x tensor 4; each host's 4 chips roll out its prompts).
   Compiled for v5p:4x4x2 with launch/compile.py (2026-12-01; 128 slots x 12,000 tokens per host, rollout.max_slots
   below the 256 trajectories a host holds, as 256 would need 113 GB of KV cache per chip): per-chip peaks update
-  18.9 GB, logprob 5.2 GB, prefill 65.8 GB, decode 65.4 GB of 95 GB.
+  18.9 GB, logprob 5.2 GB, prefill 72.2 GB, decode 64.3 GB of 95 GB (a paged KV pool of every slot's
+  full length, 56.8 GB per chip; decode through the Pallas paged-attention kernel).
 Needs: a Qwen3-8B cold-start SFT checkpoint (ARPO-SFT-54K) as an HF directory; hard_search_1k, gaia_test,
   hle_test (bundled); a search backend (default: replay of search_cache.json).
 Time: 45 RL steps (5 epochs x 9 steps of 128 prompts x 16 rollouts of up to 10,000 tokens); about a day.

@@ -5,8 +5,8 @@ Command:  python launch/tpu_pod.py --config=configs/aepo_gaia_qwq32b.py --config
           (':released' / ':cold_start' as in configs/aepo_gaia.py)
 Hardware: a TPU v5p-64 slice (`v5p:4x4x2`, 32 chips; fsdp 8 x tensor 4).
   Compiled for v5p:4x4x2 with launch/compile.py (2026-12-01; 48 slots x 8,192 tokens per host, rollout.max_slots
-  half the 96 trajectories a host holds): per-chip peaks update 45.7 GB, logprob 16.0 GB, prefill 57.5 GB,
-  decode 55.9 GB of 95 GB (the KV cache is 25.8 GB of it and grows linearly with rollout.max_slots).
+  half the 96 trajectories a host holds): per-chip peaks update 45.7 GB, logprob 16.0 GB, prefill 58.1 GB,
+  decode 56.1 GB of 95 GB (the paged KV pool, 393,216 tokens per host, is 25.8 GB of it: rollout.kv_tokens).
 Needs: a QwQ-32B cold-start SFT checkpoint (HF directory; model.shape 'qwq-32b' = the Qwen2.5-32B architecture);
   hard_search_1k, gaia_test, hle_test (bundled); a search backend.
 Time: 85 RL steps (5 epochs x 17 steps of 64 prompts x 12 rollouts); one to two days.

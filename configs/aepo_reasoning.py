@@ -5,7 +5,8 @@ Command:  python launch/tpu_pod.py --config=configs/aepo_reasoning.py --config.w
           (':released' for the released configuration, ':cold_start' for SFT first, as in configs/aepo_gaia.py)
 Hardware: a TPU v5p-64 slice (`v5p:4x4x2`, 32 chips; fsdp 8 x tensor 4; each host's 4 chips roll out its prompts).
   Compiled with `python launch/compile.py --config=configs/aepo_reasoning.py --topology=v5p:4x4x2` (2026-12-01;
-  256 slots x 5,632 tokens per host), per-chip peaks of 95 GB: update 11.5, logprob 4.3, prefill 28.0, decode 27.6.
+  256 slots x 5,632 tokens per host), per-chip peaks of 95 GB: update 11.5, logprob 4.3, prefill 30.3, decode 27.6
+  (a paged KV pool of every slot's full length).
 Needs: Qwen2.5-7B-Instruct as an HF directory; ARPO's train_10k (train) and valid (validation), bundled;
   python + search tools (search: replay of search_cache.json or a retrieval server).
 Time: 2 epochs x 79 steps of 128 prompts x 16 rollouts; about a day.

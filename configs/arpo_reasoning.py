@@ -8,11 +8,12 @@ Command:  python launch/tpu_pod.py --config=configs/arpo_reasoning.py:qwen2.5-3b
 Hardware: a TPU v5p-64 slice (`v5p:4x4x2`, 32 chips; fsdp 8 x tensor 4, the 3B model fsdp 16 x tensor 2).
   Compiled for v5p:4x4x2 with launch/compile.py (2026-12-01; 256 slots x 5,632 tokens per host; splash attention
   in update and logprob), per-chip peaks:
-    llama-3.1-8b: update 12.5 GB, logprob 4.2 GB, prefill 55.7 GB, decode 55.8 GB of 95 GB.
+    llama-3.1-8b: update 12.5 GB, logprob 4.2 GB, prefill 57.8 GB, decode 54.7 GB of 95 GB (paged KV pool).
     qwen2.5-3b: update 5.1 GB, logprob 1.8 GB, prefill 18.0 GB, decode 18.0 GB, with tensor 2 for training and a
       rollout mesh of 2 x 2, because its 2 KV heads cannot split over 4 chips (with tensor 4 every chip holds the
-      whole cache and prefill and decode do not fit: the dated compile is in docs/benchmarks.md).
-    qwen2.5-7b: update 11.5 GB (`--programs=update`); logprob 4.3, prefill 28.0, decode 27.6 GB are the programs of
+      whole cache and prefill and decode do not fit: the dated compile is in docs/benchmarks.md); its slots split
+      over 2 chips keep the dense KV cache (a paged pool is per host: rollout.kv_layout='auto').
+    qwen2.5-7b: update 11.5 GB (`--programs=update`); logprob 4.3, prefill 30.3, decode 27.6 GB are the programs of
       configs/aepo_reasoning.py (the same model and rollout shapes).
 Needs: the instruct model as an HF directory; ARPO's train_10k (train) and valid (validation), bundled; python +
   search tools (search: replay of search_cache.json or a retrieval server).
