@@ -7,7 +7,7 @@ Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_p
   task suite (arithmetic / lookup questions with a generated corpus), the real Python sandbox and local
   BM25 search over the suite's corpus.
 Time: 9-20 minutes on 2 cores depending on the VM's hour (16 SFT steps of 15-35 s, 5 RL steps of 40-120 s: rollouts,
-  two updates and two evaluations), peak RSS about 8.4 GB; latest (2026-12-01, seed 0): 7:49, 0.025 -> 0.375.
+  two updates and two evaluations), peak RSS about 8.4 GB; latest (2026-12-01, seed 0): 7:40, 0.025 -> 0.375.
   Every dated run is in docs/benchmarks.md. KNOB sizes set it.
 Design: 3/4 of the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.25), so after SFT the
   policy almost never calls the tool it needs and mostly answers wrong; RL has to teach it when to call tools.
