@@ -131,7 +131,7 @@ def test_a_sandbox_killed_mid_call_is_a_crash_not_an_answer():
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     out = fut.result(timeout=10)
-    assert time.monotonic() - t0 < 5  # the call ends with its program, not at its 30 s limit
+    assert time.monotonic() - t0 < 20  # the call ends with its program, not at its 30 s limit (loaded CI: slack)
     assert not out.ok and out.info["crashed"] and out.info["retries"] == 0, out  # not run again
     assert "Process killed by SIGKILL" in out.text, out.text
     m = toolset.metrics()
