@@ -258,7 +258,7 @@ def fork_vs_prefill(config, params, prefix_len: int = 512, kv_layout: str = "den
     holder["s"] = eng.copy_slots(holder["s"], [0], [2], [1])
     stats = eng.page_stats(holder["s"])
     out.update(
-      parent_pages=int(eng._held([prefix_len])[0]),
+      parent_pages=int(eng.pages_held(prefix_len)),
       fork_new_pages=free - stats["pages_free"],
       shared_pages=stats["pages_shared"],
     )

@@ -13,7 +13,7 @@ Engine (docs/rollout_contract.md):
                                                 (optional extra; jetstream is imported only when it is called)
 """
 
-from aepo_jax.rollout._engine import KV_LAYOUTS, Engine, OutOfPages
+from aepo_jax.rollout._engine import KV_LAYOUTS, Engine, OutOfPages, num_pages_for
 from aepo_jax.rollout._factory import make_engine
 from aepo_jax.rollout._sampling import SamplingParams, topk_entropy
 from aepo_jax.rollout._state import (

@@ -540,8 +540,7 @@ class AgentLoop:
     return bool(getattr(self.engine, "page_size", 0))
 
   def _pages_for(self, length: int) -> int:
-    """Pages a slot of `length` tokens holds (aepo_jax/rollout/_pages.py)."""
-    return -(-max(int(length) - 1, 0) // self.engine.page_size)
+    return int(self.engine.pages_held(length))
 
   def _tokens_held(self, run: _Run, slot: int) -> int:
     rec = run.records[run.slot_rec[slot]]
@@ -581,8 +580,7 @@ class AgentLoop:
     if done:  # finished trajectories kept as fork sources go first
       self._release(run, done)
       return
-    alone = len(run.slot_rec) == 1 and set(run.slot_rec) <= run.stalled  # one trajectory fills the pool by itself
-    if not waiting or alone:
+    if not waiting:  # nothing holds pages but what this rollout cannot run without (checked up front, so rare)
       pool = (self.engine.num_pages - 1) * self.engine.page_size
       raise RuntimeError(
         f"AgentLoop: the KV page pool ({self.engine.num_pages - 1} pages of {self.engine.page_size} tokens, "

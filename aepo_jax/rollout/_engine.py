@@ -65,7 +65,7 @@ _decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _decode_weights = jax.jit(_ops.decode_weights, static_argnums=(0,))
 _fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _page_needs = jax.jit(_ops.page_needs)
-_free_pages = jax.jit(lambda refs: _pages.free_count(refs))
+_free_pages = jax.jit(_pages.free_count)
 _start = jax.jit(_ops.start_rows, static_argnames=("reset_generated", "window", "width"), donate_argnums=(0,))
 _copy = jax.jit(_ops.copy_rows, donate_argnums=(0,))
 _truncate = jax.jit(_ops.truncate_rows, static_argnums=(3, 4), donate_argnums=(0,))
@@ -121,6 +121,11 @@ class OutOfPages(RuntimeError):
 
 
 KV_LAYOUTS = ("auto", "dense", "paged")
+
+
+def num_pages_for(kv_tokens: int, page_size: int) -> int:
+  """`Engine(num_pages=)` for a pool of `kv_tokens` tokens (+ the null page); 0 (every slot at max_len) for 0."""
+  return -(-int(kv_tokens) // int(page_size)) + 1 if kv_tokens else 0
 
 
 def _bucket(n: int, lo: int = 1) -> int:
@@ -216,9 +221,8 @@ class Engine:
         raise ValueError(f"Engine: num_pages={num_pages} must be >= 2 (page 0 is the null page).")
     else:
       self.num_pages = 0
-    if (
-      paged_kernel is None
-    ):  # the kernel's TPU lowering needs head_dim a multiple of 128 (aepo_jax/model/_paged_tpu.py)
+    # The kernel's TPU lowering needs head_dim a multiple of 128 (aepo_jax/model/_paged_tpu.py).
+    if paged_kernel is None:
       paged_kernel = "tpu" if platform == "tpu" and model_config.head_dim % 128 == 0 else ""
     if paged_kernel not in ("", "tpu", "interpret"):
       raise ValueError(f"Engine: paged_kernel={paged_kernel!r}; use None, '', 'tpu' or 'interpret'.")
@@ -456,7 +460,7 @@ class Engine:
     keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))), np.uint32) for s in seeds])
     if self.page_size:  # the slots' old pages go back first (add overwrites them), then the prompt's are counted
       state = _release(state, jnp.asarray(slots))
-      self._need_pages(state, int(self._held(lengths).sum()), "add")
+      self._need_pages(state, int(self.pages_held(lengths).sum()), "add")
     state = _start(
       state,
       jnp.asarray(slots),
@@ -501,7 +505,7 @@ class Engine:
       else jnp.asarray(np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
     )
     if self.page_size:
-      self._need_pages(state, int((self._held(new_len) - self._held(length)).sum()), "extend")
+      self._need_pages(state, int((self.pages_held(new_len) - self.pages_held(length)).sum()), "extend")
     state = _start(
       state,
       jnp.asarray(slots),
@@ -536,12 +540,14 @@ class Engine:
     if not 0 <= top_logprobs <= self.config.vocab_size:
       raise ValueError(f"Engine.decode: top_logprobs={top_logprobs} must be in [0, {self.config.vocab_size}].")
     weights_t = prepared_weights.get(self.config, params) if self.uses_cpu_kernels(params) else None
-    if (
+    if self.paged_kernel or (
       weights_t is not None
       and not self.page_size
       and model_lib.decode_attention_kernel_applies(self.config, state.cache["k"].dtype)
     ):
-      attend = self.max_len  # the kernel's attention reads each row's own entries: one compiled variant
+      # The kernel's attention (CPU decode kernel, or Pallas paged attention on TPU) reads each row's own entries
+      # only: one compiled variant and no host read for a window bucket.
+      attend = self.max_len
     else:  # XLA's attention reads only the cache prefix any row can reach in this call (one small host read)
       attend = self.attend_bucket(int(jax.device_get(jnp.max(state.length))) + int(num_steps))
     spec = self.step_spec(sampling, with_entropy, attend, top_logprobs)
@@ -606,8 +612,8 @@ class Engine:
     parent = np.asarray(jax.device_get(state.rng))[src]
     if self.page_size:  # dst's pages go back first; each fork copies at most its parent's partly filled page
       state = _release(state, jnp.asarray(dst))
-      cached = np.maximum(self.host_info(state)["length"][src] - 1, 0)
-      self._need_pages(state, int((cached % self.page_size > 0).sum()), "copy_slots")
+      partial = np.asarray(_pages.partly_filled(self.host_info(state)["length"][src], self.page_size))
+      self._need_pages(state, int(partial.sum()), "copy_slots")
     keys = np.stack(
       [
         parent[i] if s is None else np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))))
@@ -634,10 +640,9 @@ class Engine:
   # ------------------------------------------------------------------------------------------------
   # Pages (paged layout)
   # ------------------------------------------------------------------------------------------------
-  def _held(self, lengths) -> np.ndarray:
-    """Pages a slot of `lengths` tokens holds (see _pages.held)."""
-    cached = np.maximum(np.asarray(lengths, np.int64) - 1, 0)
-    return -(-cached // self.page_size)
+  def pages_held(self, lengths) -> np.ndarray:
+    """Pages a slot of `lengths` tokens holds (paged layout; _pages.held on the host)."""
+    return np.asarray(_pages.held(np.asarray(lengths, np.int64), self.page_size))
 
   def pages_free(self, state) -> int:
     """Free pages of the pool (0 for the dense layout). One small device read."""

@@ -333,10 +333,10 @@ def release_rows(state, slots_n):
 def page_needs(state, slots_n, lengths_n):
   """(free pages after the cut returns its pages, pages `truncate_rows(state, slots_n, lengths_n)` copies (shared
   last pages), whether they are enough)."""
-  ps = state.page_size
-  _, refs, enough, (_, dst_m) = _pages.shrink(state.page_table, state.page_refs, slots_n, lengths_n, ps)
-  need = jnp.sum(_pages.shrink_copies(state.page_table, state.page_refs, slots_n, lengths_n, ps))
-  return _pages.free_count(refs) + jnp.sum(dst_m != _pages.NULL_PAGE), need, enough
+  _, refs, enough, (src_m, dst_m) = _pages.shrink(
+    state.page_table, state.page_refs, slots_n, lengths_n, state.page_size
+  )
+  return _pages.free_count(refs) + jnp.sum(dst_m != _pages.NULL_PAGE), jnp.sum(src_m != _pages.NULL_PAGE), enough
 
 
 def resume_rows(state, slots_n):

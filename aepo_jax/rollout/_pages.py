@@ -46,7 +46,12 @@ def free_count(refs):
 
 def held(length_n, page_size: int):
   """Pages a slot with `length_n` tokens holds: ceil((length - 1) / page_size) (0 for an empty slot)."""
-  return jnp.maximum(length_n - 1, 0) // page_size + (jnp.maximum(length_n - 1, 0) % page_size > 0)
+  return -(-jnp.maximum(length_n - 1, 0) // page_size)
+
+
+def partly_filled(length_n, page_size: int):
+  """Whether the last page a slot with `length_n` tokens holds is only partly filled (a fork copies it)."""
+  return jnp.maximum(length_n - 1, 0) % page_size > 0
 
 
 def allocate(refs, need):
@@ -103,7 +108,7 @@ def fork(page_table, refs, src_n, dst_n, length_n, page_size: int):
   j = jnp.arange(p)[None, :]
   n_held = held(length_n, page_size)
   src_rows = page_table[src_n]
-  partial = (jnp.maximum(length_n - 1, 0) % page_size > 0) & (n_held > 0)  # the last held page is partly filled
+  partial = partly_filled(length_n, page_size)
   last = jnp.maximum(n_held - 1, 0)
   share = (j < n_held[:, None]) & ~(partial[:, None] & (j == last[:, None]))
   refs = refs.at[jnp.where(share, src_rows, NULL_PAGE)].add(share.astype(jnp.int32))
@@ -119,8 +124,7 @@ def shrink_copies(page_table, refs, slots_n, new_len_n, page_size: int):
   n_held = held(new_len_n, page_size)
   last = jnp.maximum(n_held - 1, 0)
   last_id = jnp.take_along_axis(page_table[slots_n], last[:, None], axis=1)[:, 0]
-  partial = (jnp.maximum(new_len_n - 1, 0) % page_size > 0) & (n_held > 0)
-  return partial & (refs[last_id] > 1)
+  return partly_filled(new_len_n, page_size) & (refs[last_id] > 1)
 
 
 def shrink(page_table, refs, slots_n, new_len_n, page_size: int):

@@ -244,7 +244,7 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
       cpu_kernels=False,
       kv_layout=r.kv_layout,
       page_size=r.page_size,
-      num_pages=-(-r.kv_tokens // r.page_size) + 1 if r.kv_tokens else 0,
+      num_pages=rollout_lib.num_pages_for(r.kv_tokens, r.page_size),
     )
     weights = _abstract(model_lib.param_shapes(engine_cfg), model_lib.param_shardings(engine_cfg, rmesh))
     resident = params_gb + opt_gb + ref_gb  # the training state stays on the chips during rollouts

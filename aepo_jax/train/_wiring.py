@@ -437,7 +437,7 @@ class Rollout:
       prefill_rows=r.prefill_rows,
       kv_layout=r.kv_layout,
       page_size=r.page_size,
-      num_pages=-(-r.kv_tokens // r.page_size) + 1 if r.kv_tokens else 0,
+      num_pages=rollout_lib.num_pages_for(r.kv_tokens, r.page_size),
     )
     self.loop = rollout_lib.AgentLoop(
       self.engine,
