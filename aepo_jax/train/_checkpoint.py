@@ -27,8 +27,10 @@ import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -47,6 +49,10 @@ log = logging.getLogger("aepo_jax.train")
 
 _MIN_FREE_BYTES = 64 << 20  # refuse to start with less free space than this in the work directory
 _PROBE_TIMEOUT_S = 5.0  # gcsfs retries an unreachable service for 60-90 s before it fails
+# After a failed async save, Orbax's signalling threads wait (300 s each, non-daemon) for a step that will never
+# come; the interpreter's exit waits for them. A failed save therefore bounds the exit: this long after the
+# interpreter starts shutting down, the process ends with status 1.
+_EXIT_GRACE_S = 15.0
 
 
 class CheckpointError(RuntimeError):
@@ -67,7 +73,11 @@ def is_remote(path: str) -> bool:
 
 
 def _no_answer(url: str, timeout_s: float) -> Optional[str]:
-  """Why `url` gives no HTTP answer within `timeout_s` (whole call, DNS included), or None if it answers."""
+  """Why `url` gives no HTTP answer within `timeout_s` (whole call, DNS included), or None if it answers.
+
+  One deadline, one message: a socket time-out and the join's deadline both read "no answer within N s", whichever
+  fires first; other failures (refused, unknown host) say what they are.
+  """
   result = {}
 
   def probe():
@@ -76,12 +86,17 @@ def _no_answer(url: str, timeout_s: float) -> Optional[str]:
     except urllib.error.HTTPError:  # any status: the service is there
       pass
     except Exception as e:  # noqa: BLE001 - reported as the reason
-      result["error"] = str(getattr(e, "reason", e))
+      reason = getattr(e, "reason", e)
+      timed_out = isinstance(reason, (socket.timeout, TimeoutError)) or isinstance(e, (socket.timeout, TimeoutError))
+      result["error"] = None if timed_out else str(reason)
+      result["timed_out"] = timed_out
 
   thread = threading.Thread(target=probe, daemon=True)
   thread.start()
   thread.join(timeout_s)
-  return f"no answer within {timeout_s:g} s" if thread.is_alive() else result.get("error")
+  if thread.is_alive() or result.get("timed_out"):
+    return f"no answer within {timeout_s:g} s"
+  return result.get("error")
 
 
 def check_remote(path: str, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
@@ -132,6 +147,58 @@ def check_writable(workdir: str, need_bytes: int = _MIN_FREE_BYTES) -> None:
         f"work directory {workdir!r} has {free / 2**20:.1f} MiB free but a checkpoint needs about "
         f"{need_bytes / 2**20:.1f} MiB; free space or choose another --config.workdir."
       )
+
+
+def save_failure(directory: str, step: int, e: BaseException, intact: Optional[int] = None) -> str:
+  """One line: which step's save failed, where, why, and what to do (permission, disk full, other)."""
+  text = _first_line(e)
+  code, path, x = None, directory, e
+  for _ in range(8):  # the OSError in the chain, if any, has the errno and the path
+    if x is None:
+      break
+    if isinstance(x, OSError):
+      code, path = x.errno, x.filename or directory
+      break
+    x = x.__cause__ or x.__context__
+  if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "Permission denied" in text or "Read-only" in text:
+    why, fix = f"permission denied on {path}", f"make {directory} writable (or choose another --config.workdir)"
+  elif code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "RESOURCE_EXHAUSTED" in text:
+    why, fix = f"the disk holding {directory} is full", "free space there (or choose another --config.workdir)"
+  else:
+    why, fix = text, f"check {directory} (or choose another --config.workdir)"
+  kept = f"the newest committed checkpoint (step {intact}) is untouched" if intact is not None else "no step committed"
+  return f"saving step {step} to {directory!r} failed: {why} ({text}). {fix}; {kept}, and rerunning resumes from it."
+
+
+_exit_bounded = False
+
+
+def bound_exit(grace_s: float = _EXIT_GRACE_S) -> None:
+  """Make the interpreter's exit end within `grace_s` even if non-daemon threads (Orbax's, after a failed save)
+  never finish: a daemon watchdog, started as the exit begins (before threads are joined), ends the process with
+  status 1. A process that exits sooner never sees it."""
+  global _exit_bounded
+  if _exit_bounded:
+    return
+  _exit_bounded = True
+
+  def watchdog():
+    time.sleep(grace_s)
+    try:
+      sys.stderr.write(f"(checkpoint save threads still waiting {grace_s:g} s after exit; ending the process)\n")
+      sys.stdout.flush()
+      sys.stderr.flush()
+    finally:
+      os._exit(1)
+
+  def arm():
+    threading.Thread(target=watchdog, name="aepo_jax-exit-watchdog", daemon=True).start()
+
+  register = getattr(threading, "_register_atexit", None)  # CPython: runs before non-daemon threads are joined
+  try:
+    register(arm)
+  except Exception:  # noqa: BLE001 - no hook before the joins: start the watchdog's clock now
+    arm()
 
 
 def tree_bytes(tree) -> int:
@@ -234,6 +301,7 @@ class Checkpointer:
     self._best_mode = best_mode
     self._async = async_save
     self._saving: Optional[int] = None  # the step whose async save is in flight
+    self._pending: Optional[int] = None  # the step whose async save has not been seen to finish
     self._pinned = _Pinned()
     if is_remote(self.directory):
       check_remote(self.directory)
@@ -321,17 +389,19 @@ class Checkpointer:
     meta["integrity"] = {"version": 1, "arrays": sums}
     if metrics is not None and self.best_metric and self.best_metric not in metrics:
       metrics = None
+    self.wait()  # the previous save's commit thread still reads `_saving`; its failure names its own step
+    self._saving = int(step)
     try:
-      self._mgr.wait_until_finished()  # the previous save's commit thread still reads `_saving`
-      self._saving = int(step)
       saved = self._mgr.save(
         int(step),
         args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
         metrics={k: float(v) for k, v in metrics.items()} if metrics else None,
         force=force,
       )
-    except OSError as e:
-      raise CheckpointError(f"saving step {step} to {self.directory!r} failed: {e}") from e
+    except Exception as e:  # noqa: BLE001 - OSError, or tensorstore's RESOURCE_EXHAUSTED as a ValueError
+      raise self._save_failed(int(step), e) from e
+    if saved and self._async:
+      self._pending = int(step)
     if saved and not self._async and jax.process_index() == 0:  # committed: a kill before this costs the manifest
       self._write_manifest(self._step_dir(step))
     return saved
@@ -518,11 +588,31 @@ class Checkpointer:
     """The `meta` item alone (its files are checked by the restore of the arrays that follows)."""
     return self._verified_meta(step, check_files=False)[1]
 
+  def _save_failed(self, step: int, e: BaseException) -> CheckpointError:
+    bound_exit()  # Orbax's threads of the failed save would hold the interpreter's exit
+    try:
+      intact = max([s for s in self._mgr.all_steps() if s != step], default=None)
+    except Exception:  # noqa: BLE001 - the message only
+      intact = None
+    return CheckpointError(save_failure(self.directory, step, e, intact))
+
+  def check(self):
+    """Raise (CheckpointError naming the step) if the last async save has failed; never waits for a running one.
+    The trainer calls it before every step, so a failed save stops the run at the next step, not the next save."""
+    if self._pending is None or self._mgr.is_saving_in_progress():
+      return
+    self.wait()
+
   def wait(self):
-    self._mgr.wait_until_finished()
+    """Wait for the async save in flight; CheckpointError naming its step if it failed."""
+    step, self._pending = self._pending, None
+    try:
+      self._mgr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - any failure of the background save
+      raise self._save_failed(step if step is not None else (self._saving or 0), e) from e
 
   def close(self):
-    self._mgr.wait_until_finished()
+    self.wait()
     self._mgr.close()
 
 
