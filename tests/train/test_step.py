@@ -16,6 +16,7 @@ from test_step_fixtures import (
   MB,
   TEMPERATURE,
   T,
+  float32_spread,
   host_params,
   max_abs_diff,
   reference_entropy,
@@ -126,8 +127,9 @@ def test_aepo_with_entropy_matches_reference():
   _, _, metrics, grads = _run(_step(1, loss="aepo", need_entropy=True), rl_batch(1))
   arrays = {k: jnp.asarray(v) for k, v in rl_arrays().items()}
   ref = jax.device_get(reference_grads(host_params(), arrays, "aepo"))
-  # Looser than ppo: standardising the entropy (÷ its std) amplifies the ~1e-7 chunked-vs-full differences.
-  assert max_abs_diff(grads, ref) <= 1e-5
+  # Standardising the entropy (÷ its std) amplifies float32 rounding: the bound is 4x the reference's own spread
+  # under one-ulp parameter moves (~1e-5 here, against ~1e-7 for ppo), not one machine's observed error.
+  assert max_abs_diff(grads, ref) <= 4 * float32_spread(arrays, "aepo")
   assert "actor/entropy_adv_factor_mean" in metrics
 
 
@@ -141,7 +143,9 @@ def test_logits_only_at_loss_positions_give_the_same_update():
   _, _, dense_metrics, dense_grads = _run(_step(M, loss="aepo", need_entropy=True), rl_batch(M))
   for capacity in (int(counts.min()),):
     _, _, metrics, grads = _run(_step(M, loss="aepo", need_entropy=True, logit_capacity=capacity), rl_batch(M))
-    assert max_abs_diff(grads, dense_grads) <= 1e-6, capacity
+    # Both are the jitted step in float32, differing in summation order only: AEPO's rounding spread bounds them.
+    arrays = {k: jnp.asarray(v) for k, v in rl_arrays().items()}
+    assert max_abs_diff(grads, dense_grads) <= 4 * float32_spread(arrays, "aepo"), capacity
     for k in ("train/loss", "actor/entropy_mean", "actor/ratio_max", "actor/pg_clipfrac"):
       np.testing.assert_allclose(metrics[k], dense_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
 

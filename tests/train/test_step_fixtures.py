@@ -117,3 +117,20 @@ def max_abs_diff(a, b):
   return max(
     float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
   )
+
+
+def float32_spread(arrays, loss="ppo", seeds=3, config=CFG):
+  """How far float32 rounding alone moves the reference gradient: the largest change of `reference_grads` when
+  every parameter is moved by one ulp (relative eps, random sign), over a few draws. Two float32 evaluations of the
+  same gradient that differ only in summation order (chunked vs full logits, fused vs not) differ by about this
+  much; tolerances are a small multiple of it, so they scale with the computation's own conditioning (AEPO's
+  entropy standardisation amplifies rounding ~100x over plain PPO) instead of one machine's observed error."""
+  ref = reference_grads(host_params(config=config), arrays, loss, config=config)
+  eps = np.float32(np.finfo(np.float32).eps)
+  spread = 0.0
+  for seed in range(seeds):
+    rng = np.random.default_rng(1000 + seed)
+    moved = jax.tree.map(lambda x: (x * (1 + eps * rng.choice([-1, 1], x.shape))).astype(x.dtype), host_params())
+    spread = max(spread, max_abs_diff(reference_grads(moved, arrays, loss, config=config), ref))
+  scale = max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(ref))
+  return max(spread, float(eps) * scale)  # never below one ulp of the largest gradient entry
