@@ -20,7 +20,8 @@ _OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/plots
 
 # panel name -> regexes of the metric names it shows
 PANELS = {
-  "reward": [r"^reward/mean$", r"^reward/format_errors$"],
+  "reward": [r"^reward/mean$"],
+  "format_errors": [r"^reward/format_errors$"],
   "accuracy": [r"^eval/.*accuracy$"],
   "entropy": [r"^actor/entropy_mean$", r"^rollout/sampler_entropy_mean$", r"^rollout/entropy_(initial|after_tool)$"],
   "clip_fractions": [r"^actor/.*clipfrac.*$"],
@@ -41,6 +42,7 @@ PANELS = {
 # y-axis label of each panel
 UNITS = {
   "reward": "reward",
+  "format_errors": "fraction of answers",
   "accuracy": "accuracy",
   "entropy": "nats",
   "clip_fractions": "fraction of tokens",
@@ -66,25 +68,35 @@ def global_steps(records) -> list:
 
 
 def series(records, name, xs_all=None):
+  """(xs, ys) of one metric on the global step axis, sorted by x (a step logged twice: the last record wins), so
+  no line ever runs back in x whatever order the phases wrote their records in."""
   xs_all = global_steps(records) if xs_all is None else xs_all
-  xs, ys = [], []
+  by_x = {}
   for r, x in zip(records, xs_all):
     v = r.get(name)
     if v is not None:
-      xs.append(x)
-      ys.append(v)
-  return xs, ys
+      by_x[x] = v
+  xs = sorted(by_x)
+  return xs, [by_x[x] for x in xs]
+
+
+def _draw(ax, xs, ys, name, small=False):
+  """Evaluations (a handful of points) as markers only; training series as lines (markers while short)."""
+  if name.startswith("eval/"):
+    ax.plot(xs, ys, ls="none", marker="D", ms=5, label=name)
+  else:
+    ax.plot(xs, ys, marker="o" if len(xs) < 30 and not small else None, ms=3, label=name)
 
 
 def _phase_marker(ax, records, xs_all):
-  """A dashed line where SFT ends and RL begins (when the run has both)."""
+  """A dashed line where SFT ends and RL begins (when the run has both), labelled inside the axes, below the title."""
   sft = [x for r, x in zip(records, xs_all) if _is_sft(r)]
   if sft and len(sft) < len(records):
-    ax.axvline(max(sft) + 0.5, color="grey", ls="--", lw=0.8)
-    ax.text(max(sft) + 0.5, 1.0, " RL", transform=ax.get_xaxis_transform(), fontsize=7, va="top", color="grey")
-    ax.text(
-      max(sft) + 0.5, 1.0, "SFT ", transform=ax.get_xaxis_transform(), fontsize=7, va="top", ha="right", color="grey"
-    )
+    x = max(sft) + 0.5
+    ax.axvline(x, color="grey", ls="--", lw=0.8)
+    style = dict(transform=ax.get_xaxis_transform(), fontsize=7, va="bottom", color="grey")
+    ax.text(x, 0.02, " RL", **style)
+    ax.text(x, 0.02, "SFT ", ha="right", **style)
 
 
 def plot_run(workdir: str, out: str) -> list[str]:
@@ -110,8 +122,7 @@ def plot_run(workdir: str, out: str) -> list[str]:
   for panel, chosen in panels.items():
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for n in chosen:
-      xs, ys = series(records, n, xs_all)
-      ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=n)
+      _draw(ax, *series(records, n, xs_all), n)
     _phase_marker(ax, records, xs_all)
     ax.set_title(panel.replace("_", " "))
     ax.set_xlabel(xlabel)
@@ -123,14 +134,15 @@ def plot_run(workdir: str, out: str) -> list[str]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     written.append(path)
-  written += _entropy_histograms(workdir, out, plt, HISTOGRAMS_FILE, read_metrics)
+  sft_total = max((int(r["step"]) for r in records if _is_sft(r)), default=0)
+  written += _entropy_histograms(workdir, out, plt, HISTOGRAMS_FILE, read_metrics, sft_total)
   if panels:
     cols = 3
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3 * rows), squeeze=False)
     for ax, (panel, chosen) in zip(axes.ravel(), panels.items()):
       for n in chosen:
-        ax.plot(*series(records, n, xs_all), label=n)
+        _draw(ax, *series(records, n, xs_all), n, small=True)
       _phase_marker(ax, records, xs_all)
       ax.set_title(panel.replace("_", " "))
       ax.set_xlabel(xlabel, fontsize=7)
@@ -147,8 +159,9 @@ def plot_run(workdir: str, out: str) -> list[str]:
   return written
 
 
-def _entropy_histograms(workdir, out, plt, hist_file, read_metrics):
-  """The token-entropy distribution at a few steps (first, middle, last), from histograms.jsonl."""
+def _entropy_histograms(workdir, out, plt, hist_file, read_metrics, sft_total=0):
+  """The token-entropy distribution at a few RL steps (first, middle, last), from histograms.jsonl, labelled with
+  the same global step numbers as the curves (RL step r is step sft_total + r)."""
   try:
     hists = [h for h in read_metrics(workdir, hist_file) if h.get("name") == "actor/entropy" and h.get("count")]
   except FileNotFoundError:
@@ -161,7 +174,7 @@ def _entropy_histograms(workdir, out, plt, hist_file, read_metrics):
     edges = h["edges"]
     centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
     total = max(sum(h["counts"]), 1)
-    ax.plot(centers, [c / total for c in h["counts"]], label=f"step {h['step']}")
+    ax.plot(centers, [c / total for c in h["counts"]], label=f"step {sft_total + int(h['step'])} (RL {h['step']})")
   ax.set_title("token entropy distribution")
   ax.set_xlabel("entropy (nats)")
   ax.legend(fontsize=7)

@@ -1,5 +1,6 @@
 """Metric writers (JSONL, TensorBoard), the reader used by plots, and launch/plot.py."""
 
+import functools
 import glob
 import json
 import math
@@ -75,6 +76,17 @@ def test_timer():
   assert set(out) == {"perf/rollout_s"} and out["perf/rollout_s"] >= 0 and t.pop() == {}
 
 
+@functools.cache
+def _load_plot_module():
+  """launch/plot.py as a module, loaded once (its absl flags may be defined only once per process)."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("aepo_plot", os.path.join(ROOT, "launch", "plot.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def test_plot_renders_pngs(tmp_path):
   w = JsonlWriter(str(tmp_path))
   rng = np.random.default_rng(0)
@@ -123,11 +135,7 @@ def test_plot_renders_pngs(tmp_path):
 
 def test_plot_puts_sft_then_rl_on_one_increasing_axis():
   """SFT steps 1..3 and RL steps 1..2 both log perf/tokens_per_s: on the plot's axis RL continues after SFT."""
-  import importlib.util
-
-  spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "launch", "plot.py"))
-  plot = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(plot)
+  plot = _load_plot_module()
   records = [{"step": s, "sft/nll": 1.0, "sft/step": s, "perf/tokens_per_s": 10.0 * s} for s in (1, 2, 3)]
   records += [{"step": 0, "eval/accuracy": 0.1}]
   records += [{"step": s, "reward/mean": 0.5, "perf/tokens_per_s": 5.0 * s} for s in (1, 2)]
@@ -188,3 +196,62 @@ def test_tensorboard_events_of_a_gs_workdir_land_in_the_bucket(gcs_emulator):
   assert {s: got[("reward/mean", s)] for s in range(1, 7)} == pytest.approx({s: s / 10 for s in range(1, 7)})
   assert not os.path.exists(staging)
   assert read_metrics(f"gs://{BUCKET}/tbrun")[-1]["reward/mean"] == pytest.approx(0.6)
+
+
+def test_plot_lines_never_run_back_in_x_and_every_panel_numbers_steps_alike(tmp_path, monkeypatch):
+  """A run as the trainer writes it: SFT steps 1..6 and RL steps 1..3 both log perf/* (and the RL records come
+  after an evaluation at RL step 0), so sorting by the raw step interleaves the phases. Every drawn series must be
+  strictly increasing in x, on one global step axis (RL step r at 6 + r) in every panel and in the histogram's
+  legend; fractions get their own axis; evaluations are markers."""
+  import matplotlib
+  import matplotlib.axes
+
+  matplotlib.use("Agg")
+  w = JsonlWriter(str(tmp_path))
+  for step in range(1, 7):
+    w.scalars(step, {"sft/step": step, "sft/nll": 2.0 - step / 10, "perf/tokens_per_s": 100.0 + step})
+  w.scalars(0, {"eval/accuracy": 0.1})
+  rng = np.random.default_rng(0)
+  for step in range(1, 4):
+    w.scalars(
+      step,
+      {
+        "reward/mean": step / 3,
+        "reward/format_errors": 0.5 / step,
+        "actor/entropy_mean": 1.0,
+        "perf/tokens_per_s": 50.0 + step,
+        "perf/rollout_s": 3.0,
+      },
+    )
+    w.histograms(step, {"actor/entropy": rng.gamma(2.0, 0.5, 100)})
+  w.scalars(3, {"eval/accuracy": 0.4})
+  w.flush()
+
+  drawn = []  # (label, xs, linestyle)
+  real_plot = matplotlib.axes.Axes.plot
+
+  def plot(self, *args, **kwargs):
+    lines = real_plot(self, *args, **kwargs)
+    for line in lines:
+      drawn.append((line.get_label(), list(line.get_xdata()), line.get_linestyle(), self))
+    return lines
+
+  monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+  written = _load_plot_module().plot_run(str(tmp_path), str(tmp_path / "plots"))
+  drawn = [(label, xs, ls, ax.get_title()) for label, xs, ls, ax in drawn]  # titles are set after the lines
+  assert any(p.endswith("throughput.png") for p in written)
+  curves = [(label, xs, ls, title) for label, xs, ls, title in drawn if title != "token entropy distribution"]
+  assert curves
+  for label, xs, _, _ in curves:
+    assert all(b > a for a, b in zip(xs, xs[1:])), f"{label}: x runs back: {xs}"
+  by_label = {}
+  for label, xs, ls, title in curves:
+    by_label.setdefault(label, []).append((xs, ls, title))
+  assert by_label["perf/tokens_per_s"][0][0] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+  assert by_label["reward/mean"][0][0] == [7, 8, 9]
+  assert all(ls == "None" for _, ls, _ in by_label["eval/accuracy"])  # markers only
+  assert by_label["eval/accuracy"][0][0] == [6, 9]
+  titles = {title for _, _, title in by_label["reward/format_errors"]}
+  assert titles == {"format errors"}  # a fraction never shares the reward axis
+  legend = [label for label, _, _, title in drawn if title == "token entropy distribution"]
+  assert legend == ["step 7 (RL 1)", "step 8 (RL 2)", "step 9 (RL 3)"]
