@@ -65,9 +65,14 @@ def _paged_attention(cache, q_shd, k_skd, v_skd, pos_s, page_table, write_page_s
   s, h, d = q_shd.shape
   kh, ps = cache["k"].shape[0], cache["k"].shape[2]
   off_s = pos_s % ps
-  # x.at[:, page_s, off_s]: adjacent indexed axes stay in place, so the update is [K, S, D]
-  ck = cache["k"].at[:, write_page_s, off_s].set(jnp.swapaxes(k_skd, 0, 1).astype(cache["k"].dtype))
-  cv = cache["v"].at[:, write_page_s, off_s].set(jnp.swapaxes(v_skd, 0, 1).astype(cache["v"].dtype))
+  # Every dim but head_dim indexed (heads too), so XLA:TPU scatters head_dim rows into the pool in its own layout;
+  # `pool.at[:, page_s, off_s]` (heads as a window) made it relayout the whole pool and copy it back, per layer and
+  # step (tests/model/test_paged_tpu.py reads the compiled program).
+  heads_ks = jnp.broadcast_to(jnp.arange(kh)[:, None], (kh, s))
+  page_ks = jnp.broadcast_to(write_page_s[None, :], (kh, s))
+  off_ks = jnp.broadcast_to(off_s[None, :], (kh, s))
+  ck = cache["k"].at[heads_ks, page_ks, off_ks].set(jnp.swapaxes(k_skd, 0, 1).astype(cache["k"].dtype))
+  cv = cache["v"].at[heads_ks, page_ks, off_ks].set(jnp.swapaxes(v_skd, 0, 1).astype(cache["v"].dtype))
   n = -(-attend_len // ps)
   table = page_table[:, :n]
   if kernel:

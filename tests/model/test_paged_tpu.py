@@ -149,3 +149,57 @@ def test_compiles_for_a_v6e_slice_with_heads_over_tensor():
   assert f"f32[{s},{h // 4},1,{d}]" in hlo  # the kernel's output on one chip: 10 of the 40 query heads
   assert compiled.output_shardings.spec == PartitionSpec(None, "tensor")
   assert seconds < 60, seconds
+
+
+def test_compiled_decode_writes_the_paged_pool_in_place():
+  """The engine's compiled TPU decode (XLA:TPU on this host) updates each layer's KV pool in its own layout. Scattering
+  the new entries as `pool.at[:, page_s, off_s]` (KV heads leading, not indexed) made XLA:TPU relayout the whole pool
+  (minor-to-major {3,0,2,1}) to scatter, then copy it back: two pool copies per layer and step (~200 MB each per chip
+  for Qwen3-14B on v5p:4x4x2, with 2 KV heads per chip). Indexing every dim but head_dim scatters head_dim rows into
+  the pool as laid out. Shapes: 2 KV heads per chip (8 over tensor=4), a 67 MB pool per chip and layer."""
+  if importlib.util.find_spec("libtpu") is None:
+    if os.environ.get("AEPO_JAX_REQUIRE_LIBTPU") == "1":
+      raise RuntimeError("libtpu is not installed but AEPO_JAX_REQUIRE_LIBTPU=1: pip install -e \".[tpu]\"")
+    pytest.skip("libtpu is not installed (pip install -e \".[tpu]\")")
+  import re
+
+  from aepo_jax import model as model_lib
+  from aepo_jax.model import ModelConfig
+  from aepo_jax.rollout import Engine
+  from aepo_jax.train._compile import _abstract, topology_devices
+
+  cfg = ModelConfig(
+    family="qwen3",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    qk_norm=True,
+    dtype="bfloat16",
+    param_dtype="bfloat16",
+  )
+  mesh = parallel.local_mesh({"data": 1, "fsdp": 1, "tensor": 4}, topology_devices("v6e:2x2"))
+  engine = Engine(
+    cfg,
+    max_slots=16,
+    max_len=512,
+    eos_ids=(0,),
+    mesh=mesh,
+    cpu_kernels=False,
+    kv_layout="paged",
+    page_size=64,
+    num_pages=2049,
+  )
+  weights = _abstract(model_lib.param_shapes(cfg), model_lib.param_shardings(cfg, mesh))
+  hlo = engine.lower_decode(weights, 4).compile().as_text()
+  pool = jax.tree.leaves(engine.abstract_decode_state().cache)[0]
+  per_chip = pool.sharding.shard_shape(pool.shape)
+  assert per_chip == (2, 2049, 64, 128), per_chip
+  shape = re.escape("bf16[" + ",".join(map(str, per_chip)) + "]")
+  layouts = re.findall(rf"{shape}\{{([\d,]+):", hlo)  # minor-to-major of every pool-shaped buffer
+  assert layouts and set(layouts) == {"3,2,1,0"}, sorted(set(layouts))
+  scatters = re.findall(rf"= {shape}\{{([\d,]+):\S* scatter\(", hlo)
+  assert len(scatters) == 4 and set(scatters) == {"3,2,1,0"}  # k and v of 2 layers, written in place
