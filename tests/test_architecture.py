@@ -17,6 +17,7 @@ ALLOWED = {  # docs/architecture.md's table
   "eval": {"model", "rollout", "tools", "rewards", "data", "train"},
   "train": {"parallel", "model", "objectives", "tools", "rewards", "data", "rollout", "serve", "eval"},
   "viz": {"objectives"},
+  "logs": set(),
   "testing": {"model", "tools"},
 }
 LAZY_ONLY = {("eval", "train"), ("train", "eval"), ("train", "serve")}  # never at module level

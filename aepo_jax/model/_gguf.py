@@ -184,12 +184,15 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
   """Writes an HF directory (float32 safetensors, config.json, generation_config.json, tokenizer) to out_dir."""
   from safetensors.numpy import save_file
 
+  from tqdm.auto import tqdm
+
   reader = open_gguf(gguf_path)
   hf_config = gguf_hf_config(reader)
   os.makedirs(out_dir, exist_ok=True)
-  save_file(
-    dict(gguf_tensors(reader, hf_config)), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"}
-  )
+  name = os.path.basename(gguf_path)
+  # A progress bar: dequantising takes ~20 s on 2 cores for SmolLM2-135M, minutes for larger files.
+  tensors = tqdm(gguf_tensors(reader, hf_config), total=len(reader.tensors), desc=f"converting {name}", unit="tensor")
+  save_file(dict(tensors), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf_config, f, indent=2)
   generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config[k] is not None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -54,6 +55,7 @@ def pretrained_dir(name: str, cache_dir: Optional[str] = None) -> str:
     if os.path.isfile(os.path.join(out, _DONE)):
       return out
     tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=root)  # same file system, so the rename below is atomic
+    logging.info("converting %s once from %s into %s (float32 safetensors)", name, gguf_path, out)
     try:
       convert_gguf(gguf_path, tmp)
       with open(os.path.join(tmp, _DONE), "w") as f:

@@ -38,11 +38,15 @@ class _Problems:
 
   def __init__(self, gs_timeout_s: float):
     self.items: list[str] = []
+    self.parts: list[str] = []  # the checklist part each item belongs to
+    self.part = ""  # the part now being checked
     self._remote: list[tuple[str, str, Callable]] = []
+    self._remote_parts: list[str] = []
     self._timeout = gs_timeout_s
 
-  def add(self, msg: str):
+  def add(self, msg: str, part: Optional[str] = None):
     self.items.append(msg)
+    self.parts.append(self.part if part is None else part)
 
   def remote(self, key: str, path: str, fn: Callable[[], Optional[str]]):
     """`fn()` returns a problem or None; it may raise (reported) or hang (reported at the deadline)."""
@@ -54,6 +58,7 @@ class _Problems:
       )
       return
     self._remote.append((key, path, fn))
+    self._remote_parts.append(self.part)
 
   def finish(self) -> list[str]:
     results: dict[int, Optional[str]] = {}
@@ -78,10 +83,11 @@ class _Problems:
       if i not in results:
         self.add(
           f"{key}: could not check {path} within {self._timeout:g} s (no network or GCS credentials on "
-          "this machine?); run the dry run where the job runs, or fix the path."
+          "this machine?); run the dry run where the job runs, or fix the path.",
+          self._remote_parts[i],
         )
       elif results[i]:
-        self.add(results[i])
+        self.add(results[i], self._remote_parts[i])
     return self.items
 
 
@@ -99,7 +105,7 @@ def _hub_message(key: str, name: str) -> str:
   base = name.rstrip("/").split("/")[-1]
   return (
     f"{key}={name!r} looks like a Hugging Face Hub id, and nothing is downloaded at run time. On a machine "
-    f"with network, run `huggingface-cli download {name} --local-dir {base}` (pip install huggingface_hub), "
+    f"with network, run `hf download {name} --local-dir {base}` (pip install huggingface_hub), "
     f"copy that directory to every host or to gs://BUCKET/models/{base}, and pass "
     f"--config.{key}=<that directory>."
   )
@@ -451,16 +457,48 @@ def _workdir(config, p: _Problems):
     p.add(f"workdir={w!r} is a file; give a directory.")
 
 
+# The parts of the check, in order: (name, what it checks), as the dry run's checklist lists them.
+CHECKLIST = (
+  ("model", "model.name / model.init resolve to weights on this machine or gs:// (nothing is downloaded)"),
+  ("tokenizer", "the tokenizer and its chat template load"),
+  ("data", "training and validation files exist and read with the configured fields"),
+  ("reward", "the reward and judge settings (files, URLs, API keys)"),
+  ("workdir", "the work directory is a directory or can be made"),
+  ("tools", "tool backends are known, their URLs well-formed, their API keys set"),
+)
+
+
+def checklist(config, *, probe: bool = False, gs_timeout_s: float = GS_TIMEOUT_S) -> list[tuple[str, str, list]]:
+  """[(part, what it checks, its problems)] in CHECKLIST order: what `--dry_run` prints before its verdict."""
+  p = _Problems(gs_timeout_s)
+  for part, fn in (("model", _model), ("tokenizer", _tokenizer), ("data", _data), ("reward", _reward)):
+    p.part = part
+    fn(config, p)
+  p.part = "workdir"
+  _workdir(config, p)
+  p.part = "tools"
+  _tools(config, p, probe)
+  p.finish()
+  return [(part, what, [m for m, q in zip(p.items, p.parts) if q == part]) for part, what in CHECKLIST]
+
+
 def preflight(config, *, probe: bool = False, gs_timeout_s: float = GS_TIMEOUT_S) -> list[str]:
   """Every problem that would stop `config` after start-up, as 'key: what, fix' strings; [] when none.
 
   probe=True also asks services (a retrieval server's GET /health): the main job's start-up check.
   """
-  p = _Problems(gs_timeout_s)
-  for part in (_model, _tokenizer, _data, _reward, _workdir):
-    part(config, p)
-  _tools(config, p, probe)
-  return p.finish()
+  return [m for _, _, problems in checklist(config, probe=probe, gs_timeout_s=gs_timeout_s) for m in problems]
+
+
+def format_checklist(rows, config_name: str = "") -> str:
+  """The checklist as lines a person reads: one line per part (OK or the number of problems), then the verdict."""
+  lines = [f"dry run{f' of {config_name}' if config_name else ''}:", "  OK       config values agree (validate)"]
+  for part, what, problems in rows:
+    status = "OK" if not problems else f"{len(problems)} PROBLEM{'S' if len(problems) > 1 else ''}"
+    lines.append(f"  {status:<9}{part}: {what}")
+  bad = sum(len(problems) for _, _, problems in rows)
+  lines.append("verdict: ready to run" if not bad else f"verdict: cannot run here ({bad} problem{'s' * (bad > 1)})")
+  return "\n".join(lines)
 
 
 def check(config, *, probe: bool = False, gs_timeout_s: float = GS_TIMEOUT_S):
