@@ -13,7 +13,8 @@ KL             `kl(name)(log_prob, ref_log_prob) -> kl_bt`; k1/kl, abs, k2/mse, 
 Aggregation    `aggregate`, `loss_normalizer` (global token-mean under gradient accumulation),
                `dynamic_bsz_scale` (verl's per-micro-batch weighting).
 DAPO extras    `dynamic_sampling_keep`, `overlong_reward_penalty`.
-Logits         `token_logprobs_and_entropy` (chunked over T), `entropy_from_logits`.
+Logits         `token_logprobs_and_entropy` (chunked over T; `HeadSharding`: vocabulary-sharded on a mesh),
+               `entropy_from_logits`.
 See docs/objectives.md for formulas, defaults and where the official code differs.
 """
 
@@ -66,7 +67,7 @@ from aepo_jax.objectives._advantages import (
 )
 from aepo_jax.objectives._kl import k1, k2, k3, kl_abs, kl_loss, kl_reward_penalty
 from aepo_jax.objectives._dapo import dynamic_sampling_keep, overlong_reward_penalty
-from aepo_jax.objectives._logits import entropy_from_logits, token_logprobs_and_entropy
+from aepo_jax.objectives._logits import HeadSharding, entropy_from_logits, token_logprobs_and_entropy
 
 __all__ = [
   "AGG_MODES",
@@ -118,4 +119,5 @@ __all__ = [
   "overlong_reward_penalty",
   "entropy_from_logits",
   "token_logprobs_and_entropy",
+  "HeadSharding",
 ]

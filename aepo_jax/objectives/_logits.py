@@ -10,11 +10,13 @@ operands. Given a function h -> logits, each chunk is a `jax.checkpoint`-ed `lax
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def entropy_from_logits(logits, lse=None):
@@ -53,6 +55,7 @@ def token_logprobs_and_entropy(
   capacity: int = 0,
   layout: str = "vd",
   max_saved_logits: int = 0,
+  sharding: Optional[HeadSharding] = None,
 ):
   """(log π(targets) [B, T], entropy [B, T]) from final hidden states, T processed in chunks.
 
@@ -88,16 +91,22 @@ def token_logprobs_and_entropy(
   b, t, d = hidden_btd.shape
   w = _check_matrix(unembed, d, layout)
 
-  def run(h_btd, tgt_bt):
+  def run(h_btd, tgt_bt, sh=None):
     if w is None:
       return _chunked(h_btd, tgt_bt, unembed, temperature, chunk_size)
-    save = h_btd.shape[0] * h_btd.shape[1] * w.shape[layout.index("v")] <= max_saved_logits
+    rows, v = h_btd.shape[0], w.shape[layout.index("v")]
+    if sh is not None and (rows % sh.size(sh.batch_axes) or v % sh.size((sh.vocab_axis,) if sh.vocab_axis else ())):
+      sh = None  # rows or vocabulary that do not divide over the mesh: the partitioner's path
+    per_chip = (rows // sh.size(sh.batch_axes)) * (v // sh.size((sh.vocab_axis,) if sh.vocab_axis else ())) if sh else 0
+    save = (per_chip if sh else rows * v) * h_btd.shape[1] <= max_saved_logits
     # Saved logits are all in memory anyway: then one chunk (no loop, no stacked outputs to initialise).
     c = h_btd.shape[1] if save else min(chunk_size, h_btd.shape[1])
+    if sh is not None:
+      return _sharded_head_logprobs(h_btd, w, tgt_bt, 1.0 / temperature, c, layout, save, sh)
     return _head_logprobs(h_btd, w, tgt_bt, 1.0 / temperature, c, layout, save)
 
   def dense(_=None):
-    return run(hidden_btd, targets_bt)
+    return run(hidden_btd, targets_bt, sharding)
 
   if where_bt is None or not capacity or capacity >= b * t:
     return dense()
@@ -254,3 +263,152 @@ def _head_bwd(inv_temp, c, layout, save_logits, res, cts):
 
 
 _head_logprobs.defvjp(_head_fwd, _head_bwd)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The matrix path on a mesh: the head gathered once per call, the vocabulary sharded, one gradient reduction
+# ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HeadSharding:
+  """How the LM head's log-probs run on a multi-device mesh (`token_logprobs_and_entropy(..., sharding=)`).
+
+  mesh: the training mesh. batch_axes: the mesh axes the rows of h are split over (e.g. ('data', 'fsdp')).
+  vocab_axis: the mesh axis the vocabulary is split over (e.g. 'tensor'; None: every chip holds all of it).
+  embed_axis: the axis the head's D dim is stored over (e.g. 'fsdp'), where the gradient is reduce-scattered.
+
+  Inside `jax.shard_map` each chip computes its rows' logits for its slice of the vocabulary, chunk by chunk, with
+  a log-softmax over the vocabulary axis (per chunk a max and two sums of [rows, C] scalars cross chips, never the
+  head); the head enters the map gathered over the batch axes once per call (forward, and once for the backward),
+  and its gradient leaves it reduced once (a reduce-scatter onto embed_axis). Without this, XLA's partitioner
+  all-gathers the head and all-reduces its gradient inside every chunk of the loop.
+  """
+
+  mesh: object
+  batch_axes: tuple
+  vocab_axis: Optional[str] = None
+  embed_axis: Optional[str] = None
+
+  def size(self, axes) -> int:
+    return int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+
+
+def _vocab_offset(vocab_axis, v_loc):
+  return jax.lax.axis_index(vocab_axis) * v_loc if vocab_axis else 0
+
+
+def _local_fwd(h_btd, w, tgt_bt, *, inv_temp, c, layout, save, vocab_axis):
+  """One chip's share: its rows, its vocabulary slice [V_loc] of the head. Returns per chunk the log-prob,
+  entropy, lse and (with `save`) the local logits."""
+  t = h_btd.shape[1]
+  w_vd, w_dv = _both_layouts(w, layout)
+  v_loc = w_vd.shape[0]
+  v0 = _vocab_offset(vocab_axis, v_loc)
+
+  def one(args):
+    h_bcd, tgt_bc = args
+    z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
+    m_bc = jnp.max(z_bcv, axis=-1)
+    if vocab_axis:
+      m_bc = jax.lax.pmax(m_bc, vocab_axis)
+    e_bcv = jnp.exp(z_bcv - m_bc[..., None])
+    local_bc = tgt_bc.astype(jnp.int32) - v0
+    inside_bc = (local_bc >= 0) & (local_bc < v_loc)
+    z_tgt_bc = jnp.take_along_axis(z_bcv, jnp.clip(local_bc, 0, v_loc - 1)[..., None], axis=-1)[..., 0]
+    sums = (jnp.sum(e_bcv, axis=-1), jnp.sum(e_bcv * z_bcv, axis=-1), jnp.where(inside_bc, z_tgt_bc, 0.0))
+    if vocab_axis:
+      sums = jax.lax.psum(sums, vocab_axis)
+    sum_e_bc, sum_ez_bc, z_tgt_bc = sums
+    lse_bc = m_bc + jnp.log(sum_e_bc)
+    return z_tgt_bc - lse_bc, lse_bc - sum_ez_bc / sum_e_bc, lse_bc, (z_bcv if save else None)
+
+  logp_nbc, ent_nbc, lse_nbc, z_nbcv = jax.lax.map(one, (_split(h_btd, c), _split(tgt_bt, c)))
+  return _join(logp_nbc, t), _join(ent_nbc, t), lse_nbc, ent_nbc, z_nbcv
+
+
+def _local_bwd(h_btd, w, tgt_bt, lse_nbc, ent_nbc, z_nbcv, g_logp_bt, g_ent_bt, *, inv_temp, c, layout, sh):
+  """One chip's gradients: dh of its rows (summed over the vocabulary axis once, after the loop) and the head's
+  gradient of its vocabulary slice (summed over the batch axes once: a reduce-scatter onto embed_axis)."""
+  b, t, d = h_btd.shape
+  dt = h_btd.dtype
+  w_vd, w_dv = _both_layouts(w, layout)
+  v_loc = w_vd.shape[0]
+  v0 = _vocab_offset(sh.vocab_axis, v_loc)
+
+  def one(dw_dv, args):
+    h_bcd, tgt_bc, lse_bc, ent_bc, glp_bc, gent_bc, z_bcv = args
+    if z_bcv is None:
+      z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
+    p_bcv = jnp.exp(z_bcv - lse_bc[..., None])
+    onehot = jnp.arange(v_loc, dtype=jnp.int32)[None, None, :] == (tgt_bc.astype(jnp.int32) - v0)[..., None]
+    dz_bcv = jnp.where(onehot, glp_bc[..., None], 0.0) - p_bcv * (
+      glp_bc[..., None] + gent_bc[..., None] * (z_bcv - (lse_bc - ent_bc)[..., None])
+    )
+    if inv_temp != 1.0:
+      dz_bcv = dz_bcv * inv_temp
+    dz_nv = dz_bcv.reshape(-1, v_loc).astype(dt)
+    h_nd = h_bcd.reshape(-1, d)
+    dh_bcd = jnp.dot(dz_nv, w_vd.astype(dt), preferred_element_type=jnp.float32).reshape(h_bcd.shape)
+    dw_dv = dw_dv + jnp.dot(_t(h_nd), dz_nv, preferred_element_type=jnp.float32)
+    return dw_dv, dh_bcd
+
+  xs = (
+    _split(h_btd, c),
+    _split(tgt_bt, c),
+    lse_nbc,
+    ent_nbc,
+    _split(g_logp_bt.astype(jnp.float32), c),
+    _split(g_ent_bt.astype(jnp.float32), c),
+    z_nbcv,
+  )
+  dw_dv, dh_nbcd = jax.lax.scan(one, jnp.zeros((d, v_loc), jnp.float32), xs)
+  dh_btd = _join(dh_nbcd, t)
+  if sh.vocab_axis:
+    dh_btd = jax.lax.psum(dh_btd, sh.vocab_axis)
+  dw = _t(_barrier(dw_dv)) if layout == "vd" else dw_dv  # the head's own layout
+  d_dim = 1 if layout == "vd" else 0
+  others = tuple(a for a in sh.batch_axes if a != sh.embed_axis)
+  if others:
+    dw = jax.lax.psum(dw, others)
+  if sh.embed_axis in sh.batch_axes:
+    dw = jax.lax.psum_scatter(dw, sh.embed_axis, scatter_dimension=d_dim, tiled=True)
+  return dh_btd.astype(dt), dw.astype(w_vd.dtype)
+
+
+def _specs(sh: HeadSharding, layout: str):
+  P = jax.sharding.PartitionSpec
+  rows = sh.batch_axes or None
+  w_in = P(sh.vocab_axis, None) if layout == "vd" else P(None, sh.vocab_axis)
+  scatter = sh.embed_axis if sh.embed_axis in sh.batch_axes else None
+  w_grad = P(sh.vocab_axis, scatter) if layout == "vd" else P(scatter, sh.vocab_axis)
+  return P(rows, None, None), w_in, P(rows, None), P(None, rows, None), P(None, rows, None, sh.vocab_axis), w_grad
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _sharded_head_logprobs(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits, sh):
+  """`_head_logprobs` on `sh.mesh` with the vocabulary split over `sh.vocab_axis` (see HeadSharding)."""
+  return _sharded_fwd(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits, sh)[0]
+
+
+def _sharded_fwd(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits, sh):
+  h_spec, w_spec, bt_spec, nbc_spec, nbcv_spec, _ = _specs(sh, layout)
+  fn = functools.partial(_local_fwd, inv_temp=inv_temp, c=c, layout=layout, save=save_logits, vocab_axis=sh.vocab_axis)
+  out_specs = (bt_spec, bt_spec, nbc_spec, nbc_spec, nbcv_spec if save_logits else None)
+  logp, ent, lse_nbc, ent_nbc, z_nbcv = jax.shard_map(
+    fn, mesh=sh.mesh, in_specs=(h_spec, w_spec, bt_spec), out_specs=out_specs, check_vma=False
+  )(h_btd, w, tgt_bt)
+  return (logp, ent), (h_btd, w, tgt_bt, lse_nbc, ent_nbc, z_nbcv)
+
+
+def _sharded_bwd(inv_temp, c, layout, save_logits, sh, res, cts):
+  h_btd, w, tgt_bt, lse_nbc, ent_nbc, z_nbcv = res
+  g_logp_bt, g_ent_bt = cts
+  h_spec, w_spec, bt_spec, nbc_spec, nbcv_spec, w_grad_spec = _specs(sh, layout)
+  fn = functools.partial(_local_bwd, inv_temp=inv_temp, c=c, layout=layout, sh=sh)
+  in_specs = (h_spec, w_spec, bt_spec, nbc_spec, nbc_spec, nbcv_spec if save_logits else None, bt_spec, bt_spec)
+  dh, dw = jax.shard_map(fn, mesh=sh.mesh, in_specs=in_specs, out_specs=(h_spec, w_grad_spec), check_vma=False)(
+    h_btd, w, tgt_bt, lse_nbc, ent_nbc, z_nbcv, g_logp_bt, g_ent_bt
+  )
+  return dh, dw, None
+
+
+_sharded_head_logprobs.defvjp(_sharded_fwd, _sharded_bwd)
