@@ -5,6 +5,11 @@ r"""Compile a config's RL step for a TPU slice on any host and say whether it fi
   python launch/compile.py --config=configs/aepo_gaia.py --topology=v6e:8x8 --config.rollout.max_slots=32
   python launch/tpu_pod.py --config=configs/aepo_gaia.py --dry_run --topology=v5p:4x4x2   # the same check
 
+Per program the table and the JSON also give the collective bytes one call moves per chip (loop trip counts
+included: `coll`, `collective_gb`, by kind in `collectives_gb`) and the bytes of any copy of a buffer of 64 MB or
+more (`large_copy_gb`: a relayout of a KV pool shows here). `--hlo_dir=DIR` writes each compiled program's text;
+"fits" leaves `--headroom` (5%) of HBM free.
+
 Builds the config's model, training mesh, batch and KV-cache shapes abstractly (no checkpoint is read: a gs://
 model takes its shape from `model.shape`) and compiles the four programs of an RL step with XLA:TPU: the update
 step and the log-prob pass on the whole slice, the engine's prefill and decode calls on one host's chips. Prints a
@@ -27,15 +32,17 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _TOPOLOGY = flags.DEFINE_string("topology", None, "TPU slice, e.g. v5p:4x4x2 (v5p-64), v6e:8x8, v5e:4x4, v4:2x2x2.")
 _PROGRAMS = flags.DEFINE_list("programs", ["update", "logprob", "prefill", "decode"], "Programs to compile.")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", "", "Write each compiled program's text to DIR/<program>.txt.")
+_HEADROOM = flags.DEFINE_float("headroom", 0.05, "Fraction of HBM left free in 'fits' (runtime, fragmentation).")
 
 
-def run(config, topology: str, programs=("update", "logprob", "prefill", "decode")) -> int:
+def run(config, topology: str, programs=("update", "logprob", "prefill", "decode"), hlo_dir="", headroom=0.05) -> int:
   """Compiles, prints the table and the JSON line; returns the exit status (0 fits, 1 does not)."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for TPU; run nothing on a local TPU, if any
   from aepo_jax.train import _compile, _config
 
   _config.validate(config)
-  return _compile.check(config, topology, programs)
+  return _compile.check(config, topology, programs, hlo_dir=hlo_dir, headroom=headroom)
 
 
 def main(argv):
@@ -45,7 +52,7 @@ def main(argv):
   from aepo_jax.train import _config
 
   config = _config.apply_model_overrides(_CONFIG.value, _MODEL_OVERRIDES)
-  sys.exit(run(config, _TOPOLOGY.value, _PROGRAMS.value))
+  sys.exit(run(config, _TOPOLOGY.value, _PROGRAMS.value, _HLO_DIR.value, _HEADROOM.value))
 
 
 _MODEL_OVERRIDES: dict = {}

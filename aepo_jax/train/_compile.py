@@ -56,6 +56,9 @@ class ProgramMemory:
   compile_s: float
   devices: int
   kernels: tuple = ()  # the Mosaic (Pallas TPU) kernels the program calls, e.g. 'splash_mha_fwd_segmented_residuals'
+  collective_gb: float = 0.0  # result bytes of its collectives on one chip per call, loop trip counts included
+  collectives: dict = dataclasses.field(default_factory=dict)  # kind -> GB per chip per call
+  copy_gb: float = 0.0  # bytes of copies of buffers >= 64 MB per call (relayouts of a KV pool, say): should be ~0
 
   @property
   def attention(self) -> str:
@@ -128,13 +131,17 @@ def mosaic_kernels(lowered) -> tuple:
   return tuple(sorted(set(re.findall(r'kernel_name = "([^"]+)"', lowered.as_text()))))
 
 
-def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemory:
-  """Compiles `lowered` and reads its per-chip memory. XLA:TPU refuses to compile a program whose temporaries
+def _memory(name, lowered, resident_gb, devices, args_gb: float, hlo_dir: str = "") -> ProgramMemory:
+  """Compiles `lowered` and reads its per-chip memory, collectives and large copies (aepo_jax/train/_hlo.py; with
+  `hlo_dir` the compiled text goes to <hlo_dir>/<name>.txt). XLA:TPU refuses to compile a program whose temporaries
   exceed the chip's HBM (RESOURCE_EXHAUSTED): that program is reported with the temporaries XLA asked for."""
+  from aepo_jax.train import _hlo
+
   kernels = mosaic_kernels(lowered)
   t0 = time.perf_counter()
   try:
-    m = lowered.compile().memory_analysis()
+    compiled = lowered.compile()
+    m = compiled.memory_analysis()
   except Exception as e:  # noqa: BLE001 - only an out-of-memory refusal is a result; anything else is raised
     need = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", str(e))
     if "RESOURCE_EXHAUSTED" not in str(e) or not need:
@@ -142,6 +149,16 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemor
     temp = float(need.group(1)) * {"K": 1e-6, "M": 1e-3, "G": 1.0, "T": 1e3}[need.group(2)] * 2**30 / GB
     log.warning("%s: XLA:TPU refused to compile it: %s", name, str(e).splitlines()[0][:300])
     return ProgramMemory(name, args_gb, 0.0, 0.0, temp, resident_gb, time.perf_counter() - t0, devices, kernels)
+  seconds = time.perf_counter() - t0
+  text = compiled.as_text()
+  if hlo_dir:
+    import os
+
+    os.makedirs(hlo_dir, exist_ok=True)
+    with open(os.path.join(hlo_dir, f"{name}.txt"), "w") as f:
+      f.write(text)
+  coll = {k: v.bytes / GB for k, v in _hlo.collectives(text).items() if v.bytes}
+  copies = sum(_hlo._bytes(shape) * n for shape, n in _hlo.large_copies(text, 64 * 2**20)) / GB
   return ProgramMemory(
     name,
     m.argument_size_in_bytes / GB,
@@ -149,13 +166,23 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float) -> ProgramMemor
     m.alias_size_in_bytes / GB,
     m.temp_size_in_bytes / GB,
     resident_gb,
-    time.perf_counter() - t0,
+    seconds,
     devices,
     kernels,
+    sum(coll.values()),
+    coll,
+    copies,
   )
 
 
-def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefill", "decode")) -> dict:
+def compile_plan(
+  config,
+  topology: str,
+  *,
+  programs=("update", "logprob", "prefill", "decode"),
+  hlo_dir: str = "",
+  headroom: float = 0.05,
+) -> dict:
   """Compiles the RL step's programs of `config` for `topology`; returns the report (see `report_json`)."""
   from aepo_jax import model as model_lib
   from aepo_jax import rollout as rollout_lib
@@ -208,7 +235,7 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
       keys.append("ref_log_prob")
     b = batch(mb_per_update, keys)
     out["programs"]["update"] = _memory(
-      "update", step.lower(params, opt_state, b), ref_gb, len(devices), params_gb + opt_gb + _per_chip_gb(b)
+      "update", step.lower(params, opt_state, b), ref_gb, len(devices), params_gb + opt_gb + _per_chip_gb(b), hlo_dir
     )
 
   if "logprob" in programs:
@@ -222,6 +249,7 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
       opt_gb + ref_gb,
       len(devices),
       params_gb + _per_chip_gb(b),
+      hlo_dir,
     )
 
   if "prefill" in programs or "decode" in programs:
@@ -260,12 +288,16 @@ def compile_plan(config, topology: str, *, programs=("update", "logprob", "prefi
     }
     state_gb = _per_chip_gb(weights) + _per_chip_gb(engine.abstract_decode_state())
     if "prefill" in programs:
-      out["programs"]["prefill"] = _memory("prefill", engine.lower_fill(weights), resident, len(host), state_gb)
+      out["programs"]["prefill"] = _memory(
+        "prefill", engine.lower_fill(weights), resident, len(host), state_gb, hlo_dir
+      )
     if "decode" in programs:
       out["programs"]["decode"] = _memory(
-        "decode", engine.lower_decode(weights, r.decode_chunk), resident, len(host), state_gb
+        "decode", engine.lower_decode(weights, r.decode_chunk), resident, len(host), state_gb, hlo_dir
       )
-  out["fits"] = all(p.peak_gb <= out["hbm_gb"] for p in out["programs"].values())
+  out["headroom"] = headroom
+  out["usable_gb"] = out["hbm_gb"] * (1.0 - headroom)  # what a program may take: HBM less a margin for the runtime
+  out["fits"] = all(p.peak_gb <= out["usable_gb"] for p in out["programs"].values())
   out["shardings"] = {
     "params": _describe(p_sh),
     "kv_cache": str(jax.tree.leaves(engine.abstract_decode_state().cache)[0].sharding.spec) if "rollout" in out else "",
@@ -316,9 +348,13 @@ def report_json(report: dict) -> dict:
         "compile_s": round(p.compile_s, 1),
         "attention": p.attention,
         "kernels": list(p.kernels),
+        "collective_gb": round(p.collective_gb, 3),
+        "collectives_gb": {k: round(v, 3) for k, v in p.collectives.items()},
+        "large_copy_gb": round(p.copy_gb, 3),
       }
       for name, p in report["programs"].items()
     },
+    "headroom": report.get("headroom", 0.0),
     "fits": bool(report["fits"]),
   }
 
@@ -340,16 +376,21 @@ def format_table(report: dict) -> str:
   )
   head = (
     f"{'program':<9}{'chips':>6}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'resident':>10}{'peak':>9}"
-    f"{'compile':>9}  fits  attention"
+    f"{'compile':>9}{'coll':>9}  fits  attention"
   )
   lines += [head, "-" * len(head)]
   for name, p in report["programs"].items():
-    ok = p.peak_gb <= report["hbm_gb"]
+    ok = p.peak_gb <= report.get("usable_gb", report["hbm_gb"])
     lines.append(
       f"{name:<9}{p.devices:>6}{p.argument_gb:>9.2f}{p.output_gb:>9.2f}{p.alias_gb:>9.2f}{p.temp_gb:>9.2f}"
-      f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s  {'yes' if ok else 'NO':<4}  {p.attention}"
+      f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s{p.collective_gb:>9.2f}  {'yes' if ok else 'NO':<4}  "
+      f"{p.attention}"
     )
-  lines.append("(GB per chip; peak = args + out - alias + temp + resident; attention: the kernels it calls, xla: none)")
+  lines.append(
+    "(GB per chip; peak = args + out - alias + temp + resident; fits: peak within HBM less "
+    f"{report.get('headroom', 0.0):.0%} headroom; coll: collective result bytes per call, loop trips included; "
+    "attention: the kernels it calls, xla: none)"
+  )
   sh = report.get("shardings", {})
   if sh:
     lines.append("parameter shardings: " + ", ".join(f"{k}={v}" for k, v in list(sh["params"].items())[:6]) + ", ...")
@@ -366,17 +407,20 @@ def format_table(report: dict) -> str:
 def advice(report: dict) -> list:
   """For each program over the chip's HBM: what to change."""
   return [
-    f"{name} needs {p.peak_gb:.1f} GB per chip > {report['hbm_gb']:.0f} GB: try {KNOBS[name]}."
+    f"{name} needs {p.peak_gb:.1f} GB per chip > {report.get('usable_gb', report['hbm_gb']):.1f} GB "
+    f"({report['hbm_gb']:.0f} GB less {report.get('headroom', 0.0):.0%} headroom): try {KNOBS[name]}."
     for name, p in report["programs"].items()
-    if p.peak_gb > report["hbm_gb"]
+    if p.peak_gb > report.get("usable_gb", report["hbm_gb"])
   ]
 
 
-def check(config, topology: str, programs=("update", "logprob", "prefill", "decode")) -> int:
+def check(
+  config, topology: str, programs=("update", "logprob", "prefill", "decode"), *, hlo_dir: str = "", headroom=0.05
+) -> int:
   """Compiles, prints the table and (last) the JSON line; returns the exit status: 0 fits, 1 does not."""
   import json
 
-  report = compile_plan(config, topology, programs=tuple(programs))
+  report = compile_plan(config, topology, programs=tuple(programs), hlo_dir=hlo_dir, headroom=headroom)
   print(format_table(report))
   for line in advice(report):
     print("does not fit: " + line)
