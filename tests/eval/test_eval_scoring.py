@@ -84,7 +84,7 @@ def test_transient_judge_failure_is_recorded_not_fatal():
 
 class SlowJudge:
   def judge(self, question, labeled, predicted):
-    time.sleep(10)
+    time.sleep(30)
     return True
 
 
@@ -105,7 +105,7 @@ def test_hostile_answer_costs_one_timeout_whatever_the_aliases(pool):
   # In-process, math-verify's own 5 s guard ran once per alias (three aliases: over 15 s).
   start = time.monotonic()
   out = Scorer(pool=pool, timeout_s=1.5).score(_ex("math", ["5", "6", "7"]), _ans("10^{10^{9}}-1"))
-  assert time.monotonic() - start < 4
+  assert time.monotonic() - start < 12  # one 1.5 s timeout (8x for a loaded machine), not one per alias (> 15 s)
   assert (out["score"], out["scorer"], out["extracted"]) == (0.0, "timeout", "10^{10^{9}}-1")
   assert out["score_error"].startswith("timeout")
   assert Scorer(pool=pool).score(_ex("math", ["25"]), _ans("025"))["correct"]  # the pool still serves
@@ -114,5 +114,5 @@ def test_hostile_answer_costs_one_timeout_whatever_the_aliases(pool):
 def test_judge_time_per_example_is_bounded(pool):
   start = time.monotonic()
   out = Scorer(SlowJudge(), pool=pool, judge_timeout_s=0.5).score(_ex("deep_search", ["Paris"]), _ans("Lyon"))
-  assert time.monotonic() - start < 3
+  assert time.monotonic() - start < 15  # the 0.5 s judge deadline, not the judge's 30 s
   assert out["scorer"] == "judge_failed" and "no verdict within 0.5 s" in out["judge_error"] and needs_rescore(out)

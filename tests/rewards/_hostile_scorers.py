@@ -31,6 +31,13 @@ def pid_scorer() -> int:
   return os.getpid()
 
 
+def interval_scorer(seconds: float) -> list:
+  """(pid, start, end) of a sleep, on the machine's monotonic clock (shared by every process)."""
+  start = time.monotonic()
+  time.sleep(seconds)
+  return [os.getpid(), start, time.monotonic()]
+
+
 def heavy_modules_loaded() -> list:
   import sys
 

@@ -230,16 +230,18 @@ def test_slow_body_cannot_hold_a_web_call(dribble_server, monkeypatch):
   monkeypatch.setenv("SERPER_API_KEY", "k")
   backend = SerperBackend(base_url=dribble_server + "/serper", timeout_s=2, retries=0)
   start = time.monotonic()
-  with pytest.raises(SearchError, match="no complete answer within 2 s"):
+  # The message names what remained of the attempt's 2 s at the request (.3g): 1.99 if taking the slot took >5 ms.
+  with pytest.raises(SearchError, match=r"no complete answer within (2|1\.9\d) s"):
     backend.search("q", 3)
-  assert time.monotonic() - start < 3
+  # The dribbled body takes ~70 s; ending within 20 s proves the 2 s deadline cut it (slack for a loaded machine).
+  assert time.monotonic() - start < 20
 
 
 def test_http_request_deadline_covers_headers_and_body(dribble_server, fake_api):
   start = time.monotonic()
   with pytest.raises(TimeoutError, match="no complete answer within 1 s"):
     http_request("GET", dribble_server, timeout_s=1)
-  assert time.monotonic() - start < 2
+  assert time.monotonic() - start < 15  # not the ~70 s the dribbled body takes (slack for a loaded machine)
   status, body = http_request("GET", fake_api + "/bing", timeout_s=5)
   assert status == 200 and json.loads(body)["webPages"]["value"][0]["name"] == "N"
   status, body = http_request("POST", fake_api + "/serper", data=b'{"q": "x", "num": 1}', timeout_s=5)
