@@ -13,6 +13,8 @@ KL             `kl(name)(log_prob, ref_log_prob) -> kl_bt`; k1/kl, abs, k2/mse, 
 Aggregation    `aggregate`, `loss_normalizer` (global token-mean under gradient accumulation),
                `dynamic_bsz_scale` (verl's per-micro-batch weighting).
 DAPO extras    `dynamic_sampling_keep`, `overlong_reward_penalty`.
+Off-policy     `off_policy(name)(proximal_log_prob, behaviour_log_prob, mask, **hp) -> (w, mask, metrics)`: none,
+               decoupled (AReaL), tis (truncated IS); `apply_off_policy(loss_fn, name, **hp)` for any policy loss.
 Logits         `token_logprobs_and_entropy` (chunked over T; `HeadSharding`: vocabulary-sharded on a mesh),
                `entropy_from_logits`.
 See docs/objectives.md for formulas, defaults and where the official code differs.
@@ -34,11 +36,14 @@ from aepo_jax.objectives._registry import (
   kl,
   list_advantages,
   list_kl_estimators,
+  list_off_policy,
   list_policy_losses,
+  off_policy,
   policy_loss,
   policy_loss_defaults,
   register_advantage,
   register_kl,
+  register_off_policy,
   register_policy_loss,
 )
 
@@ -68,8 +73,16 @@ from aepo_jax.objectives._advantages import (
 from aepo_jax.objectives._kl import k1, k2, k3, kl_abs, kl_loss, kl_reward_penalty
 from aepo_jax.objectives._dapo import dynamic_sampling_keep, overlong_reward_penalty
 from aepo_jax.objectives._logits import HeadSharding, entropy_from_logits, token_logprobs_and_entropy
+from aepo_jax.objectives._off_policy import apply_off_policy, check_off_policy, decoupled_weights, truncated_weights
 
 __all__ = [
+  "apply_off_policy",
+  "check_off_policy",
+  "decoupled_weights",
+  "truncated_weights",
+  "off_policy",
+  "list_off_policy",
+  "register_off_policy",
   "AGG_MODES",
   "aggregate",
   "dynamic_bsz_scale",

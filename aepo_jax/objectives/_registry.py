@@ -54,10 +54,12 @@ class Registry:
 POLICY_LOSSES = Registry("policy loss")
 ADVANTAGES = Registry("advantage estimator")
 KL_ESTIMATORS = Registry("KL estimator")
+OFF_POLICY = Registry("off-policy correction")
 
 register_policy_loss = POLICY_LOSSES.register
 register_advantage = ADVANTAGES.register
 register_kl = KL_ESTIMATORS.register
+register_off_policy = OFF_POLICY.register
 
 
 def policy_loss(name: str) -> Callable:
@@ -73,6 +75,16 @@ def advantage(name: str) -> Callable:
 def kl(name: str) -> Callable:
   """`fn(log_prob_bt, ref_log_prob_bt) -> kl_bt` per-token estimator."""
   return KL_ESTIMATORS.get(name)
+
+
+def off_policy(name: str) -> Callable:
+  """`fn(proximal_log_prob, behaviour_log_prob, mask, **hp) -> (weights_bt, mask_bt, metrics)`: per-token
+  importance weights (stop-gradient) and the mask of tokens the loss keeps."""
+  return OFF_POLICY.get(name)
+
+
+def list_off_policy() -> list[str]:
+  return OFF_POLICY.names()
 
 
 def list_policy_losses() -> list[str]:
