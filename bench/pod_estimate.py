@@ -23,12 +23,11 @@ _CHIPS = flags.DEFINE_integer("chips", 32, "Chips in the slice.")
 _HOST_CHIPS = flags.DEFINE_integer("host_chips", 4, "Chips per host (each host decodes its own prompts).")
 _MFU = flags.DEFINE_list("mfu", ["0.3", "0.5"], "MFU values to turn the FLOPs into step times.")
 
-# Per chip: bf16 dense TFLOP/s and HBM GB/s (Cloud TPU documentation).
-PEAKS = {"v4": (275e12, 1228e9), "v5e": (197e12, 819e9), "v5p": (459e12, 2765e9), "v6e": (918e12, 1640e9)}
 
 
 def estimate(config, chip: str, chips: int, host_chips: int, mfus) -> list:
   from aepo_jax.train import _compile
+  from aepo_jax.train._compile import PEAKS
 
   cfg = _compile.model_config(config)
   r, d = config.rollout, config.data

@@ -33,6 +33,8 @@ log = logging.getLogger("aepo_jax.compile")
 GB = 1e9
 # HBM per chip by generation (Cloud TPU documentation), in GB.
 HBM_GB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
+# Per chip: bf16 dense FLOP/s and HBM bytes/s (Cloud TPU documentation), for the estimates in bench/.
+PEAKS = {"v4": (275e12, 1228e9), "v5e": (197e12, 819e9), "v5p": (459e12, 2765e9), "v6e": (918e12, 1640e9)}
 KNOBS = {
   "update": "train.micro_batch_size (rows per micro-batch), model.remat=True, mesh.fsdp / mesh.tensor (more "
   "sharding), rollout.max_response_len",
