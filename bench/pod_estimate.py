@@ -24,7 +24,6 @@ _HOST_CHIPS = flags.DEFINE_integer("host_chips", 4, "Chips per host (each host d
 _MFU = flags.DEFINE_list("mfu", ["0.3", "0.5"], "MFU values to turn the FLOPs into step times.")
 
 
-
 def estimate(config, chip: str, chips: int, host_chips: int, mfus) -> list:
   from aepo_jax.train import _compile
   from aepo_jax.train._compile import PEAKS

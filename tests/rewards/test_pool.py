@@ -62,9 +62,7 @@ def test_items_run_in_parallel_workers(pool):
   assert len(pids) == 2
   # Parallel means two calls' sleeps overlap in time (no wall-clock bound, which a loaded machine breaks).
   spans = pool.map(hs.interval_scorer, [(0.5,)] * 4)
-  assert any(
-    a[0] != b[0] and a[1] < b[2] and b[1] < a[2] for i, a in enumerate(spans) for b in spans[i + 1 :]
-  ), spans
+  assert any(a[0] != b[0] and a[1] < b[2] and b[1] < a[2] for i, a in enumerate(spans) for b in spans[i + 1 :]), spans
 
 
 def test_workers_stay_light(pool):
