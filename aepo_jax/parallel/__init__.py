@@ -2,6 +2,8 @@
 
 make_mesh(shape, devices=None)                         a Mesh over the axes MESH_AXES (physical TPU topology order)
 local_mesh(shape=(1, 1, -1))                           a Mesh over this process's own devices (its rollouts)
+emulate_topology(slice) / emulated_topology()          CPU meshes in a TPU slice's device order (e.g. "v5p:2x2x2")
+topology_devices(slice) / slice_hosts(slice)           a TPU slice's chips with their process_index / (hosts, chips each)
 DEFAULT_RULES                                          logical axis -> mesh axis table
 logical_sharding(logical_specs, shapes, mesh, rules)   NamedShardings for a pytree
 shard_params(params, logical_axes, mesh, rules)        device_put a pytree onto those shardings
@@ -27,14 +29,19 @@ from aepo_jax.parallel._distributed import (
 )
 from aepo_jax.parallel._mesh import (
   DEFAULT_RULES,
+  EMULATE_TOPOLOGY_ENV,
   MESH_AXES,
   activation_spec,
   constrain,
   current_mesh,
+  emulate_topology,
+  emulated_topology,
   local_mesh,
   logical_sharding,
   logical_to_mesh,
   make_mesh,
   sharding_context,
+  slice_hosts,
+  topology_devices,
 )
 from aepo_jax.parallel._xla_flags import CPU_XLA_FLAGS, use_cpu_xla_flags

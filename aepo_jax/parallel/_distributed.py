@@ -138,12 +138,13 @@ def allgather_json(obj) -> list:
 # Host-local copies of global arrays (rollouts: every host decodes on its own devices).
 # ---------------------------------------------------------------------------------------------------------
 def hosts_mesh(shape=(1, 1, -1)):
-  """A mesh ('hosts', data, fsdp, tensor) over all devices in which row p is process p's `local_mesh(shape)`: an
-  array sharded on it with a spec that does not name 'hosts' is a full copy on every host's own devices."""
+  """A mesh ('hosts', data, fsdp, tensor) over all devices in which row p is process p's `local_mesh(shape)` (built by
+  the same code, in the same device order): an array sharded on it with a spec that does not name 'hosts' is a full
+  copy on every host's own devices."""
   by_process: dict = {}
   for d in jax.devices():
     by_process.setdefault(d.process_index, []).append(d)
-  rows = [local_mesh(shape, sorted(devs, key=lambda d: d.id)).devices for _, devs in sorted(by_process.items())]
+  rows = [local_mesh(shape, devs).devices for _, devs in sorted(by_process.items())]
   if len({r.shape for r in rows}) != 1:
     raise ValueError(
       f"hosts_mesh: processes have different local meshes {[r.shape for r in rows]}; every host "
@@ -156,10 +157,11 @@ def to_host_local(tree, local_shardings, dtype=None):
   """Every process's own copy of the global arrays `tree` on its local mesh (the meshes of `local_shardings`, a
   matching pytree of NamedShardings over `local_mesh(...)`), cast to `dtype` if given.
 
-  One jitted reshard over all devices (every process must call it at the same point, like any collective);
-  afterwards each copy is an ordinary single-process array, so hosts can compute on it independently, with no
-  cross-host collective. On one process this is a plain reshard and cast, and a no-op (the same arrays) when the
-  tree already has those shardings and dtype."""
+  A cast where the arrays are (one jitted program on their own mesh), then one reshard onto the hosts mesh (every
+  process must call it at the same point, like any collective); the training mesh may order its devices in any way
+  (a TPU slice's mesh is not host by host). Afterwards each copy is an ordinary single-process array, so hosts can
+  compute on it independently, with no cross-host collective. On one process this is a plain reshard and cast, and a
+  no-op (the same arrays) when the tree already has those shardings and dtype."""
   leaves, treedef = jax.tree.flatten(tree)
   shardings = treedef.flatten_up_to(local_shardings)
   dtypes = [np.dtype(dtype) if dtype is not None and np.issubdtype(x.dtype, np.floating) else x.dtype for x in leaves]
@@ -180,8 +182,19 @@ def to_host_local(tree, local_shardings, dtype=None):
   mesh = shardings[0].mesh
   shape = tuple(mesh.shape[a] for a in MESH_AXES)
   everywhere = hosts_mesh(shape)
+  mine = everywhere.devices[jax.process_index()]
+  for s in shardings:
+    if s.mesh.devices.shape != mine.shape or any(a != b for a, b in zip(s.mesh.devices.flat, mine.flat)):
+      raise ValueError(
+        "to_host_local: the rollout shardings are not on this process's local_mesh; build them on "
+        "parallel.local_mesh(...) (the same order on every host)."
+      )
   global_sh = [jax.sharding.NamedSharding(everywhere, s.spec) for s in shardings]
-  copies = jax.jit(cast, out_shardings=global_sh)(*leaves)
+  cast_dtypes = any(x.dtype != dt for x, dt in zip(leaves, dtypes))
+  # A jitted program's inputs and outputs share one device order, so the cast stays on the training mesh and the
+  # move to the hosts mesh (another order of the same devices) is device_put's reshard.
+  casted = jax.jit(cast, out_shardings=[x.sharding for x in leaves])(*leaves) if cast_dtypes else leaves
+  copies = jax.device_put(casted, global_sh)
   out = [
     jax.make_array_from_single_device_arrays(x.shape, s, [shard.data for shard in x.addressable_shards])
     for x, s in zip(copies, shardings)

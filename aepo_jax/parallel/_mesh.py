@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 from typing import Mapping, Optional, Sequence
 
 import flax.linen as nn
@@ -44,7 +45,8 @@ def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Optional[Sequen
   On TPU the device order follows the physical topology (`jax.experimental.mesh_utils`), so the tensor axis,
   which talks most, maps onto neighbouring chips; with several slices (multi-slice, devices with distinct
   `slice_index`) the data axis spans the slices over DCN and the others stay inside each slice's ICI. CPU
-  devices (and any platform mesh_utils has no layout for) are used in the order given."""
+  devices (and any platform mesh_utils has no layout for) are used in the order given, unless a TPU slice's order
+  is emulated (`emulate_topology`): then they are laid out as that slice's chips would be."""
   if isinstance(shape, Mapping):
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
@@ -69,6 +71,9 @@ def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Optional[Sequen
 
 
 def _device_array(sizes: list, devices: list) -> np.ndarray:
+  emulation = _emulation() if devices[0].platform == "cpu" else None
+  if emulation is not None:  # the slice's order, mapped onto CPU devices
+    return emulation.to_cpu(_device_array(sizes, emulation.to_topology(devices)))
   if devices[0].platform != "tpu" or len(devices) == 1:
     return np.asarray(devices).reshape(sizes)
   from jax.experimental import mesh_utils
@@ -83,6 +88,117 @@ def _device_array(sizes: list, devices: list) -> np.ndarray:
     ici = [sizes[0] // len(slices)] + sizes[1:]
     return mesh_utils.create_hybrid_device_mesh(ici, [len(slices), 1, 1], devices, allow_split_physical_axes=True)
   return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A TPU slice's device order on CPU processes. CPU devices are process-major (`jax.devices()`); a slice's meshes are
+# not (mesh_utils orders chips by physical coordinates, so a mesh axis may alternate between hosts). With a slice
+# named here, every mesh built by `make_mesh` / `local_mesh` / `hosts_mesh` over CPU devices is built for the
+# slice's chips by the same TPU code and mapped back: chip (process p, local index i) -> CPU device (p, i).
+# ---------------------------------------------------------------------------------------------------------
+EMULATE_TOPOLOGY_ENV = "AEPO_EMULATE_TOPOLOGY"
+_EMULATE: dict = {"name": None, "cache": None}
+
+
+class _Emulation:
+  """The two-way map between a slice's chips (`jax.experimental.topologies`) and this run's CPU devices."""
+
+  def __init__(self, name: str, topo_devices: Sequence, cpu_devices: Sequence):
+    self.name = name
+    self._to_topo, self._to_cpu = {}, {}
+    for p in sorted({d.process_index for d in topo_devices}):
+      chips = sorted((d for d in topo_devices if d.process_index == p), key=lambda d: d.id)
+      cpus = sorted((d for d in cpu_devices if d.process_index == p), key=lambda d: d.id)
+      for chip, cpu in zip(chips, cpus):
+        self._to_topo[cpu.id], self._to_cpu[chip.id] = chip, cpu
+
+  def to_topology(self, devices: Sequence) -> list:
+    missing = [d for d in devices if d.id not in self._to_topo]
+    if missing:
+      raise ValueError(f"emulated slice {self.name}: devices {missing} have no chip of the slice.")
+    return [self._to_topo[d.id] for d in devices]
+
+  def to_cpu(self, chips: np.ndarray) -> np.ndarray:
+    out = np.empty(chips.shape, dtype=object)
+    for index, chip in np.ndenumerate(chips):
+      out[index] = self._to_cpu[chip.id]
+    return out
+
+
+def topology_devices(name: str) -> list:
+  """The chips of the TPU slice `name` (e.g. "v5p:2x2x2", "v6e:4x4"), each with its `process_index`; needs libtpu
+  (it runs on a CPU host: no TPU is claimed)."""
+  from jax.experimental import topologies
+
+  try:
+    return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+  except Exception as e:  # libtpu missing, or a name it does not know
+    raise ValueError(
+      f"cannot describe the TPU slice {name!r} ({type(e).__name__}: {e}); give a slice such as v5p:2x2x2 or "
+      "v6e:4x4 and install libtpu (pip install 'jax[tpu]')."
+    ) from e
+
+
+def slice_hosts(name: str) -> tuple[int, int]:
+  """(hosts, chips per host) of the TPU slice `name` (libtpu, no TPU claimed): the processes and the CPU devices per
+  process (`--xla_force_host_platform_device_count`) that emulate it. Safe before JAX's CPU backend starts."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # see _emulation
+  chips = topology_devices(name)
+  per_host = {p: sum(d.process_index == p for d in chips) for p in {d.process_index for d in chips}}
+  if len(set(per_host.values())) != 1:
+    raise ValueError(f"the TPU slice {name} has hosts with different chip counts {per_host}; it cannot be emulated.")
+  return len(per_host), next(iter(per_host.values()))
+
+
+def emulate_topology(name: Optional[str]) -> None:
+  """Build every mesh of this run (on CPU devices) in the device order of the TPU slice `name`; None drops this
+  setting (AEPO_EMULATE_TOPOLOGY, if set, still applies). Checks at once that the run has the slice's processes and
+  devices per process; call it after `initialize_distributed` and before any mesh is built. The environment variable
+  AEPO_EMULATE_TOPOLOGY=SLICE does the same, read when the first mesh is built."""
+  _EMULATE["name"], _EMULATE["cache"] = (name or None), None
+  if name:
+    _emulation()
+
+
+def emulated_topology() -> Optional[str]:
+  """The slice whose order CPU meshes follow (`emulate_topology` or AEPO_EMULATE_TOPOLOGY), or None."""
+  return _EMULATE["name"] or os.environ.get(EMULATE_TOPOLOGY_ENV) or None
+
+
+def _emulation() -> Optional[_Emulation]:
+  name = emulated_topology()
+  if not name:
+    return None
+  cpu = jax.devices()
+  key = (name, tuple(d.id for d in cpu))
+  cached = _EMULATE["cache"]
+  if cached is not None and cached[0] == key:
+    return cached[1]
+  if cpu[0].platform != "cpu":
+    raise ValueError(
+      f"emulating the TPU slice {name} is for CPU processes, but this run's devices are {cpu[0].platform}: a real "
+      "slice already has its own order; drop --emulate_topology / AEPO_EMULATE_TOPOLOGY."
+    )
+  # Every process describes the slice with libtpu (no TPU claimed); without this only one process on the machine could
+  # load it (/tmp/libtpu_lockfile).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  chips = topology_devices(name)
+  hosts = sorted({d.process_index for d in chips})
+  per_host = {p: sum(d.process_index == p for d in chips) for p in hosts}
+  have = {p: sum(d.process_index == p for d in cpu) for p in sorted({d.process_index for d in cpu})}
+  if have != per_host:
+    each = sorted(set(per_host.values()))
+    raise ValueError(
+      f"the TPU slice {name} has {len(hosts)} hosts with {each[0] if len(each) == 1 else each} chips each, but this "
+      f"run has {len(have)} processes with {sorted(set(have.values()))} devices each: start {len(hosts)} processes "
+      f"(--num_processes={len(hosts)}) with XLA_FLAGS=--xla_force_host_platform_device_count={each[0]}."
+    )
+  emulation = _Emulation(name, chips, cpu)
+  _EMULATE["cache"] = (key, emulation)
+  logging.info(
+    "meshes in the order of the TPU slice %s: %d hosts x %d devices", name, len(hosts), next(iter(per_host.values()))
+  )
+  return emulation
 
 
 def local_mesh(shape: Mapping[str, int] | Sequence[int] = (1, 1, -1), devices: Optional[Sequence] = None) -> Mesh:

@@ -11,8 +11,9 @@ Every array of a batch is aligned with `tokens` (column t describes token t, as 
   sampler_log_prob float32 the engine's log-prob (for sampler/trainer mismatch metrics)
 Rows are padded up to whole micro-batches with empty rows (all masks 0), which no aggregation counts.
 `T` is padded to `seq_len` so one compiled step serves every batch. Batches are numpy until
-`shard_batch` puts them on the mesh; in a multi-process run each process builds the rows it owns and
-`shard_batch` assembles the global array.
+`shard_batch` puts them on the mesh; in a multi-process run each process keeps the rows its devices hold
+(`process_rows`, from the batch sharding's own index map, in any mesh order) and `shard_batch` assembles the global
+array.
 """
 
 from __future__ import annotations
@@ -216,22 +217,64 @@ def batch_sharding(mesh, rules=DEFAULT_RULES):
   return jax.sharding.NamedSharding(mesh, logical_to_mesh(BATCH_LOGICAL_SPEC, rules))
 
 
+def batch_rows(mesh, rows: int, process: Optional[int] = None, rules=DEFAULT_RULES) -> np.ndarray:
+  """The rows (ascending) of a `rows`-row micro-batch that process `process`'s devices hold (default: this process),
+  read from the batch sharding's own index map: on a TPU slice's mesh they need not be contiguous (v5p:2x2x2 with
+  mesh (1, 4, 2): process 0 holds rows {0-1, 4-5} of 8), and two processes may hold the same rows (a mesh axis that
+  replicates the batch spans hosts)."""
+  p = jax.process_index() if process is None else process
+  index_map = batch_sharding(mesh, rules).devices_indices_map((1, rows, 1))
+  held = set()
+  for device, index in index_map.items():
+    if device.process_index == p:
+      held.update(range(*index[1].indices(rows)))
+  return np.asarray(sorted(held), np.int64)
+
+
+def _check_rows(name: str, rows: int, mesh) -> None:
+  rows_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+  if rows % rows_devices:
+    raise ValueError(
+      f"batch {name!r}: {rows} rows per micro-batch cannot be split over the "
+      f"mesh's data×fsdp = {rows_devices} devices; make micro_batch_size a multiple of it"
+    )
+
+
 def shard_batch(batch_np: Mapping[str, np.ndarray], mesh, rules=DEFAULT_RULES) -> dict[str, jax.Array]:
-  """Global device arrays from this process's rows. With P processes each passes [K, mb/P, T] (its own
-  contiguous share of every micro-batch); on one process this is a plain device_put."""
+  """Global device arrays from this process's rows: with several processes each passes [K, r, T], the rows of every
+  micro-batch that its devices hold (`process_rows`: `batch_rows` of the global micro-batch, in ascending order);
+  on one process the whole batch (a plain device_put)."""
   sharding = batch_sharding(mesh, rules)
-  n_proc = jax.process_count()
   out = {}
+  if jax.process_count() == 1:
+    for name, x in batch_np.items():
+      x = np.asarray(x)
+      _check_rows(name, x.shape[1], mesh)
+      out[name] = jax.device_put(x, sharding)
+    return out
+  rows_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+  blocks = len(batch_rows(mesh, rows_devices, rules=rules))  # the batch blocks (one row each here) this host holds
   for name, x in batch_np.items():
     x = np.asarray(x)
-    global_shape = (x.shape[0], x.shape[1] * n_proc) + x.shape[2:]
-    rows_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    if global_shape[1] % rows_devices:
+    if (x.shape[1] * rows_devices) % blocks:
       raise ValueError(
-        f"batch {name!r}: {global_shape[1]} rows per micro-batch cannot be split over the "
-        f"mesh's data×fsdp = {rows_devices} devices; make micro_batch_size a multiple of it"
+        f"batch {name!r}: {x.shape[1]} local rows per micro-batch are not {blocks} equal blocks (this host's share "
+        "of the mesh's data×fsdp devices); pass process_rows(global batch, mesh)"
       )
-    out[name] = jax.make_array_from_process_local_data(sharding, x, global_shape)
+    rows = x.shape[1] * rows_devices // blocks
+    _check_rows(name, rows, mesh)
+    held = batch_rows(mesh, rows, rules=rules)
+    if len(held) != x.shape[1]:
+      raise ValueError(f"batch {name!r}: {x.shape[1]} local rows, but this host's devices hold {len(held)} rows")
+    position = np.full((rows,), -1, np.int64)
+    position[held] = np.arange(len(held))
+    global_shape = (x.shape[0], rows) + x.shape[2:]
+
+    def local(index, x=x, position=position, rows=rows):
+      take = position[np.arange(rows)[index[1]]]
+      return x[index[0]][:, take][(slice(None), slice(None)) + tuple(index[2:])]
+
+    out[name] = jax.make_array_from_callback(global_shape, sharding, local)
   return out
 
 
@@ -308,13 +351,18 @@ def merge_hosts(parts: Sequence, *, pad_id: int):
   return dataclasses.replace(parts[0], stop_reason_b=[], response_text=[], kind_b=[], stats=stats, **out)
 
 
-def process_rows(batch_np: Mapping[str, np.ndarray]) -> dict:
-  """This process's contiguous share of every micro-batch of a global [K, mb, T] batch (`shard_batch` then
-  assembles the global arrays from every process's share)."""
-  p, n = jax.process_index(), jax.process_count()
-  if n == 1:
+def process_rows(batch_np: Mapping[str, np.ndarray], mesh, rules=DEFAULT_RULES) -> dict:
+  """The rows of every micro-batch of a global [K, mb, T] batch that this process's devices hold on `mesh`
+  (`batch_rows`, in ascending order; `shard_batch` then assembles the global arrays from every process's rows).
+  One process: the whole batch."""
+  if jax.process_count() == 1:
     return dict(batch_np)
-  return {k: np.split(np.asarray(v), n, axis=1)[p] for k, v in batch_np.items()}
+  out = {}
+  for k, v in batch_np.items():
+    v = np.asarray(v)
+    _check_rows(k, v.shape[1], mesh)
+    out[k] = v[:, batch_rows(mesh, v.shape[1], rules=rules)]
+  return out
 
 
 def global_value(x: jax.Array) -> np.ndarray:
