@@ -95,7 +95,7 @@ def export(
       f"--checkpoint={checkpoint!r} is already a Hugging Face model ({ref.kind}); give a training "
       "workdir, .../checkpoints/rl or .../checkpoints/rl/<step>."
     )
-  ckpt = _checkpoint.Checkpointer(ref.directory, async_save=False)
+  ckpt = _checkpoint.Checkpointer(ref.directory, read_only=True)  # never cleans a writer's save
   try:
     step = ckpt.latest_step() if ref.step is None else ref.step
     if step is None:

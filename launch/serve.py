@@ -7,6 +7,10 @@ r"""Serve a checkpoint behind an OpenAI-compatible HTTP API (docs/serving.md).
 
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "Hi", "max_tokens": 16}'
 
+Every route but /health needs `Authorization: Bearer KEY` when --api_key (or $AEPO_JAX_API_KEY) is set, which a
+server listening beyond this machine (--host=0.0.0.0) should have; requests must name this server in their Host
+header (its address, localhost, an IP address when it listens on every interface, or a name in --allowed_hosts).
+
 --checkpoint takes what `launch/evaluate.py` takes: a bundled name, an HF directory (local or gs://), or an Orbax
 training checkpoint (its model config and tokenizer come from the checkpoint). SIGTERM or Ctrl-C stops taking
 requests, lets running ones finish for --drain_seconds, then exits.
@@ -35,6 +39,13 @@ _DRAIN = flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, how long running
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Parameter and compute dtype (float32, bfloat16).")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "KV-cache dtype (default: the model's).")
 _PLATFORM = flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, tpu, gpu).")
+_API_KEY = flags.DEFINE_string(
+  "api_key", None, "Key every route but /health requires (Authorization: Bearer KEY); default $AEPO_JAX_API_KEY."
+)
+_ALLOWED_HOSTS = flags.DEFINE_list(
+  "allowed_hosts", [], "Host header names accepted besides the address, localhost and IP literals ('*': any)."
+)
+_IDLE = flags.DEFINE_float("idle_timeout", 60.0, "Seconds a connection may send nothing (or not read) before closing.")
 _WARMUP = flags.DEFINE_enum(
   "warmup",
   "full",
@@ -64,19 +75,28 @@ def main(argv):
   except CheckpointNotFoundError as e:
     raise SystemExit(f"error: {e}")
   name = _NAME.value or _CKPT.value  # vLLM's default: the model argument as given
-  server = Server(
-    policy.config,
-    policy.params,
-    policy.tokenizer,
-    model_name=name,
-    max_slots=_SLOTS.value,
-    max_len=_LEN.value,
-    host=_HOST.value,
-    port=_PORT.value,
-    steps_per_call=_STEPS.value,
-    max_queue=_QUEUE.value,
-    cache_dtype=_CACHE_DTYPE.value,
-  )
+  api_key = _API_KEY.value or os.environ.get("AEPO_JAX_API_KEY") or None
+  if api_key is None and _HOST.value not in ("127.0.0.1", "localhost", "::1"):
+    logging.warning("serve: listening on %s without an API key: anyone who reaches it can use it.", _HOST.value)
+  try:
+    server = Server(
+      policy.config,
+      policy.params,
+      policy.tokenizer,
+      model_name=name,
+      max_slots=_SLOTS.value,
+      max_len=_LEN.value,
+      host=_HOST.value,
+      port=_PORT.value,
+      steps_per_call=_STEPS.value,
+      max_queue=_QUEUE.value,
+      cache_dtype=_CACHE_DTYPE.value,
+      api_key=api_key,
+      allowed_hosts=_ALLOWED_HOSTS.value,
+      idle_timeout_s=_IDLE.value,
+    )
+  except (ValueError, OSError) as e:  # --max_len beyond the model's context, an address in use, ...
+    raise SystemExit(f"error: {e}")
 
   def stop(signum, frame):
     del frame

@@ -130,6 +130,27 @@ def _orbax_tokenizer_source(meta: dict) -> Optional[str]:
   return None
 
 
+def training_config(ref: CheckpointRef | str) -> Optional[dict]:
+  """The training config a run saved with its checkpoint (as a dict), or None for a pretrained name, an HF
+  directory or a checkpoint without one. Reads the newest committed step's metadata only (no arrays), read-only."""
+  import json
+
+  ref = resolve_checkpoint(ref) if isinstance(ref, str) else ref
+  if ref.kind != "orbax":
+    return None
+  from aepo_jax.train import _checkpoint
+
+  ckpt = _checkpoint.Checkpointer(ref.directory, read_only=True)
+  try:
+    step = ckpt.latest_step() if ref.step is None else ref.step
+    cfg = ckpt.restore_meta(step).get("config") if step is not None else None
+  except Exception:  # noqa: BLE001 - no saved config is no default; load_policy reports a damaged checkpoint
+    cfg = None
+  finally:
+    ckpt.close()
+  return json.loads(cfg) if isinstance(cfg, str) else cfg
+
+
 def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype: str = "float32") -> Policy:
   """(config, params, tokenizer) of a checkpoint; `tokenizer` (name or dir) overrides the checkpoint's own."""
   import jax
@@ -151,7 +172,7 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
     return Policy(cfg, params, tok, f"hf {ref.path}")
   from aepo_jax.train import _checkpoint
 
-  ckpt = _checkpoint.Checkpointer(ref.directory, async_save=False)
+  ckpt = _checkpoint.Checkpointer(ref.directory, read_only=True)  # never cleans a writer's save
   try:
     step = ckpt.latest_step() if ref.step is None else ref.step
     if step is None:

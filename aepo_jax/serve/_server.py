@@ -8,7 +8,9 @@ that disconnects has its jobs cancelled and its slots released before the next d
 
 from __future__ import annotations
 
+import hmac
 import http.server
+import ipaddress
 import json
 import logging
 import queue
@@ -18,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Optional, Sequence
 from urllib.parse import urlsplit
 
 from aepo_jax.rollout import make_engine
@@ -26,8 +28,13 @@ from aepo_jax.serve._protocol import ApiError, GenRequest, parse_request
 from aepo_jax.serve._scheduler import Job, QueueFull, Scheduler, ShuttingDown
 from aepo_jax.serve._text import ChoiceText
 
-_MAX_BODY = 64 << 20
+_MAX_BODY = 64 << 20  # the most any body may hold, whatever max_len says
+_MIN_BODY = 1 << 20
+_CHARS_PER_TOKEN = 32  # a prompt longer than max_len x this many characters cannot fit: refused before tokenizing
+_MAX_DEPTH = 32  # JSON nesting a request may have (OpenAI's bodies need 5)
+_IDLE_TIMEOUT_S = 60.0  # a connection that sends nothing (or stops reading a response) for this long is closed
 _POLL_S = 0.2
+_LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 class _ClientGone(Exception):
@@ -53,7 +60,26 @@ class Server:
     max_queue: int = 64,
     prefill_chunk: int = 128,
     cache_dtype: Optional[str] = None,
+    api_key: Optional[str] = None,
+    allowed_hosts: Optional[Sequence[str]] = None,
+    idle_timeout_s: float = _IDLE_TIMEOUT_S,
   ):
+    """api_key: every route but /health needs `Authorization: Bearer <api_key>` (None: no key).
+    allowed_hosts: Host header names accepted besides the bound address, localhost and (bound to every interface)
+    IP literals; ('*',) accepts any (DNS rebinding then reaches the server)."""
+    context = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if context and max_len > context:
+      raise ValueError(
+        f"max_len={max_len} exceeds the model's context of {context} tokens (max_position_embeddings); use "
+        f"--max_len={context} or less."
+      )
+    if api_key is not None and not api_key.strip():
+      raise ValueError("api_key is empty; give a key, or none to serve without one.")
+    self.api_key = api_key
+    self.allowed_hosts = {h.lower().strip("[]") for h in (allowed_hosts or ()) if h}
+    self.idle_timeout_s = idle_timeout_s
+    self.max_prompt_chars = max_len * _CHARS_PER_TOKEN
+    self.max_body = max(_MIN_BODY, min(_MAX_BODY, 2 * max_slots * self.max_prompt_chars))
     self.engine = make_engine(
       config,
       max_slots=max_slots,
@@ -73,6 +99,35 @@ class Server:
     self.httpd = _HTTPServer((host, port), _Handler)
     self.httpd.app = self
     self._thread = None
+    self.bound_host = host.lower().strip("[]")
+
+  def host_allowed(self, header: Optional[str]) -> bool:
+    """The Host header names this server: the bound address, localhost, an allowed name, or (bound to every
+    interface) an IP literal. A page's DNS name pointing here (DNS rebinding) is none of these."""
+    if "*" in self.allowed_hosts:
+      return True
+    if not header:
+      return False
+    name = header.strip().lower()
+    if name.startswith("["):  # [::1]:8000
+      name = name[1:].split("]", 1)[0]
+    elif name.count(":") == 1:
+      name = name.rsplit(":", 1)[0]
+    if name in _LOCAL_NAMES or name == self.bound_host or name in self.allowed_hosts:
+      return True
+    if self.bound_host in ("0.0.0.0", "::", ""):
+      try:
+        ipaddress.ip_address(name)
+        return True
+      except ValueError:
+        return False
+    return False
+
+  def authorized(self, header: Optional[str]) -> bool:
+    if self.api_key is None:
+      return True
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
   @property
   def url(self) -> str:
@@ -105,9 +160,12 @@ class Server:
       while c <= min(eng.prefill_chunk, eng.max_len - 1):
         lens.append(min(c + 1, eng.max_len - self.scheduler.steps_per_call - 2))
         c *= 2
+    from tqdm.auto import tqdm
+
+    widths = [1 << i for i in range(max(eng.max_slots, 1).bit_length())] if full else [1]
+    bar = tqdm(total=len(lens) * len(widths), desc=f"warm-up: compiling {len(lens) * len(widths)} programs")
     for length in lens:
-      n = 1
-      while n <= (eng.max_slots if full else 1):
+      for n in widths:
         sink = queue.Queue()
         jobs = [
           Job(
@@ -128,7 +186,8 @@ class Server:
           if u.error:
             raise RuntimeError(f"warmup failed: {u.error}")
           left -= u.finish is not None
-        n *= 2
+        bar.update(1)
+    bar.close()
 
   def shutdown(self, drain_s: float = 30.0):
     """Stops taking requests, lets running ones finish for at most drain_s seconds, then ends the rest."""
@@ -194,6 +253,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   protocol_version = "HTTP/1.1"
   server_version = "aepo_jax"
 
+  @property
+  def timeout(self):  # the socket's timeout (StreamRequestHandler.setup): idle connections are closed
+    return self.server.app.idle_timeout_s
+
   def log_message(self, fmt, *args):
     logging.debug("serve: %s " + fmt, self.address_string(), *args)
 
@@ -204,15 +267,48 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   def handle(self):
     try:
       super().handle()
-    except (ConnectionResetError, BrokenPipeError):  # a client that left while we read or flushed
+    except (ConnectionResetError, BrokenPipeError, TimeoutError):  # a client that left, or went idle
       self.close_connection = True
 
   # ------------------------------------------------------------------------------------------------
   # Routes
   # ------------------------------------------------------------------------------------------------
+  def _admitted(self, path: str, route: str) -> bool:
+    """Host and API key checks (every route but /health); answers and returns False when refused."""
+    if path == "/health":
+      return True
+    app = self.app
+    if not app.host_allowed(self.headers.get("Host")):
+      self.close_connection = True
+      self._error(
+        ApiError(
+          403,
+          f"Host {self.headers.get('Host')!r} is not this server's; start it with --allowed_hosts=NAME to accept it.",
+          type_="permission_error",
+        ),
+        route,
+      )
+      return False
+    if not app.authorized(self.headers.get("Authorization")):
+      self._error(
+        ApiError(
+          401,
+          "a valid API key is required: send `Authorization: Bearer <key>`.",
+          type_="authentication_error",
+          code="invalid_api_key",
+          headers={"WWW-Authenticate": "Bearer"},
+        ),
+        route,
+      )
+      return False
+    return True
+
   def do_GET(self):
     path = urlsplit(self.path).path
     app = self.app
+    known = path in ("/health", "/v1/models", f"/v1/models/{app.model_name}", "/metrics")
+    if not self._admitted(path, path if known else "other"):
+      return
     if path == "/health":
       self._json(503 if app.draining else 200, {"status": "draining" if app.draining else "ok"}, path)
     elif path == "/v1/models":
@@ -228,6 +324,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     path = urlsplit(self.path).path
     if path not in ("/v1/completions", "/v1/chat/completions"):
       path = "other"  # one metrics label for every unknown route
+    if not self._admitted(urlsplit(self.path).path, path):
+      self._discard_body()
+      return
     try:
       body = self._read_json()
       if path == "other":
@@ -235,7 +334,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self._generate(body, chat=path == "/v1/chat/completions", route=path)
     except ApiError as e:
       self._error(e, path)
-    except _ClientGone:
+    except (_ClientGone, TimeoutError):
       self.close_connection = True
     except Exception as e:  # noqa: BLE001 (answer, then log)
       logging.exception("serve: request failed")
@@ -244,19 +343,39 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   # ------------------------------------------------------------------------------------------------
   # Plain responses
   # ------------------------------------------------------------------------------------------------
+  def _discard_body(self):
+    """A refused request's body is not read: the connection closes instead of parsing what follows it."""
+    if self.headers.get("Content-Length", "0") not in ("", "0"):
+      self.close_connection = True
+
   def _read_json(self):
+    ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+    if ctype != "application/json":
+      self._discard_body()
+      raise ApiError(
+        415, f"Content-Type must be application/json (got {ctype or 'none'!r}).", type_="invalid_request_error"
+      )
+    limit = self.app.max_body
     try:
       length = int(self.headers.get("Content-Length", "0"))
     except ValueError:
       length = -1
-    if length < 0 or length > _MAX_BODY:
+    if length < 0 or length > limit:
       self.close_connection = True
-      raise ApiError(400, f"Content-Length must be an integer in [0, {_MAX_BODY}].")
+      raise ApiError(
+        400 if length < 0 else 413,
+        f"Content-Length must be an integer in [0, {limit}] (bytes; from --max_len and --max_slots).",
+      )
     raw = self.rfile.read(length) if length else b""
     try:
-      return json.loads(raw or b"null")
+      body = json.loads(raw or b"null")
+    except RecursionError as e:
+      raise ApiError(400, f"the body's JSON is nested deeper than {_MAX_DEPTH} levels.") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ApiError(400, f"the body is not valid JSON: {e}") from e
+    if _depth_over(body, _MAX_DEPTH):
+      raise ApiError(400, f"the body's JSON is nested deeper than {_MAX_DEPTH} levels.")
+    return body
 
   def _send(self, status: int, data: bytes, ctype: str, route: str, headers: Optional[dict] = None):
     self.app.count(route, status)
@@ -293,6 +412,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         code="model_not_found",
       )
     eng = app.engine
+    chars = _prompt_chars(body, chat)
+    if chars > app.max_prompt_chars:
+      raise ApiError(
+        400,
+        f"a prompt of {chars} characters cannot fit the server's context of {eng.max_len} tokens (at most "
+        f"{app.max_prompt_chars} characters are tokenized).",
+        "messages" if chat else "prompt",
+        code="context_length_exceeded",
+      )
     req = parse_request(
       body,
       chat=chat,
@@ -317,6 +445,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       )
       for i, p in enumerate(req.prompts)
     ]
+    if len(jobs) > app.scheduler.max_queue:  # would wait forever: not a matter of retrying later
+      raise ApiError(
+        400,
+        f"{len(jobs)} prompts in one request can never be admitted: the server queues at most "
+        f"{app.scheduler.max_queue} (--max_queue).",
+        "prompt",
+      )
     try:
       app.scheduler.submit(jobs)
     except QueueFull as e:
@@ -392,6 +527,42 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   def _event(self, obj):
     data = b"data: " + (obj.encode() if isinstance(obj, str) else json.dumps(obj).encode()) + b"\n\n"
     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def _depth_over(obj, limit: int) -> bool:
+  """Whether `obj` (parsed JSON) nests lists/objects deeper than `limit` (iterative: no recursion)."""
+  stack = [(obj, 1)]
+  while stack:
+    x, d = stack.pop()
+    if isinstance(x, (list, dict)):
+      if d > limit:
+        return True
+      stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+  return False
+
+
+def _prompt_chars(body, chat: bool) -> int:
+  """The characters of the longest prompt in a request body (before any check of its form: 0 where the form is
+  wrong, which parse_request then names). Chat: all message texts together."""
+  if not isinstance(body, dict):
+    return 0
+  if chat:
+    total, messages = 0, body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+      content = m.get("content") if isinstance(m, dict) else None
+      if isinstance(content, str):
+        total += len(content)
+      elif isinstance(content, list):
+        total += sum(
+          len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return total
+  prompt = body.get("prompt")
+  if isinstance(prompt, str):
+    return len(prompt)
+  if isinstance(prompt, list):
+    return max((len(p) for p in prompt if isinstance(p, str)), default=0)
+  return 0
 
 
 class _Run:

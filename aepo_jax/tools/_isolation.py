@@ -141,6 +141,21 @@ def _bwrap_version(exe: str) -> tuple[int, ...]:
     return (0,)
 
 
+def scratch_sizes(tmpfs_bytes: int) -> dict[str, int]:
+  """Bytes of each writable scratch tmpfs of one call. Their pages are host memory outside the call's memory
+  limit, so together they hold `tmpfs_bytes` (the call's tmpfs_mb), not that much each: /tmp three quarters,
+  /dev/shm an eighth, /var/tmp and /run/lock a sixteenth each (a page at least: a tmpfs of size 0 is unbounded)."""
+  page = 4096
+  small = max(tmpfs_bytes // 16 // page * page, page)
+  shm = max(tmpfs_bytes // 8 // page * page, page)
+  return {
+    "/tmp": max(tmpfs_bytes - shm - 2 * small, page),
+    _STASH: shm,
+    "/var/tmp": small,
+    "/run/lock": small,
+  }
+
+
 def _bwrap_prefix(uid: int | None, tmpfs_bytes: int) -> list[str]:
   exe = _tool_path("bwrap") or "bwrap"
   cmd = [
@@ -163,10 +178,12 @@ def _bwrap_prefix(uid: int | None, tmpfs_bytes: int) -> list[str]:
   cmd += ["--perms", "0755", "--dir", "/etc"]
   for f in _ETC_FILES:
     cmd += ["--ro-bind-try", f, f]
-  cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777"]
-  if _bwrap_version(exe) >= (0, 8):  # --size arrived in bubblewrap 0.8; older ones rely on RLIMIT_FSIZE alone
-    cmd += ["--size", str(tmpfs_bytes)]
-  cmd += ["--tmpfs", "/tmp"]
+  cmd += ["--proc", "/proc", "--dev", "/dev"]
+  sizes, sized = scratch_sizes(tmpfs_bytes), _bwrap_version(exe) >= (0, 8)
+  if sized:  # --size arrived in bubblewrap 0.8; older ones rely on RLIMIT_FSIZE alone
+    cmd += ["--perms", "1777", "--size", str(sizes[_STASH]), "--tmpfs", _STASH]  # /dev/shm: not --dev's tmpfs
+    cmd += ["--size", str(sizes["/tmp"])]
+  cmd += ["--perms", "1777", "--tmpfs", "/tmp"]
   # The interpreter after /tmp: a venv under /tmp must sit on top of the new tmpfs, not under it.
   made = {"/", "/tmp"}
   for root in _python_roots():
@@ -213,9 +230,15 @@ def _unshare_script(tmpfs_bytes: int) -> str:
     steps += [f"mkdir {_STASH}/py{i}", f"mount --bind {q(r)} {_STASH}/py{i}"]
   for i, (_, src) in enumerate(etc):
     steps += [f"{'mkdir' if os.path.isdir(src) else 'touch'} {_STASH}/etc{i}", f"mount --bind {q(src)} {_STASH}/etc{i}"]
-  steps.append(f"mount -t tmpfs -o size={tmpfs_bytes},mode=1777 tmpfs /tmp")
-  private = _outermost(os.path.realpath(d) for d in _PRIVATE_DIRS if os.path.isdir(d))
-  steps += [f"mount -t tmpfs -o size={tmpfs_bytes},mode=1777 tmpfs {q(d)}" for d in private if d != "/tmp"]
+  sizes = scratch_sizes(tmpfs_bytes)  # the scratch mounts together hold tmpfs_bytes
+  steps.append(f"mount -t tmpfs -o size={sizes['/tmp']},mode=1777 tmpfs /tmp")
+  size_of = {os.path.realpath(d): sizes[d] for d in _PRIVATE_DIRS if os.path.isdir(d)}
+  private = _outermost(size_of)
+  steps += [
+    f"mount -t tmpfs -o size={size_of.get(d, sizes['/run/lock'])},mode=1777 tmpfs {q(d)}"
+    for d in private
+    if d != "/tmp"
+  ]
   steps += [f"mount -t tmpfs -o size=1m,mode=0755 tmpfs {q(d)}" for d in _hidden_dirs() + ["/etc"]]
   for i, (dst, src) in enumerate(etc):
     steps += [
@@ -231,7 +254,7 @@ def _unshare_script(tmpfs_bytes: int) -> str:
       f"mount -o remount,bind,ro {q(r)}",
       f"umount {_STASH}/py{i}",
     ]
-  steps += [f"umount {_STASH}", f"mount -t tmpfs -o size={tmpfs_bytes},mode=1777 tmpfs {_STASH}"]
+  steps += [f"umount {_STASH}", f"mount -t tmpfs -o size={sizes[_STASH]},mode=1777 tmpfs {_STASH}"]
   return " && ".join(steps)
 
 

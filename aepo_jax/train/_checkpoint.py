@@ -166,8 +166,11 @@ def save_failure(directory: str, step: int, e: BaseException, intact: Optional[i
     why, fix = f"the disk holding {directory} is full", "free space there (or choose another --config.workdir)"
   else:
     why, fix = text, f"check {directory} (or choose another --config.workdir)"
-  kept = f"the newest committed checkpoint (step {intact}) is untouched" if intact is not None else "no step committed"
-  return f"saving step {step} to {directory!r} failed: {why} ({text}). {fix}; {kept}, and rerunning resumes from it."
+  if intact is None:
+    kept = "no checkpoint was committed before it, so a rerun starts afresh"
+  else:
+    kept = f"the newest committed checkpoint (step {intact}) is untouched and a rerun resumes from it"
+  return f"saving step {step} to {directory!r} failed: {why} ({text}). {fix}; {kept}."
 
 
 _exit_bounded = False
@@ -293,12 +296,18 @@ class Checkpointer:
     async_save: bool = True,
     ocdbt: bool = True,
     compression: bool = True,
+    read_only: bool = False,
   ):
     """compression: zstd-compress the arrays (Orbax's default; ~20% smaller for float32 weights, but several
-    CPU-seconds per GB that an async save takes from training on a small machine)."""
+    CPU-seconds per GB that an async save takes from training on a small machine).
+
+    read_only: a reader (export, evaluation, serving): creates, cleans and deletes nothing in `directory`, so a
+    trainer's save in flight there (`<step>.orbax-checkpoint-tmp-*`) survives; `save` is refused."""
     self.directory = str(directory).rstrip("/")
     self.best_metric = best_metric
     self._best_mode = best_mode
+    self._read_only = read_only
+    async_save = async_save and not read_only
     self._async = async_save
     self._saving: Optional[int] = None  # the step whose async save is in flight
     self._pending: Optional[int] = None  # the step whose async save has not been seen to finish
@@ -316,10 +325,11 @@ class Checkpointer:
         )
       )
     options = ocp.CheckpointManagerOptions(
-      preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+      preservation_policy=None if read_only else ocp.checkpoint_managers.AnyPreservationPolicy(policies),
       enable_async_checkpointing=async_save,
-      create=True,
-      cleanup_tmp_directories=True,
+      create=not read_only,
+      cleanup_tmp_directories=not read_only,
+      read_only=read_only,
       # best_fn also makes Orbax write each step's metrics to disk, so the best survives a restart.
       best_fn=(lambda m: float(m[best_metric])) if best_metric else None,
       best_mode=best_mode,
@@ -376,6 +386,8 @@ class Checkpointer:
     `metrics` feed the best-checkpoint policy; a checkpoint saved without the best metric is kept only as
     one of the last N. Records the arrays' checksums in meta and the files' sizes and hashes beside them.
     """
+    if self._read_only:
+      raise CheckpointError(f"{self.directory!r} was opened read-only (a reader); it cannot save step {step}.")
     state = jax.tree.map(_no_numpy_scalar, state)  # orbax rejects numpy scalar leaves (np.int32(3))
     sums = integrity.array_checksums(state)
     nonfinite = [k for k, v in sums.items() if v["nonfinite"]]

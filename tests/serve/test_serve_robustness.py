@@ -23,7 +23,7 @@ def open_request(url: str, body: dict, path: str = "/v1/completions") -> socket.
   sock = socket.create_connection((host, int(port)), timeout=60)
   data = json.dumps(body).encode()
   sock.sendall(
-    b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
     % (path.encode(), len(data), data)
   )
   return sock
@@ -155,7 +155,7 @@ def test_launch_serve_drains_on_sigterm(tmp_path):
   exits 0."""
   from aepo_jax.testing import tiny_hf_checkpoint, tiny_tokenizer
 
-  path = tiny_hf_checkpoint("qwen3", tmp_path / "hf", seed=1, vocab_size=300)
+  path = tiny_hf_checkpoint("qwen3", tmp_path / "hf", seed=1, vocab_size=300, max_position_embeddings=2048)
   tiny_tokenizer(path)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.Popen(
