@@ -93,6 +93,7 @@ def _run(
   c.train.ppo_epochs = 1
   c.train.eval_every = 5
   c.eval.temperature = 0.0  # validation: greedy, n = 1
+  c.eval.protocol = "official"  # validation scored as the official evaluator does (aepo_jax.eval._scoring)
   c.checkpoint.every_steps = 5
   c.checkpoint.best_metric = "eval/accuracy"
   _sft(c)

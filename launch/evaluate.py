@@ -96,7 +96,11 @@ _TOKENIZER = flags.DEFINE_string(
   "tokenizer", None, "Tokenizer dir or pretrained name (overrides the checkpoint's).", **_F
 )
 _TEMPLATE = flags.DEFINE_string(
-  "template", None, "System prompt template (default: code_search; math without search).", **_F
+  "template",
+  None,
+  "System prompt template (default: the one a training checkpoint was trained with; else code_search, math without "
+  "search).",
+  **_F,
 )
 _QUESTION_FIELD = flags.DEFINE_string("question_field", "question", "Question field of data-file records.", **_F)
 _ANSWER_FIELD = flags.DEFINE_string(
@@ -116,6 +120,14 @@ _DATA_FAMILY = flags.DEFINE_enum(
   "qa",
   ["qa", "math"],
   "Scoring of data-file answers: qa (math equivalence or exact match) or math (math equivalence only).",
+  **_F,
+)
+_PROTOCOL = flags.DEFINE_enum(
+  "protocol",
+  "official",
+  ["official", "project"],
+  "Scoring: official (the official ARPO/AEPO evaluator: its metrics em/acc/f1/math_equal/llm_equal, judge prompt, "
+  "reply rule and fallbacks) or project (math-verify, the strict judge). Named in every record and report.",
   **_F,
 )
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.6, "Sampling temperature (0: greedy).", **_F)
@@ -249,7 +261,12 @@ def main(argv=None) -> int:
       judge_qa=_JUDGE_QA.value,
       browse=browse,
     )
-    template = _TEMPLATE.value or ("math" if plan.search_backend in (None, "none") else "code_search")
+    # The prompt the checkpoint was trained with (its saved data.template), unless --template says otherwise: a
+    # checkpoint asked in another template's format scores near 0.
+    trained = (eval_lib.training_config(plan.checkpoint) or {}).get("data", {}).get("template")
+    template = _TEMPLATE.value or trained or ("math" if plan.search_backend in (None, "none") else "code_search")
+    if trained and not _TEMPLATE.value:
+      print(f"template: {template!r}, the one the checkpoint was trained with (--template to change)", file=sys.stderr)
     try:
       settings = eval_lib.EvalSettings(
         n=n,
@@ -264,6 +281,8 @@ def main(argv=None) -> int:
         batch_size=_BATCH_SIZE.value,
         seed=_SEED.value,
         template=template,
+        protocol=_PROTOCOL.value,
+        max_calls_per_turn=4 if _PROTOCOL.value == "official" else 1,  # the official engine's continuation calls
       )
     except ValueError as e:
       raise eval_lib.EvalInputError(str(e)) from None

@@ -35,6 +35,7 @@ from aepo_jax.eval._checkpoint_io import (
   load_policy,
   load_tokenizer,
   resolve_checkpoint,
+  training_config,
 )
 from aepo_jax.eval._passk import best_of_k, bootstrap_ci, mean_pass_at_k, pass_at_k, summarize
 from aepo_jax.eval._report import compare, load_summary, summarize_records, summary_markdown, write_summary
@@ -42,6 +43,7 @@ from aepo_jax.eval._runner import EvalSettings, Evaluator, read_records, tool_ca
 from aepo_jax.eval._scoring import JudgeUnavailableError, Scorer, probe_judge
 
 __all__ = [
+  "training_config",
   "EvalInputError",
   "EvalPlan",
   "build_tools",

@@ -169,11 +169,14 @@ def build_tools(plan: EvalPlan, settings: EvalSettings):
   )
 
 
-def make_judge(plan: EvalPlan):
+def make_judge(plan: EvalPlan, protocol: str = "project"):
+  """The project's strict judge, or (protocol 'official') the official judge request and reading."""
   if not plan.judge_url:
     return None
-  from aepo_jax.rewards import OpenAICompatibleJudge
+  from aepo_jax.rewards import OfficialJudge, OpenAICompatibleJudge
 
+  if protocol == "official":
+    return OfficialJudge(plan.judge_url, plan.judge_model)
   return OpenAICompatibleJudge(plan.judge_url, plan.judge_model)
 
 
@@ -203,15 +206,15 @@ def run_evaluation(
   try:
     if policy is None:
       policy = _checkpoint_io.load_policy(plan.checkpoint, tokenizer=plan.tokenizer)
-    evaluator = Evaluator(
-      policy, tools, Scorer(make_judge(plan), judge_qa=plan.judge_qa), settings, show_progress=show_progress
-    )
+    scorer = Scorer(make_judge(plan, settings.protocol), judge_qa=plan.judge_qa, protocol=settings.protocol)
+    evaluator = Evaluator(policy, tools, scorer, settings, show_progress=show_progress)
     results, t0 = {}, time.monotonic()
     for name in plan.benchmarks:
       shown = _benchmarks.display_name(name)
       results[shown] = evaluator.run(shown, examples[name], os.path.join(output, f"{shown}.jsonl"))
     meta = {
       "checkpoint": plan.checkpoint.path,
+      "protocol": settings.protocol,
       "source": policy.source,
       "settings": dataclasses.asdict(settings),
       "limit": limit,
@@ -232,6 +235,8 @@ def run_evaluation(
 
 
 _RUN_FILE = "run.json"
+# Settings added after run.json files were written, with the value those runs used.
+_SETTINGS_BEFORE = {"protocol": "project", "max_calls_per_turn": 1}
 
 
 def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
@@ -244,6 +249,8 @@ def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
   if os.path.exists(path):
     with open(path) as f:
       theirs = json.load(f)
+    for key, before in _SETTINGS_BEFORE.items():  # a run written before the setting existed ran with its default
+      theirs.get("settings", {}).setdefault(key, before)
     if theirs != mine:
       diff = [
         k
@@ -261,7 +268,9 @@ def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
       json.dump(mine, f, indent=2, sort_keys=True)
 
 
-def evaluate(evaluator: Evaluator, sources: Mapping[str, Sequence], *, reward_timeout_s: float = 10.0) -> dict:
+def evaluate(
+  evaluator: Evaluator, sources: Mapping[str, Sequence], *, reward_timeout_s: float = 10.0, records_path: str = ""
+) -> dict:
   """The trainer's validation: n = 1 answers of `evaluator` (built on the trainer's own agent loop) to each named
   source of examples, as metrics: eval/<name>/accuracy (the scorer's verdict), eval/<name>/reward
   (`rewards.deep_research`, 0 past reward_timeout_s), eval/<name>/tool_calls (mean calls per answer), and
@@ -269,13 +278,20 @@ def evaluate(evaluator: Evaluator, sources: Mapping[str, Sequence], *, reward_ti
 
   Every process answers its own round-robin share of each source on its own devices (shares differ by at most one
   example), writing nothing; the sums are combined across processes once per source, so every process calls this
-  with the same sources."""
+  with the same sources.
+
+  records_path: also write every answer of this process (its source, the record the evaluator scored, its reward)
+  as JSON lines there (local or gs://; `<path>.p<i>` on process i of several), and log each source's result when
+  it is known."""
+  import json
+  import logging
+
   import jax
   import numpy as np
   from aepo_jax import rewards as rewards_lib
 
   p, n = jax.process_index(), jax.process_count()
-  out = {}
+  out, lines = {}, []
   for name, examples in sources.items():
     records = evaluator.run(name, list(examples)[p::n])
     reward = (
@@ -300,6 +316,21 @@ def evaluate(evaluator: Evaluator, sources: Mapping[str, Sequence], *, reward_ti
     out[f"eval/{name}/accuracy"] = float(sums[1] / count)
     out[f"eval/{name}/reward"] = float(sums[2] / count)
     out[f"eval/{name}/tool_calls"] = float(sums[3] / count)
+    logging.info(
+      "evaluation %s: accuracy %.3f, reward %.3f, %.2f tool calls per answer (%d examples)",
+      name,
+      out[f"eval/{name}/accuracy"],
+      out[f"eval/{name}/reward"],
+      out[f"eval/{name}/tool_calls"],
+      int(sums[0]),
+    )
+    lines += [json.dumps({"source": name, **r, "reward": float(w)}, default=str) for r, w in zip(records, reward)]
+  if records_path:
+    from etils import epath
+
+    path = epath.Path(records_path if n == 1 else f"{records_path}.p{p}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
   if sources:
     out["eval/accuracy"] = float(np.mean([out[f"eval/{name}/accuracy"] for name in sources]))
   return out

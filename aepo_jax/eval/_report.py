@@ -40,6 +40,45 @@ def summarize_records(records: Sequence[dict], ks: Sequence[int]) -> dict:
   out["no_answer"] = sum(1 for r in records if not r.get("extracted"))
   out["tool_calls_mean"] = float(np.mean([r.get("num_tool_calls", 0) for r in records]))
   out["response_len_mean"] = float(np.mean([r.get("response_len", 0) for r in records]))
+  protocols = sorted({r.get("protocol", "project") for r in records})
+  out["protocol"] = protocols[0] if len(protocols) == 1 else "mixed: " + ",".join(protocols)
+  if protocols == ["official"]:
+    out["official"] = official_overall(records)
+  return out
+
+
+def official_overall(records: Sequence[dict], sigma: float = 0.1) -> dict:
+  """The official `Evaluator.calculate_overall_metrics` over the records (every sample of every question counted
+  once, as the official evaluator does over one output file; with n samples per question this is the mean over the
+  n runs): em, acc, f1, math_equal, llm_equal (only when judged), num_valid_answer, tool_call (mean python + search
+  calls), average_python_calls, average_search_calls, average_datas_used_tool_number (the share of answers that
+  called a tool), output_length (mean characters without tool results; the official code records it per sample)
+  and tool_productivity."""
+  n = len(records)
+
+  def mean(key):
+    vals = [float(r[key]) for r in records if r.get(key) is not None]
+    return float(np.mean(vals)) if vals else 0.0
+
+  tool_counts = [r.get("tool_counts", 0) for r in records]
+  avg_tool = float(np.mean(tool_counts)) if tool_counts else 0.0
+  judged = [r for r in records if r.get("llm_equal") is not None]
+  out = {
+    "em": mean("em"),
+    "acc": mean("acc"),
+    "f1": mean("f1"),
+    "math_equal": mean("math_equal"),
+    "num_valid_answer": f"{sum(1 for r in records if r.get('is_valid_answer'))} of {n}",
+    "tool_call": avg_tool,
+    "average_python_calls": mean("python_calls"),
+    "average_search_calls": mean("search_calls"),
+    "average_datas_used_tool_number": sum(1 for c in tool_counts if c > 0) / n if n else 0.0,
+    "output_length": mean("output_length"),
+  }
+  if judged:
+    out["llm_equal"] = float(np.mean([float(r["llm_equal"]) for r in judged]))
+  final = out["llm_equal"] if judged else float(np.mean([float(r["score"]) for r in records]))
+  out["tool_productivity"] = final * avg_tool / (avg_tool + sigma) * 100.0 if avg_tool + sigma else 0.0
   return out
 
 
@@ -55,8 +94,12 @@ def summary_markdown(summary: dict) -> str:
   )
   head = ["benchmark", "family", "questions", "n"] + [f"pass@{k} (95% CI)" for k in ks]
   head += [f"best_of_{k}" for k in ks if k > 1] + ["EM", "F1", "judge fail", "tool calls"]
+  protocols = sorted({b.get("protocol", "project") for b in benches.values()}) or [summary.get("protocol", "project")]
   lines = [
     f"# Evaluation of {summary.get('checkpoint', '?')}",
+    "",
+    f"protocol: {summary.get('protocol') or ', '.join(protocols)} (scoring: 'official' = the official ARPO/AEPO "
+    "evaluator's metrics, 'project' = math-verify and the strict judge; docs/evaluation.md)",
     "",
     f"settings: `{json.dumps(summary.get('settings', {}), sort_keys=True)}`",
     "",
@@ -72,6 +115,14 @@ def summary_markdown(summary: dict) -> str:
     row += [_fmt(b.get(f"best_of_{k}")) for k in ks if k > 1]
     row += [_fmt(b.get("em")), _fmt(b.get("f1")), str(b.get("judge_failures", 0)), f"{b['tool_calls_mean']:.2f}"]
     lines.append("| " + " | ".join(row) + " |")
+  official = {name: b["official"] for name, b in benches.items() if "official" in b}
+  if official:
+    keys = ["em", "acc", "f1", "math_equal", "llm_equal", "tool_call", "average_datas_used_tool_number"]
+    lines += ["", "Official metrics (the official evaluator's overall metrics):", ""]
+    lines += ["| benchmark | " + " | ".join(keys) + " | output_length | valid |", "|" + "---|" * (len(keys) + 3)]
+    for name, o in official.items():
+      cells = [f"{o[k]:.3f}" if k in o else "-" for k in keys]
+      lines.append(f"| {name} | " + " | ".join(cells) + f" | {o['output_length']:.0f} | {o['num_valid_answer']} |")
   return "\n".join(lines) + "\n"
 
 

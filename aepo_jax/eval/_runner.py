@@ -3,7 +3,8 @@ question, each answer scored and appended to a per-benchmark JSONL as soon as it
 
 Protocol: sampling T=0.6, top_p=0.95, top_k=20, min_p=0, repetition_penalty=1.1 (vLLM semantics: every token
 already in the row, prompt and tool results included); at most 4,096 tokens per generation call (a call that
-reaches it ends the trajectory, as a finished call without a tool tag does); at most 5 python and 10 search calls
+reaches it ends the trajectory, as a finished call without a tool tag does; with `max_calls_per_turn` > 1, the
+official engine's continuation, it is continued by up to that many calls in all); at most 5 python and 10 search calls
 per trajectory, calls beyond get the official refusal text and the model continues (ToolSet mode 'eval'); tool
 results are written `<result>{text}</result>`. The whole response (tool results included) is also bounded by
 `max_response_len`, the engine's cache: the official runs are bounded only by the model's context.
@@ -52,8 +53,20 @@ class EvalSettings:
   chunk_steps: int = 16
   seed: int = 0
   template: str = "code_search"  # system prompt (aepo_jax.data.TEMPLATES)
+  # Scoring: 'project' (math-verify, the strict judge; _scoring.py) for library use and tests; launch/evaluate.py
+  # and the paper configs default to 'official' (the official evaluator's metrics, judge and fallbacks).
+  protocol: str = "project"
+  # 'official' protocol only: when one generation call reaches max_tokens_per_call without closing a tool or
+  # answer tag, generate again up to this many calls in all (the official inference engine: 4); 1 = no continuation.
+  max_calls_per_turn: int = 1
 
   def __post_init__(self):
+    from aepo_jax.eval._scoring import PROTOCOLS
+
+    if self.protocol not in PROTOCOLS:
+      raise ValueError(f"EvalSettings.protocol={self.protocol!r} must be one of {PROTOCOLS}.")
+    if self.max_calls_per_turn < 1:
+      raise ValueError(f"EvalSettings.max_calls_per_turn={self.max_calls_per_turn} must be >= 1 (1: no continuation).")
     for key in ("n", "max_prompt_len", "max_response_len", "batch_size", "chunk_steps"):
       if getattr(self, key) < 1:
         raise ValueError(f"EvalSettings.{key}={getattr(self, key)} must be >= 1.")
@@ -199,6 +212,7 @@ class Evaluator:
       tool_tags=tags,
       result_mode="eval",
       max_tokens_per_call=s.max_tokens_per_call,
+      max_calls_per_turn=s.max_calls_per_turn,
     )
     return AgentLoop(engine, _ContinuationTokenizer(tok), tools, agent_cfg, pad_id=getattr(tok, "pad_id", None))
 

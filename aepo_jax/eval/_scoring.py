@@ -16,6 +16,16 @@ pool is given), so a hostile answer costs at most `timeout_s`: it is then scored
 reason in `score_error`.
 `judge_qa=False` scores the QA sets by EM even when a judge is given (offline, the numbers the QA literature
 reports), a deliberate difference from the official evaluation.
+
+The above is `protocol='project'`. `protocol='official'` scores as the official ARPO/AEPO evaluator does
+(`evaluation/src/evaluator.py`, re-implemented in `aepo_jax.rewards._official`): the official prediction (the
+`<answer>` block's box, else the last box, else the output's last 5 lines), the official metrics em, acc, f1,
+math_equal (Hendrycks `is_equiv` on normalised answers, so "3.0" != "3" and "025" != "25"), python/search calls,
+tool counts and output length; with a judge, every set (math too, as evaluate_passk.sh runs them all with
+--use_llm) gets `llm_equal = is_equiv(pred, gold) OR <the official reading of the official judge's reply>`.
+The score is llm_equal with a judge, else math_equal (math) or token F1 (qa: every non-math set); `correct` is
+score == 1. A judge failure falls back to `is_equiv` as officially (scorer 'llm_equal_fallback') and is recorded
+in `judge_error`, so a resumed run judges it again. Every record says which protocol scored it (`protocol`).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import urllib.error
 from typing import Optional
 
 from aepo_jax.data import Example
+from aepo_jax.rewards import _official as official
 from aepo_jax.rewards import (
   JudgeClient,
   JudgeError,
@@ -41,14 +52,26 @@ class JudgeUnavailableError(RuntimeError):
   """The judge endpoint did not answer the health probe; raised before any compute."""
 
 
+PROTOCOLS = ("official", "project")
+
+
 def probe_judge(base_url: str, model: str, *, timeout_s: float = 10.0) -> None:
-  """One tiny chat completion that must come back with a Correct/Incorrect verdict, else JudgeUnavailableError.
+  """One tiny chat completion that must come back with a verdict, else JudgeUnavailableError: "Correct" or
+  "Incorrect" by the project's strict rule, or a reply the official rule reads as correct ("The prediction is
+  Correct.": a judge for the official protocol need not be terse).
 
   Runs before the policy is loaded so a wrong URL or model name costs seconds, not an evaluation.
   """
+  from aepo_jax.rewards import format_judge_prompt, parse_verdict
+
   probe = OpenAICompatibleJudge(base_url, model, timeout=timeout_s, retries=0)
   try:
-    probe.judge("What is 1 + 1?", "2", "2")
+    reply = probe.complete(format_judge_prompt("What is 1 + 1?", "2", "2"))
+    try:
+      parse_verdict(reply)
+    except JudgeError:
+      if not official.reply_is_correct(reply):
+        raise
   except (JudgeError, urllib.error.URLError, OSError, json.JSONDecodeError) as e:
     raise JudgeUnavailableError(
       f"the judge at {base_url} (model {model!r}) did not answer a health probe ({e}); start the server, or fix "
@@ -72,8 +95,11 @@ class Scorer:
     pool: Optional[RewardPool] = None,
     timeout_s: float = 10.0,
     judge_timeout_s: float = 300.0,
+    protocol: str = "project",
   ):
-    self.judge, self.judge_qa = judge, judge_qa
+    if protocol not in PROTOCOLS:
+      raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    self.judge, self.judge_qa, self.protocol = judge, judge_qa, protocol
     self._pool, self.timeout_s, self.judge_timeout_s = pool, timeout_s, judge_timeout_s
 
   def _checks(self, response_text: str, answers: list) -> tuple[Optional[dict], Optional[str]]:
@@ -81,13 +107,17 @@ class Scorer:
     res = pool.map_results(answer_checks, [(response_text, answers)], timeout_s=self.timeout_s)[0]
     return (res.value, None) if res.status == "ok" else (None, f"{res.status}: {res.error}")
 
-  def _judge(self, question: str, answers: list, pred: str) -> bool:
-    """The judge's verdict within judge_timeout_s, else TimeoutError (the call is left to finish on its own)."""
+  def _judge(self, question: str, answers, pred: str, *, reply: bool = False):
+    """The judge's verdict (reply=True: its raw reply when the judge gives one, `OfficialJudge.reply`) within
+    judge_timeout_s, else TimeoutError (the call is left to finish on its own)."""
     box: list = []
 
     def call():
       try:
-        box.append(("ok", bool(self.judge.judge(question, answers, pred))))
+        if reply and hasattr(self.judge, "reply"):
+          box.append(("ok", str(self.judge.reply(question, answers, pred))))
+        else:
+          box.append(("ok", bool(self.judge.judge(question, answers, pred))))
       except Exception as e:  # noqa: BLE001 -- handed to the caller
         box.append(("error", e))
 
@@ -102,6 +132,8 @@ class Scorer:
     return value
 
   def score(self, example: Example, response_text: str) -> dict:
+    if self.protocol == "official":
+      return self._score_official(example, response_text)
     answers = list(example.answers)
     checks, error = self._checks(response_text, answers)
     out = {
@@ -114,6 +146,7 @@ class Scorer:
       "judge": None,
       "judge_error": None,
       "score_error": error,
+      "protocol": "project",
     }
     if checks is None:  # the answer took over timeout_s to check (or crashed its worker): wrong, and said why
       out.update(scorer="timeout" if error.startswith("timeout") else "score_failed")
@@ -141,6 +174,55 @@ class Scorer:
         except Exception as e:  # noqa: BLE001 -- a transient judge failure is recorded per example
           out.update(correct=False, scorer="judge_failed", judge_error=f"{type(e).__name__}: {e}")
     out["score"] = float(out["correct"])
+    return out
+
+  def _score_official(self, example: Example, response_text: str) -> dict:
+    """The official evaluator's metrics of one response (see the module docstring)."""
+    ref, task = official.official_reference(example.source, example.answers), official.task_of(example.family)
+    pool = self._pool if self._pool is not None else shared_pool()
+    res = pool.map_results(official.answer_checks, [(response_text, ref, task)], timeout_s=self.timeout_s)[0]
+    out = {
+      "protocol": "official",
+      "extracted": "",
+      "score": 0.0,
+      "correct": False,
+      "scorer": "",
+      "em": None,
+      "f1": None,
+      "judge": None,
+      "judge_error": None,
+      "score_error": None if res.status == "ok" else f"{res.status}: {res.error}",
+    }
+    if res.status != "ok":
+      out.update(scorer="timeout" if res.status == "timeout" else "score_failed")
+      return out
+    m = dict(res.value)
+    out.update(m)
+    out.update(em=float(m["em"]), f1=float(m["f1"]))
+    pred = m["prediction"]
+    if self.judge is not None:
+      out.update(llm_equal=0, llm_response=None, scorer="llm_equal")
+      if m["is_valid_answer"]:
+        try:
+          verdict = self._judge(example.question, ref, pred, reply=True)
+          if isinstance(verdict, str):  # the raw reply: the official reading
+            out.update(llm_response=verdict, judge=official.reply_is_correct(verdict))
+          else:  # a JudgeClient that only gives a verdict
+            out.update(judge=bool(verdict))
+          out["llm_equal"] = int(official.is_equiv(pred, ref) or out["judge"])
+        except Exception as e:  # noqa: BLE001 -- the official fallback: is_equiv; judged again on resume
+          out.update(
+            llm_equal=int(official.llm_equal(pred, ref, None)),
+            llm_response="Error",
+            scorer="llm_equal_fallback",
+            judge_error=f"{type(e).__name__}: {e}",
+          )
+      out["score"] = float(out["llm_equal"])
+    elif task == "math":
+      out.update(score=float(m["math_equal"]), scorer="math_equal")
+    else:
+      out.update(score=float(m["f1"]), scorer="f1")
+    out["correct"] = out["score"] >= 1.0
     return out
 
 

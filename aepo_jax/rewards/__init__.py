@@ -9,7 +9,8 @@ Evaluation (spec §2.5):
   extract_boxed(text), extract_answer(text), answer_span(text)
   eval_correct(response_text, answers, family, question=, judge=)
   answer_checks(response_text, answers) -> dict(extracted, math_ok, em, f1)   # one pool item
-  JudgeClient (protocol), OpenAICompatibleJudge, JUDGE_PROMPT, JudgeError
+  JudgeClient (protocol), OpenAICompatibleJudge, JUDGE_PROMPT, JudgeError   # the project's strict judge
+  official: the official ARPO/AEPO evaluator's scoring (is_equiv, metrics, EVALUATION_PROMPT, OfficialJudge)
 Isolation:
   RewardPool(num_workers, timeout_s=...).map(fn, [(args...), ...], default=...)
   shared_pool() -> the process's RewardPool, used by every production scoring path
@@ -32,7 +33,9 @@ from aepo_jax.rewards._judge import (
   format_judge_prompt,
   parse_verdict,
 )
+from aepo_jax.rewards import _official as official
 from aepo_jax.rewards._math import math_equal
+from aepo_jax.rewards._official import OfficialJudge
 from aepo_jax.rewards._pool import PoolResult, RewardPool, shared_pool
 from aepo_jax.rewards._qa import exact_match, f1_score, normalize_answer
 
@@ -54,6 +57,8 @@ __all__ = [
   "format_judge_prompt",
   "parse_verdict",
   "math_equal",
+  "official",
+  "OfficialJudge",
   "PoolResult",
   "RewardPool",
   "shared_pool",

@@ -1,11 +1,13 @@
-"""LLM-as-judge for evaluation (spec §2.5): a `JudgeClient` protocol and an OpenAI-compatible client.
+"""LLM-as-judge of the project protocol and of the trainer's validation (spec §2.5): a `JudgeClient` protocol and an
+OpenAI-compatible client with a strict prompt and reply rule.
 
-The prompt follows the judge of the official ARPO/AEPO evaluation, inherited from the
-Search-o1 / WebThinker evaluation scripts: the judge sees the question, the labeled answer and the
-predicted answer and must answer "Correct" or "Incorrect". The official text could not be read from
-the ARPO tree in this environment; this is a faithful rendering of that prompt (same fields, same
-question, same two verdict words), not a byte copy. The official runs used Qwen2.5-72B-Instruct.
-"""
+This is NOT the official evaluator's judge. The official one (`evaluation/src/llm_evaluator_sds.py` of the ARPO
+repository: its `EVALUATION_PROMPT`, a request with the server's default sampling, the lenient reading of the reply
+and `llm_equal = is_equiv OR judge`) is `aepo_jax.rewards._official`, used by `eval.protocol = 'official'`. Here
+the judge sees the question, the labeled answer and the predicted answer and must answer exactly "Correct" or
+"Incorrect" (temperature 0, 16 tokens); `parse_verdict` reads that strictly. Two rules, each where it is used:
+the official one to compare with the papers' tables, this one for the 'project' protocol and any
+training-time use."""
 
 from __future__ import annotations
 
@@ -43,13 +45,16 @@ _WRAPPING = " \t\r\n\"'`*_.!()[]{}"
 
 
 def parse_verdict(text: str) -> bool:
-  """The judge's reply -> True only for the verdict "Correct".
+  """The judge's reply -> True only for the verdict "Correct" (this project's strict rule).
 
-  The official evaluation counts an answer correct when the reply is exactly "Correct"
-  (`content.strip() == "Correct"`); here the reply may also carry case, quotes, markdown or a final
-  period ("**correct.**"). Any other reply that names a verdict is False: "Incorrect", "Not
-  correct", "Correct? No.", "Correct, but the year is wrong". A reply naming no verdict ("Maybe")
-  raises JudgeError: the example is recorded as a judge failure and judged again on resume.
+  The reply may carry case, quotes, markdown or a final period ("**correct.**"). Any other reply that names a
+  verdict is False: "Incorrect", "Not correct", "Correct? No.", "Correct, but the year is wrong", and also "The
+  prediction is Correct.". A reply naming no verdict ("Maybe") raises JudgeError: the example is recorded as a
+  judge failure and judged again on resume.
+
+  The official evaluator reads replies differently (`_official.reply_is_correct`): the text inside
+  `<judgment>...</judgment>` when present, correct when it contains "correct" and none of "incorrect", "wrong",
+  "not correct", so "The prediction is Correct." is correct there and False here.
   """
   t = str(text or "").strip().strip(_WRAPPING).lower()
   if t == "correct":

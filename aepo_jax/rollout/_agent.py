@@ -37,7 +37,11 @@ class AgentConfig:
   result_mode: 'train' (" <result>\\n..\\n</result>") or 'eval' ("<result>..</result>").
   max_tokens_per_call: tokens one generation call (segment) may sample, apart from the trajectory's budget; a call
   that reaches it ends the trajectory (stop reason 'call_tokens'), as vLLM's max_tokens does in the evaluation
-  protocol (spec §2.5: 4,096). 0: only max_response_len bounds a call (training, spec §1.2 2.1)."""
+  protocol (spec §2.5: 4,096). 0: only max_response_len bounds a call (training, spec §1.2 2.1).
+  max_calls_per_turn: with max_tokens_per_call, how many generation calls one turn (the text up to a tool call or
+  the end) may take: a call that reaches the cap without having written `</answer>` since the turn began is
+  continued by another call with a fresh cap (the official inference engine's `call_local_llm`, up to 4 calls in
+  all); the last one that reaches the cap ends the trajectory ('call_tokens'). 1: no continuation."""
 
   max_response_len: int = 1024
   max_tool_calls: int = 3
@@ -48,8 +52,11 @@ class AgentConfig:
   check_stop_strings: bool = True
   tool_poll_s: float = 0.05
   max_tokens_per_call: int = 0
+  max_calls_per_turn: int = 1
 
   def __post_init__(self):
+    if self.max_calls_per_turn < 1:
+      raise ValueError(f"AgentConfig: max_calls_per_turn={self.max_calls_per_turn} must be >= 1 (1: no continuation).")
     if self.max_response_len < 1 or self.chunk_steps < 1 or self.max_tool_calls < 0 or self.max_tokens_per_call < 0:
       raise ValueError(
         f"AgentConfig: max_response_len={self.max_response_len} and chunk_steps={self.chunk_steps} "
@@ -96,6 +103,8 @@ class _Run:
     self.page_blocked = False
     self.preemptions = 0
     self.stall_events = 0
+    # max_calls_per_turn: record index -> (its open segment's number, generation calls in it, where the last began)
+    self.turn_calls: dict = {}
 
 
 class AgentLoop:
@@ -299,7 +308,7 @@ class AgentLoop:
       slots,
       [r.prompt_tokens + r.tokens for r in recs],
       [self._seed(run, r.index) for r in recs],
-      [self._resume_budget(r) if r.index in run.seg_resume else self._call_budget(r) for r in recs],
+      [self._resume_budget(r, run) if r.index in run.seg_resume else self._call_budget(r) for r in recs],
     )
     resumed = []
     for s, r in zip(slots, recs):
@@ -417,8 +426,28 @@ class AgentLoop:
     if reason == st.STOP_EOS:
       return self._end(rec, "eos")
     if reason == st.STOP_BUDGET and self.config.max_tokens_per_call and rec.room > 0:  # the call's cap, not L
+      if self._continue_call(run, rec):
+        return None
       return self._end(rec, "call_tokens")
     return self._end(rec, "length" if reason == st.STOP_BUDGET else st.STOP_REASON_NAMES.get(reason, str(reason)))
+
+  def _continue_call(self, run: _Run, rec) -> bool:
+    """max_calls_per_turn > 1: a call that reached its cap goes on with a fresh cap (the same segment, the same
+    slot), unless the turn has used its calls or written `</answer>` (official `call_local_llm`)."""
+    n = self.config.max_calls_per_turn
+    if n <= 1:
+      return False
+    seg = rec.segments[-1]
+    turn, calls, _ = run.turn_calls.get(rec.index, (len(rec.segments), 1, seg.start))
+    if turn != len(rec.segments):
+      calls = 1
+    if calls >= n or "</answer>" in self.tokenizer.decode(rec.tokens[seg.start :]):
+      return False
+    run.turn_calls[rec.index] = (len(rec.segments), calls + 1, rec.response_len)
+    seg.end = -1  # the segment (the turn) stays open: its round is not done
+    run.state = self.engine.extend(run.params, run.state, [rec.slot], [[]], [self._call_budget(rec)])
+    run.decoding.add(rec.slot)
+    return True
 
   def _limit(self, rec) -> None:
     """A call over the limit: append EOS (mask 1) and end (training, spec §1.2 2.3)."""
@@ -552,10 +581,13 @@ class AgentLoop:
     take back at once the pages that a stalled slot was waiting for)."""
     return self.engine.pages_free(run.state) - len(run.decoding) - len(run.stalled)
 
-  def _resume_budget(self, rec) -> int:
+  def _resume_budget(self, rec, run: Optional[_Run] = None) -> int:
     """The budget of a trajectory re-admitted mid-segment: its room, and what is left of the call's cap."""
     cap = self.config.max_tokens_per_call
-    return min(rec.room, cap - (rec.response_len - rec.segments[-1].start)) if cap else rec.room
+    start = rec.segments[-1].start
+    if run is not None and rec.index in run.turn_calls and run.turn_calls[rec.index][0] == len(rec.segments):
+      start = run.turn_calls[rec.index][2]  # a continued call: its cap counts from where it began
+    return min(rec.room, cap - (rec.response_len - start)) if cap else rec.room
 
   def _unstall(self, run: _Run) -> None:
     """Slots that stopped for want of a page decode again, as many as there are free pages (one each to start)."""

@@ -31,8 +31,8 @@ class ChatClient:
     timeout_s: float = 120.0,
     retries: int = 2,
     backoff_s: float = 0.5,
-    temperature: float = 0.0,
-    max_tokens: int = 1024,
+    temperature: float | None = 0.0,
+    max_tokens: int | None = 1024,
     api_key_env: str = "OPENAI_API_KEY",
   ):
     if not base_url or not model:
@@ -45,12 +45,10 @@ class ChatClient:
     self.temperature, self.max_tokens, self.api_key_env = temperature, max_tokens, api_key_env
 
   def complete(self, prompt: str) -> str:
-    payload = {
-      "model": self.model,
-      "messages": [{"role": "user", "content": prompt}],
-      "temperature": self.temperature,
-      "max_tokens": self.max_tokens,
-    }
+    payload = {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
+    for key in ("temperature", "max_tokens"):  # None: not sent, the server's default (the official judge's request)
+      if getattr(self, key) is not None:
+        payload[key] = getattr(self, key)
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(self.api_key_env)
     if key:

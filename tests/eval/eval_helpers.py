@@ -41,7 +41,8 @@ def short_examples(n=3, family="math", answer="18"):
   return [Example(f"toy:{i}", f"What is {i} plus {18 - i}?", [answer], "toy", family) for i in range(n)]
 
 
-def save_checkpoint(directory, config, params, tok_dir, step=3, ocdbt=True):
+def save_checkpoint(directory, config, params, tok_dir, step=3, ocdbt=True, training=None):
+  """`training`: more of the training config saved in the meta (e.g. {"data": {"template": "compact"}})."""
   from aepo_jax.train import _checkpoint
 
   ckpt = _checkpoint.Checkpointer(directory, async_save=False, ocdbt=ocdbt)
@@ -50,7 +51,7 @@ def save_checkpoint(directory, config, params, tok_dir, step=3, ocdbt=True):
     {"params": params},
     {
       "model_config": _checkpoint.model_config_to_json(config),
-      "config": json.dumps({"model": {"name": "tiny", "tokenizer": tok_dir}}),
+      "config": json.dumps({"model": {"name": "tiny", "tokenizer": tok_dir}, **(training or {})}),
     },
     force=True,
   )

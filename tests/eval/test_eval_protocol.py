@@ -118,3 +118,25 @@ def test_validation_on_hosts_answers_its_share_and_sums_over_hosts(monkeypatch):
   assert ev.seen == ["toy:1", "toy:3", "toy:5"]
   assert out["eval/toy/accuracy"] == out["eval/accuracy"] == 0.5
   assert out["eval/toy/tool_calls"] == 1.0
+
+
+def test_official_continuation_on_the_real_engine(tiny_config, scripted, tokenizer):
+  """A per-call cap far below the answer: without continuation the first call's cap ends it; with the official
+  continuation (up to 4 calls per turn) the same greedy text goes on, one cap at a time."""
+  capped = dataclasses.replace(SETTINGS, n=1, max_tokens_per_call=2)
+  one = _evaluator(tiny_config, scripted["answer"], tokenizer, settings=capped).run("toy", short_examples(1))[0]
+  cont = dataclasses.replace(capped, protocol="official", max_calls_per_turn=4)
+  tools = ToolSet({"python": lambda code: "42"}, mode="eval", retry_count=1)
+  ev = Evaluator(
+    Policy(tiny_config, scripted["answer"], tokenizer, "scripted"),
+    tools,
+    Scorer(protocol="official"),
+    cont,
+    show_progress=False,
+  )
+  four = ev.run("toy", short_examples(1))[0]
+  # "<python>1" fills the first call's cap of 2 tokens: without continuation the trajectory ends there
+  assert (one["response"], one["stop_reason"], one["score"]) == ("<python>1", "call_tokens", 0.0)
+  # with it, "</python>" closes in the second call, the tool runs, the answer turn is continued the same way
+  assert four["response"].startswith("<python>1</python><result>42</result><answer>\\boxed{18}</answer>")
+  assert (four["stop_reason"], four["score"], four["protocol"], four["python_calls"]) == ("eos", 1.0, "official", 1)

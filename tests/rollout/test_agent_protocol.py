@@ -1,14 +1,14 @@
 """The agent loop against the protocol of spec §2.5 and §4: the tool-result text of training and of evaluation
 (and which tokens the loss sees), and the evaluation's per-generation-call token cap (vLLM max_tokens), which is
 separate from the trajectory's budget: every call may sample up to the cap, a call that reaches it ends the
-trajectory."""
+trajectory, unless the official continuation (`max_calls_per_turn` > 1) gives the turn another call."""
 
 import numpy as np
 import pytest
 
 from aepo_jax.rollout._agent import AgentConfig, AgentLoop
 from aepo_jax.rollout.policies import rollout_policy
-from test_agent_fakes import TOK, ScriptedEngine, make_tools
+from test_agent_fakes import FILL, TOK, ScriptedEngine, make_tools
 
 PROMPTS = [TOK.encode("Q1?"), TOK.encode("What is 2+2?")]
 
@@ -71,3 +71,58 @@ def test_tool_results_are_written_as_the_spec_says_and_get_no_loss(mode, text):
   result = np.zeros(len(row), bool)
   result[len(TOK.encode(call)) : len(TOK.encode(call + text))] = True
   assert (mask[result] == 0).all() and (mask[~result] == 1).all()  # everything the model wrote is trained
+
+
+def _run_turns(fills, cap, calls_per_turn, max_len=200):
+  """One prompt; each generation call (the fake re-plans on every extend) takes the next of `fills` filler tokens
+  then a python call."""
+  it = iter(fills)
+  engine = ScriptedEngine(max_slots=2, script=lambda rng, after_tool: (next(it, 1000), True, 1.0))
+  cfg = AgentConfig(
+    max_response_len=max_len,
+    max_tool_calls=1,
+    chunk_steps=4,
+    tool_tags=("python",),
+    max_tokens_per_call=cap,
+    max_calls_per_turn=calls_per_turn,
+    result_mode="eval",
+  )
+  loop = AgentLoop(engine, TOK, make_tools(), cfg)
+  return loop.rollout(None, PROMPTS[:1], rollout_policy("none", n=1, initial_rollouts=1), seed=0), loop
+
+
+def test_the_official_continuation_goes_on_until_a_tool_tag_closes():
+  # call 1: 12 fillers > cap 10 -> continued; call 2: 3 fillers + <python>1+1</python> closes the tag: the tool runs
+  traj, loop = _run_turns([12, 3], cap=10, calls_per_turn=4)
+  rec = loop.last_run.records[0]
+  assert rec.num_tool_calls == 1 and len(rec.segments) >= 2
+  assert rec.segments[0].start == 0 and rec.segments[0].end == 10 + 8  # one turn: both calls in one segment
+  # without continuation the first call's cap ends the trajectory
+  traj, _ = _run_turns([12, 3], cap=10, calls_per_turn=1)
+  assert traj.stop_reason_b == ["call_tokens"] and traj.response_len_b.tolist() == [10]
+
+
+def test_the_continuation_stops_after_its_calls():
+  traj, loop = _run_turns([20] * 10, cap=10, calls_per_turn=4)
+  assert traj.stop_reason_b == ["call_tokens"] and traj.response_len_b.tolist() == [40]  # 4 calls of 10
+  traj, _ = _run_turns([20] * 10, cap=10, calls_per_turn=2)
+  assert traj.response_len_b.tolist() == [20]
+  traj, _ = _run_turns([20] * 10, cap=10, calls_per_turn=4, max_len=25)  # the trajectory's budget still applies
+  assert traj.stop_reason_b == ["length"] and traj.response_len_b.tolist() == [25]
+  with pytest.raises(ValueError, match="max_calls_per_turn=0"):
+    AgentConfig(max_calls_per_turn=0)
+
+
+def test_no_continuation_once_the_turn_wrote_the_answer_tag():
+  def run(call):
+    engine = ScriptedEngine(max_slots=2, script=lambda rng, after_tool: (0, True, 1.0), call=call)
+    cfg = AgentConfig(
+      max_response_len=200, chunk_steps=4, tool_tags=("python",), max_tokens_per_call=10, max_calls_per_turn=4
+    )
+    loop = AgentLoop(engine, TOK, make_tools(), cfg)
+    return loop.rollout(None, PROMPTS[:1], rollout_policy("none", n=1, initial_rollouts=1), seed=0)
+
+  answered = run(TOK.encode("</answer>") + [FILL] * 30)
+  assert answered.stop_reason_b == ["call_tokens"] and answered.response_len_b.tolist() == [10]
+  going = run([FILL] * 30)
+  assert going.stop_reason_b == ["call_tokens"] and going.response_len_b.tolist() == [40]
