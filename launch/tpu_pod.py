@@ -9,6 +9,8 @@ r"""Train on a TPU pod, a single accelerator host, or CPU processes: cold-start 
       --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=0
   python launch/tpu_pod.py --config=... --config.checkpoint.shared_workdir=True \
       --coordinator_address=127.0.0.1:12355 --num_processes=2 --process_id=1
+  # the same two processes as the hosts of a v5p:2x2x2 slice, every mesh in its device order: add to both lines
+      --emulate_topology=v5p:2x2x2
 
 Any config key can be overridden: `--config.rollout.n=8 --config.train.steps=100`. The config is validated
 before any device is claimed; rerunning the same command resumes from the latest checkpoint in the workdir.
@@ -32,12 +34,19 @@ _NPROC = flags.DEFINE_integer("num_processes", None, "Number of processes (multi
 _PID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process CPU/GPU).")
 _CPU_COLLECTIVES = flags.DEFINE_string("cpu_collectives", "gloo", "CPU collectives for multi-process CPU runs.")
 _PLATFORM = flags.DEFINE_string("platform", None, "Force a JAX platform (cpu, tpu, gpu).")
+_EMULATE_TOPOLOGY = flags.DEFINE_string(
+  "emulate_topology",
+  None,
+  "CPU only: these processes stand in for the hosts of this TPU slice (e.g. v5p:2x2x2, v6e:4x4) and every mesh is "
+  "built in the slice's device order (needs libtpu; one process per host of the slice).",
+)
 _TOPOLOGY = flags.DEFINE_string(
   "topology",
   None,
   "With --dry_run: also compile the RL step for this TPU slice "
   "(e.g. v5p:4x4x2) and check it fits (launch/compile.py; needs libtpu).",
 )
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Also show other libraries' INFO lines (Orbax, bm25s, optax).")
 _DRY_RUN = flags.DEFINE_bool(
   "dry_run",
   False,
@@ -46,18 +55,11 @@ _DRY_RUN = flags.DEFINE_bool(
 )
 
 
-class _QuietOrbax(logging.Filter):
-  """Orbax logs every save step at INFO; keep its warnings only."""
-
-  def filter(self, record):
-    return record.levelno >= logging.WARNING or "orbax" not in record.pathname
-
-
 def main(argv):
   del argv
-  logging.getLogger().setLevel(logging.INFO)
-  for handler in logging.getLogger().handlers:
-    handler.addFilter(_QuietOrbax())
+  from aepo_jax import logs
+
+  logs.setup(verbose=_VERBOSE.value)  # other libraries' INFO lines off unless --verbose
   from aepo_jax.train import _config
 
   config = _CONFIG.value
@@ -66,13 +68,19 @@ def main(argv):
   _config.apply_model_overrides(config, _MODEL_OVERRIDES)
   if _MODE.value:
     config.mode = _MODE.value
-  _config.validate(config)  # before any device is claimed; the mesh is checked once devices are known
+  try:
+    _config.validate(config)  # before any device is claimed; the mesh is checked once devices are known
+  except _config.ConfigError as e:  # the key and the fix, no traceback
+    sys.exit(f"error: {e}")
   if _DRY_RUN.value:  # also check files, names, backends and URLs; still claim no device
     from aepo_jax.train import _preflight
 
-    problems = _preflight.preflight(config)
+    rows = _preflight.checklist(config)
+    print(_preflight.format_checklist(rows, flags.FLAGS["config"].serialize().split("=", 1)[-1]), flush=True)
+    problems = [m for _, _, found in rows for m in found]
     if problems:
       sys.exit("error: the config cannot run here:\n  " + "\n  ".join(problems))
+    print("the resolved config (JSON):")
     print(_config.to_json(config))
     if _TOPOLOGY.value:
       os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the slice; claim no local device
@@ -85,12 +93,19 @@ def main(argv):
     os.environ["JAX_PLATFORMS"] = _PLATFORM.value
   from aepo_jax import parallel
 
+  if _EMULATE_TOPOLOGY.value:
+    _emulated_devices(parallel, _EMULATE_TOPOLOGY.value)  # before JAX starts its backend
   parallel.use_cpu_xla_flags()  # XLA:CPU flags on the CPU only, before JAX starts its backend
   import jax
 
   # Every Cloud TPU VM / GKE TPU host joins jax.distributed by itself (coordinator from the TPU metadata); CPU and
   # GPU processes need --coordinator_address/--num_processes/--process_id (or JAX_COORDINATOR_ADDRESS, ...).
   parallel.initialize_distributed(_COORD.value, _NPROC.value, _PID.value, cpu_collectives=_CPU_COLLECTIVES.value)
+  if _EMULATE_TOPOLOGY.value:
+    try:  # refuses a process / device count that is not the slice's
+      parallel.emulate_topology(_EMULATE_TOPOLOGY.value)
+    except ValueError as e:
+      sys.exit(f"error: {e}")
   logging.info(
     "process %d/%d, %d devices (%d local)",
     jax.process_index(),
@@ -115,6 +130,23 @@ def main(argv):
     sys.exit(f"error: {e}")
   if jax.process_index() == 0:
     logging.info("done: %s", {k: v for k, v in summary.items() if k != "params"})
+
+
+def _emulated_devices(parallel, name: str) -> None:
+  """CPU processes as the hosts of the TPU slice `name`: each gets the slice's chips per host as CPU devices."""
+  if not parallel.platform_is_cpu():
+    sys.exit(
+      f"error: --emulate_topology={name} is for CPU processes; on a TPU slice the meshes already have its order."
+    )
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  try:
+    hosts, per_host = parallel.slice_hosts(name)
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  xla = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in xla:
+    os.environ["XLA_FLAGS"] = f"{xla} --xla_force_host_platform_device_count={per_host}".strip()
+  logging.info("emulating %s: %d processes of %d CPU devices each", name, hosts, per_host)
 
 
 def _check_override_keys(argv) -> None:

@@ -168,6 +168,12 @@ def base_config() -> ml_collections.ConfigDict:
   # repeated per copy) | hard (the paper's option: each shared prefix token gets the mean advantage of the
   # trajectories that share it).
   c.algo.attribution = "soft"
+  # Importance weights for tokens the engine sampled under another policy than the trainer's pi_old (its own numeric
+  # precision, or an older parameter version): none | tis (truncated IS, w = min(pi_old/pi_sampler, cap); verl PR
+  # #2953) | decoupled (AReaL's decoupled PPO: tokens with w > cap leave the loss). cap 0: the method's default (tis
+  # 2, decoupled 5). objectives/_off_policy.py.
+  c.algo.off_policy = "none"
+  c.algo.off_policy_cap = 0.0
   c.algo.entropy_advantage_coef = 0.2  # paper's full method; 0 reproduces the released runs (spec §2.3)
   c.algo.preserve_high_clip_grad = True
   # KL to the reference (the RL start): a loss term (coef > 0), or with use_in_reward a token-level reward
@@ -246,6 +252,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Or serve a judge from this process: a bundled model name, an HF directory or a training checkpoint (local or
   # gs://), behind aepo_jax.serve on 127.0.0.1 for the run (each host its own); excludes judge_url.
   c.eval.judge_checkpoint = ""
+  # Scoring of the validation answers: 'project' (math-verify, the strict judge) or 'official' (the official
+  # ARPO/AEPO evaluator's metrics, judge prompt and reply rule: aepo_jax.eval._scoring). The paper configs: official.
+  c.eval.protocol = "project"
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 10
@@ -258,6 +267,10 @@ def base_config() -> ml_collections.ConfigDict:
   # A checkpoint whose files or arrays differ from their checksums at save, or hold NaN/inf: 'fallback' moves it
   # aside (<step>.damaged) and resumes from the newest intact step; 'stop' names it and the intact step, and stops.
   c.checkpoint.on_corrupt = "fallback"
+  # A rerun in a workdir that holds checkpoints resumes them only if it is the same run (model, data sources,
+  # objective, rollout policy, seeds: workdir/fingerprint.json); 'check' refuses another run naming the differences,
+  # 'force' resumes the checkpoints with this config anyway (and records its fingerprint).
+  c.checkpoint.resume = "check"
   # A multi-host run needs a workdir every host sees (gs://...). A local path is refused unless it is shared
   # storage mounted at the same path on every host (NFS, Filestore, or several processes on one machine).
   c.checkpoint.shared_workdir = False
@@ -290,13 +303,31 @@ def _flatten(c, prefix=""):
 _SEE_BASE = "; see aepo_jax/train/_config.py:base_config()"
 
 
+def _edit_distance(a: str, b: str) -> int:
+  """Optimal string alignment distance: insertions, deletions, substitutions and swaps of neighbours each cost 1
+  (a typed 'apeo' is one swap from 'aepo', two edits from 'arpo')."""
+  d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+  for i in range(1, len(a) + 1):
+    for j in range(1, len(b) + 1):
+      d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+      if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+        d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+  return d[len(a)][len(b)]
+
+
 def did_you_mean(name, choices, *, prefix: str = "", otherwise: str = "") -> str:
-  """The hint `; did you mean 'x'?` for the choice x closest to `name` (difflib, cutoff 0.6; 'prefix.x' with a
-  prefix), or `otherwise` when none is close: the one ending of every unknown-name error (config, preflight, CLI)."""
-  close = difflib.get_close_matches(str(name), list(choices), n=1)
+  """The hint `; did you mean 'x'?` for the choice x closest to `name` ('prefix.x' with a prefix), or `otherwise`
+  when none is close: the one ending of every unknown-name error (config, preflight, CLI). Close: within difflib's
+  0.6 similarity or two edits (a swap of neighbours is one edit); the fewest edits win, then difflib's ratio."""
+  name, choices = str(name), [str(c) for c in choices]
+  close = set(difflib.get_close_matches(name, choices, n=len(choices) or 1))
+  close |= {c for c in choices if _edit_distance(name.lower(), c.lower()) <= min(2, max(1, len(name) // 3))}
   if not close:
     return otherwise
-  return f"; did you mean {f'{prefix}.{close[0]}' if prefix else close[0]!r}?"
+  best = min(
+    close, key=lambda c: (_edit_distance(name.lower(), c.lower()), -difflib.SequenceMatcher(None, name, c).ratio())
+  )
+  return f"; did you mean {f'{prefix}.{best}' if prefix else best!r}?"
 
 
 def _unknown_keys(config) -> list[str]:
@@ -357,6 +388,7 @@ def _choices(config) -> list:
     ("algo.agg", a.agg, objectives.AGG_MODES),
     ("algo.aggregation", a.aggregation, AGGREGATIONS),
     ("algo.attribution", a.attribution, objectives.ATTRIBUTIONS),
+    ("algo.off_policy", a.off_policy, objectives.list_off_policy()),
     ("rollout.policy", r.policy, policies.rollout_policy_names()),
     ("rollout.entropy_estimator", r.entropy_estimator, policies.ESTIMATORS),
     ("rollout.mode", r.mode, policies.MODES),
@@ -473,6 +505,11 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     f"(got {a.loss!r}); set it to 0.",
   )
   need(a.kl.coef >= 0, f"algo.kl.coef={a.kl.coef}: must be >= 0.")
+  need(
+    a.off_policy_cap == 0 or (a.off_policy_cap >= 1 if a.off_policy == "tis" else a.off_policy_cap > 1),
+    f"algo.off_policy_cap={a.off_policy_cap}: a cap on pi_old/pi_sampler must be "
+    f"{'>= 1' if a.off_policy == 'tis' else '> 1'}, or 0 for the method's default.",
+  )
   need(a.filter_metric in ("acc", "reward"), f"algo.filter_metric={a.filter_metric!r}: use 'acc' or 'reward'.")
   need(a.max_num_gen_batches >= 0, f"algo.max_num_gen_batches={a.max_num_gen_batches}: must be >= 0 (0 = no limit).")
   need(
@@ -509,6 +546,10 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     not (config.eval.judge_checkpoint and config.eval.judge_url),
     "eval.judge_checkpoint serves a judge here, eval.judge_url uses one elsewhere: set one of them.",
   )
+  need(
+    config.eval.get("protocol", "project") in ("official", "project"),
+    f"eval.protocol={config.eval.get('protocol')!r} must be 'official' or 'project'.",
+  )
   o = config.optim
   need(o.lr > 0, f"optim.lr={o.lr}: must be > 0.")
   need(o.schedule in ("constant", "cosine", "linear"), f"optim.schedule={o.schedule!r}: constant, cosine or linear.")
@@ -530,7 +571,28 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     f"{t.ppo_mini_batch_size * r.n}; pick a divisor.",
   )
   need(t.ppo_epochs >= 1, f"train.ppo_epochs={t.ppo_epochs}: must be >= 1.")
+  need(t.steps >= 0, f"train.steps={t.steps}: must be >= 1 (or 0: train.epochs decide).")
+  need(t.epochs >= 0, f"train.epochs={t.epochs}: must be >= 1 (or 0 with train.steps >= 1).")
   need(t.steps > 0 or t.epochs > 0, "train.steps=0 needs train.epochs > 0 (or set train.steps).")
+  need(t.peak_tflops >= 0, f"train.peak_tflops={t.peak_tflops}: must be >= 0 (0: no MFU).")
+  need(s.packed_rows >= 0, f"sft.packed_rows={s.packed_rows}: must be >= 0 (0 turns packing off).")
+  need(d.val_size >= 0, f"data.val_size={d.val_size}: must be >= 0.")
+  need(
+    d.suite.n_train >= 1 and d.suite.n_heldout >= 0,
+    f"data.suite.n_train={d.suite.n_train} must be >= 1 and data.suite.n_heldout={d.suite.n_heldout} >= 0.",
+  )
+  need(config.eval.num_prompts >= 0, f"eval.num_prompts={config.eval.num_prompts}: must be >= 0 (0: all).")
+  tl = config.tools
+  need(
+    tl.call_limit >= 0 and tl.retry_count >= 0 and tl.max_workers >= 1 and tl.search_topk >= 1,
+    f"tools.call_limit={tl.call_limit} and tools.retry_count={tl.retry_count} must be >= 0, tools.max_workers="
+    f"{tl.max_workers} and tools.search_topk={tl.search_topk} >= 1.",
+  )
+  need(
+    tl.python_max_output >= 1 and tl.python_memory_mb >= 1 and tl.python_timeout > 0,
+    f"tools.python_max_output={tl.python_max_output}, tools.python_memory_mb={tl.python_memory_mb} and "
+    f"tools.python_timeout={tl.python_timeout} must be > 0.",
+  )
   need(
     t.nan_limit >= 0 and t.log_every >= 1 and t.eval_every >= 0,
     "train.nan_limit >= 0, train.log_every >= 1, train.eval_every >= 0.",
@@ -581,6 +643,7 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(ck.every_steps >= 1 and ck.keep >= 1, "checkpoint.every_steps and checkpoint.keep must be >= 1.")
   need(ck.best_mode in ("max", "min"), f"checkpoint.best_mode={ck.best_mode!r}: 'max' or 'min'.")
   need(ck.on_corrupt in ("fallback", "stop"), f"checkpoint.on_corrupt={ck.on_corrupt!r}: 'fallback' or 'stop'.")
+  need(ck.resume in ("check", "force"), f"checkpoint.resume={ck.resume!r}: 'check' or 'force'.")
   need(bool(config.workdir), "workdir is empty: set --config.workdir=/path or gs://bucket/path.")
   if num_devices is not None:
     try:

@@ -42,7 +42,7 @@ from aepo_jax.model import (
   resolve_attention_impl,
   unembed_matrix,
 )
-from aepo_jax.parallel import DEFAULT_RULES, make_mesh, sharding_context
+from aepo_jax.parallel import DEFAULT_RULES, activation_spec, current_mesh, make_mesh, sharding_context
 from aepo_jax.train._batch import batch_sharding
 from aepo_jax.train._optim import current_lr
 
@@ -86,8 +86,8 @@ def init_train_state(
 
 
 def _place(x, sharding):
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard on device
-    return jax.jit(lambda y: y, out_shardings=sharding)(x)
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already global: reshard on device (any device order)
+    return jax.device_put(x, sharding)
   host = np.asarray(jax.device_get(x))
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
@@ -130,6 +130,27 @@ def next_token_logprobs(
     capacity=capacity,
     layout=layout,
     max_saved_logits=int(saved_logits_mb * 2**20) // 4,
+    sharding=head_sharding(w.shape, layout),
+  )
+
+
+def head_sharding(w_shape, layout: str):
+  """The LM head's `objectives.HeadSharding` under the enclosing `parallel.sharding_context` (rows over the
+  activation batch axes, the vocabulary and D as the parameter rules store the head), or None on one device."""
+  mesh = current_mesh()
+  if mesh is None or mesh.devices.size == 1:
+    return None
+  rows = activation_spec((mesh.devices.size, 1), ("activation_batch", None))[0]
+  vd = w_shape if layout == "vd" else w_shape[::-1]
+  vocab, embed = activation_spec(vd, ("vocab", "embed"))
+  as_tuple = lambda a: () if a is None else (a if isinstance(a, tuple) else (a,))  # noqa: E731
+  batch_axes = tuple(a for a in as_tuple(rows) if mesh.shape[a] > 1)
+  vocab_axes = [a for a in as_tuple(vocab) if mesh.shape[a] > 1]
+  embed_axes = [a for a in as_tuple(embed) if mesh.shape[a] > 1]
+  if len(vocab_axes) > 1 or len(embed_axes) > 1 or not batch_axes and not vocab_axes:
+    return None  # a layout this path does not cover: the partitioner's
+  return objectives.HeadSharding(
+    mesh, batch_axes, vocab_axes[0] if vocab_axes else None, embed_axes[0] if embed_axes else None
   )
 
 
@@ -308,9 +329,12 @@ def make_update_step(
   aggregation: str = "global",
   logit_capacity: int = 0,
   saved_logits_mb: float = DEFAULT_SAVED_LOGITS_MB,
+  off_policy: str = "none",
+  off_policy_hp: Optional[dict] = None,
 ):
   """The RL update step. batch: tokens, attention_mask, loss_mask, old_log_prob, advantages (+ ref_log_prob
-  when kl_coef != 0), each [micro_batches, mb, T] and aligned with the tokens (see `_batch`).
+  when kl_coef != 0, + sampler_log_prob with an off-policy correction), each [micro_batches, mb, T] and aligned
+  with the tokens (see `_batch`).
 
   loss_fn: a registered policy-loss name (`objectives.policy_loss`) or a callable with its signature
     fn(log_prob, old_log_prob, advantages, mask, entropy=None, **loss_hp) -> (loss, metrics).
@@ -321,9 +345,13 @@ def make_update_step(
     micro-batch with more takes the dense path; same result either way), see `objectives.token_logprobs_and_entropy`.
   saved_logits_mb: the backward reuses the forward's float32 logits of a micro-batch when they take at most this
     many MiB (one LM-head matmul fewer per step), and recomputes them chunk by chunk otherwise; same values.
+  off_policy / off_policy_hp: a registered off-policy correction (`objectives.off_policy`) with the sampler's
+    log-probs as the behaviour policy and old_log_prob as the proximal one; 'none' leaves the loss as it is.
   """
   model_config = resolve_attention_impl(model_config, _mesh(mesh))
   fn = objectives.policy_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn
+  if off_policy != "none":
+    fn = objectives.apply_off_policy(fn, off_policy, **(off_policy_hp or {}))
   hp = dict(loss_hp or {})
   if "normalizer" in hp:
     raise ValueError("loss_hp['normalizer'] is set by the update step (see `aggregation=`); remove it")
@@ -354,6 +382,7 @@ def make_update_step(
       entropy=jax.lax.stop_gradient(ent) if need_entropy else None,
       normalizer=normalizer,
       **hp,
+      **({"behaviour_log_prob": _shift_left(mb["sampler_log_prob"])} if off_policy != "none" else {}),
     )
     pg_loss = pg_loss * scale
     loss = pg_loss

@@ -23,13 +23,17 @@ import numpy as np
 
 from aepo_jax import parallel
 from aepo_jax.parallel import make_mesh
-from aepo_jax.train import _batch, _checkpoint, _config, _metrics, _optim, _step, _wiring
+from aepo_jax.train import _batch, _checkpoint, _config, _fingerprint, _metrics, _optim, _step, _wiring
 
 log = logging.getLogger("aepo_jax.train")
 
 
 class TrainingError(RuntimeError):
   """A run that cannot continue (too many non-finite losses, an exhausted data source, ...)."""
+
+
+class NothingToDo(_config.ConfigError):
+  """A run that would train nothing (already finished, or zero steps): said, and the process exits non-zero."""
 
 
 class _Preemption:
@@ -89,9 +93,11 @@ def _run(config, mode: str) -> dict:
   workdir = config.workdir
   _check_shared_workdir(config)
   _checkpoint.check_writable(workdir)
+  _fingerprint.check_resume(config)  # the checkpoints here are this run's (model, data, objective, seeds)
   is_chief = jax.process_index() == 0
   if is_chief:
     (_checkpoint.epath.Path(workdir) / "config.json").write_text(_config.to_json(config))
+    _fingerprint.record(config)
   writer = _metrics.create_writer(workdir, config.metrics, process_index=jax.process_index())
   progress = bool(config.metrics.progress) and is_chief
 
@@ -150,7 +156,8 @@ def _check_shared_workdir(config) -> None:
 
 
 def _check_batch_split(config, mesh) -> None:
-  """Each host contributes the same number of rows to every micro-batch (its trajectories, padded)."""
+  """Every host rolls out at least one prompt; every micro-batch splits evenly over the mesh's data x fsdp devices
+  (each host then takes the rows its devices hold, `_batch.process_rows`, whatever the mesh's device order)."""
   n = jax.process_count()
   rows = mesh.shape["data"] * mesh.shape["fsdp"]
   if n > 1 and config.mode != "sft" and config.data.prompts_per_step < n:
@@ -164,10 +171,9 @@ def _check_batch_split(config, mesh) -> None:
   if config.sft.enabled or config.mode == "sft":
     checks.append(("sft.micro_batch_size", config.sft.packed_rows or config.sft.micro_batch_size))
   for key, mb in checks:
-    if n > 1 and (mb % n or (mb // n) % max(rows // n, 1)):
+    if n > 1 and mb % rows:
       raise _config.ConfigError(
-        f"{key}={mb} must split into equal shares for the {n} hosts, each a multiple of the host's "
-        f"{max(rows // n, 1)} data-parallel devices; use a multiple of {n * max(rows // n, 1)}."
+        f"{key}={mb} rows must split evenly over the mesh's data x fsdp = {rows} devices; use a multiple of {rows}."
       )
 
 
@@ -201,7 +207,7 @@ def _resume(ckpt, config, model_cfg, params, optimizer, mesh, seed, keep_start=F
   )
   if step is None:
     return params, opt_state, rng, 0, {}, start_params
-  log.info("resumed %s from step %d", ckpt.directory, step)
+  log.info("resuming from step %d (%s)", step, ckpt.directory)
   return state["params"], state["opt_state"], np.asarray(state["rng"]), step, meta, start_params
 
 
@@ -278,6 +284,12 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   optimizer = _sft_optimizer(config)
   params, opt_state, rng, start, meta, _ = _resume(ckpt, config, model_cfg, params, optimizer, mesh, s.seed)
   if start >= s.steps:
+    if config.mode == "sft":
+      ckpt.close()
+      raise NothingToDo(
+        f"nothing to do: SFT in {config.workdir!r} already finished at step {start} (sft.steps={s.steps}); raise "
+        "--config.sft.steps to train further, or use a new --config.workdir."
+      )
     log.info("SFT already finished (step %d); using its parameters.", start)
     return params, {"sft/steps": start}
 
@@ -302,6 +314,7 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
   perf = _metrics.Throughput(s.steps, start, meta.get("tokens_total", 0.0), config.train.peak_tflops)
   step, m = start, {}
   while step < s.steps:
+    ckpt.check()  # a failed async save stops the run here, naming its step
     t0 = time.perf_counter()
     idx = next(loader)
     try:
@@ -320,7 +333,7 @@ def _sft_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, prog
         f"SFT step {step + 1}: {e}. Raise sft.packed_rows (at most sft.batch_size="
         f"{s.batch_size}) or sft.max_len={s.max_len}, or set sft.packed_rows=0."
       ) from e
-    params, opt_state, m = sft_step(params, opt_state, _batch.shard_batch(_batch.process_rows(batch), mesh))
+    params, opt_state, m = sft_step(params, opt_state, _batch.shard_batch(_batch.process_rows(batch, mesh), mesh))
     step += 1
     m = jax.device_get(m)
     nan_count = _check_finite(m, nan_count, config.train.nan_limit, step)
@@ -378,6 +391,16 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
   params, opt_state, rng, start, meta, ref_params = _resume(
     ckpt, config, model_cfg, params, optimizer, mesh, t.seed, keep_start=_needs_reference(config)
   )
+  if start >= total:
+    ckpt.close()
+    raise NothingToDo(
+      f"nothing to do: RL in {config.workdir!r} already finished at step {start} (train.steps={t.steps}, "
+      f"train.epochs={t.epochs}: {total} steps); raise --config.train.steps to train further, or use a new "
+      "--config.workdir."
+      if start
+      else f"nothing to do: train.epochs={t.epochs} over {num_train} training prompts gives 0 RL steps; check "
+      "data.train, or set --config.train.steps."
+    )
   if meta.get("data_state") is not None:
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   nan_count = int(meta.get("nan_count", 0))
@@ -394,11 +417,13 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
 
   eval_rollout, judge = [], []  # built on first use
 
-  def evaluate(step):
+  def evaluate(step, phase="rl"):
     if not eval_rollout:
       eval_rollout.append(_wiring.make_eval_rollout(config, model_cfg, tokenizer, tools))
       judge.extend(_wiring.serve_judge(config))  # eval.judge_checkpoint: a judge served here for the run
-    ev = _wiring.evaluate(judge[0], eval_rollout[0], params)
+    log.info("evaluating (%s, step %d) on %s", phase, step, ", ".join(map(str, config.data.val)))
+    records = f"{str(config.workdir).rstrip('/')}/eval/{phase}_{step}.jsonl"  # every answer, to read back
+    ev = _wiring.evaluate(judge[0], eval_rollout[0], params, records)
     if tools:  # the evaluation's own tool calls, kept out of the next RL step's tools/* counters
       ev.update({f"eval/tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()})
       tools.reset_metrics()
@@ -408,13 +433,14 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
 
   summary = {}
   if start == 0 and config.eval.before_rl and config.data.val:
-    summary.update({f"before_rl/{k}": v for k, v in evaluate(0).items()})
+    summary.update({f"before_rl/{k}": v for k, v in evaluate(0, "before_rl").items()})
 
   bar = _metrics.progress(total, "rl", initial=start, enabled=progress)
   timer = _metrics.Timer()
   perf = _metrics.Throughput(total, start, meta.get("tokens_total", 0.0), t.peak_tflops)
   step = start
   while step < total:
+    ckpt.check()  # a failed async save stops the run here, naming its step
     # -- rollout ------------------------------------------------------------------------------------------
     key = jax.random.wrap_key_data(rng)
     key, rollout_key = jax.random.split(key)
@@ -427,6 +453,8 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
     )
     del weights  # the rollout copy is not kept through the update
     with timer("reward"):
+      # Each host's own rollout time and trajectories (a straggler's wait lands here, in the first gather).
+      gen_metrics.update(_host_rollout_metrics(timer.times.get("perf/rollout_s", 0.0), len(traj.group_id_b), step + 1))
       # Every host's trajectories on every host: from here on all hosts build the same global batch.
       traj, rewards_b = _batch.gather_trajectories(traj, rewards_b, pad_id=pad_id)
       adv_bt = np.asarray(
@@ -441,7 +469,7 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       batch_np = _batch.trajectories_batch(
         traj, adv_bt, micro_batch_size=t.micro_batch_size, pad_id=pad_id, seq_len=seq_len, rows_multiple=rows_multiple
       )
-      batch = _batch.shard_batch(_batch.process_rows(batch_np), mesh)
+      batch = _batch.shard_batch(_batch.process_rows(batch_np, mesh), mesh)
       batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"])
       if ref_params is not None:
         batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"])
@@ -456,7 +484,7 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
           seq_len=seq_len,
           rows_multiple=rows_multiple,
         )["advantages"]
-        batch["advantages"] = _batch.shard_batch(_batch.process_rows({"advantages": adv_np}), mesh)["advantages"]
+        batch["advantages"] = _batch.shard_batch(_batch.process_rows({"advantages": adv_np}, mesh), mesh)["advantages"]
         gen_metrics.update(kl_metrics)
     # -- updates: ppo_epochs x mini-batches --------------------------------------------------------------------
     with timer("update"):
@@ -516,12 +544,34 @@ def _rl_phase(config, model_cfg, params, tokenizer, mesh, writer, preempt, progr
       break
   bar.close()
   if not preempt.requested and config.eval.after_rl and config.data.val:
-    summary.update({f"after_rl/{k}": v for k, v in evaluate(step).items()})
+    summary.update({f"after_rl/{k}": v for k, v in evaluate(step, "after_rl").items()})
   if judge and judge[1] is not None:
     judge[1].shutdown(drain_s=5.0)
   ckpt.close()
   summary["rl/steps"] = step
   return params, summary
+
+
+def _host_rollout_metrics(rollout_s: float, trajectories: int, step: int) -> dict:
+  """hosts/rollout_s_max|min and hosts/trajectories_max|min over the hosts (this host's own on one); with several
+  hosts, process 0 also logs a per-host table, so a straggling host is named. Every host calls it at the same point
+  (a small collective)."""
+  rows = parallel.allgather_json([float(rollout_s), int(trajectories)])
+  if len(rows) > 1 and jax.process_index() == 0:
+    slowest = max(range(len(rows)), key=lambda p: rows[p][0])
+    log.info(
+      "RL step %d, per host (rollout s, trajectories): %s; slowest host %d",
+      step,
+      ", ".join(f"{p}: {t:.1f} s {n}" for p, (t, n) in enumerate(rows)),
+      slowest,
+    )
+  times, counts = [r[0] for r in rows], [r[1] for r in rows]
+  return {
+    "hosts/rollout_s_max": max(times),
+    "hosts/rollout_s_min": min(times),
+    "hosts/trajectories_max": float(max(counts)),
+    "hosts/trajectories_min": float(min(counts)),
+  }
 
 
 def _generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):

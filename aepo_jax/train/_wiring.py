@@ -583,7 +583,20 @@ def make_rl_update_step(config, model_cfg, optimizer, mesh):
     logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
     saved_logits_mb=t.saved_logits_mb,
     aggregation=a.aggregation,
+    off_policy=a.off_policy,
+    off_policy_hp=off_policy_hparams(config),
   )
+
+
+def off_policy_hparams(config) -> dict:
+  """algo.off_policy_cap -> the correction's keyword hyperparameters (0: its own default cap)."""
+  from aepo_jax import objectives
+
+  a = config.algo
+  if a.off_policy == "none":
+    return {}
+  cap = float(a.off_policy_cap) or objectives.off_policy(a.off_policy).__kwdefaults__["cap"]
+  return {"cap": cap}
 
 
 def loss_hparams(config) -> dict:
@@ -644,7 +657,13 @@ def serve_judge(config):
 
   policy = eval_lib.load_policy(ckpt, dtype=config.model.dtype)
   server = Server(
-    policy.config, policy.params, policy.tokenizer, model_name=ckpt, max_slots=8, max_len=8192, port=0
+    policy.config,
+    policy.params,
+    policy.tokenizer,
+    model_name=ckpt,
+    max_slots=8,
+    max_len=min(8192, policy.config.max_position_embeddings or 8192),  # never beyond the judge's context
+    port=0,
   ).start()
   server.warmup()
   log.info("judge %s served at %s", ckpt, server.url)
@@ -670,7 +689,7 @@ def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
   )
 
 
-def evaluate(config, rollout: Rollout, params) -> dict:
+def evaluate(config, rollout: Rollout, params, records_path: str = "") -> dict:
   """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature), by
   `eval.evaluate` on this host's validation rollout: eval/<source>/accuracy (answer correct by `eval.Scorer`: math
   equivalence / EM; with eval.judge_url, the evaluation protocol's LLM judge OR'ed with math equivalence on QA and
@@ -683,7 +702,9 @@ def evaluate(config, rollout: Rollout, params) -> dict:
 
   e = config.eval
   policy = eval_lib.Policy(rollout.engine.config, rollout.weights(params), rollout.tokenizer, "in-training")
-  judge = rewards_lib.OpenAICompatibleJudge(e.judge_url, e.judge_model) if e.judge_url else None
+  protocol = e.get("protocol", "project")
+  judge_cls = rewards_lib.OfficialJudge if protocol == "official" else rewards_lib.OpenAICompatibleJudge
+  judge = judge_cls(e.judge_url, e.judge_model) if e.judge_url else None
   # The loop brings the engine, tools and result format of training; the settings only batch, template and seed.
   settings = eval_lib.EvalSettings(
     n=1,
@@ -695,7 +716,7 @@ def evaluate(config, rollout: Rollout, params) -> dict:
   evaluator = eval_lib.Evaluator(
     policy,
     None,
-    eval_lib.Scorer(judge, timeout_s=config.reward.timeout_s),
+    eval_lib.Scorer(judge, timeout_s=config.reward.timeout_s, protocol=protocol),
     settings,
     show_progress=False,
     loop=rollout.loop,
@@ -706,7 +727,7 @@ def evaluate(config, rollout: Rollout, params) -> dict:
   for source in config.data.val:
     examples = _examples(config, source, "val")
     sources[_short(source)] = examples[:limit] if limit else examples
-  return eval_lib.evaluate(evaluator, sources, reward_timeout_s=config.reward.timeout_s)
+  return eval_lib.evaluate(evaluator, sources, reward_timeout_s=config.reward.timeout_s, records_path=records_path)
 
 
 def _short(source: str) -> str:

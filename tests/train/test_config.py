@@ -134,7 +134,8 @@ def test_unknown_registry_names():
   c.algo.entropy_advantage_coef = 0.0
   c.algo.advantage = "gpro"
   msg = _error(c)
-  assert "algo.loss='apeo' is not registered; did you mean" in msg and "(known: aepo, arpo," in msg
+  # 'apeo' is one swap from 'aepo' (two edits from 'arpo', which difflib alone would pick)
+  assert "algo.loss='apeo' is not registered; did you mean 'aepo'?" in msg and "(known: aepo, arpo," in msg
   assert "algo.advantage='gpro' is not registered; did you mean 'grpo'?" in msg
 
 
@@ -195,3 +196,7 @@ def test_cli_overrides_and_errors():
   assert bad.returncode != 0 and "'rollout.nn'" in bad.stderr and "did you mean 'rollout.n'" in bad.stderr
   bad = _cli("--config=configs/aepo_gaia.py", "--config.rollout.initial_rollouts=20")
   assert bad.returncode != 0 and "rollout.initial_rollouts=20 must lie in [1, rollout.n=12]" in bad.stderr
+  assert bad.stderr.startswith("error: invalid config:") and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+  bad = _cli("--config=configs/aepo_gaia.py", "--config.rollout.policy=apeo")
+  assert "rollout.policy='apeo' is not registered; did you mean 'aepo'?" in bad.stderr, bad.stderr[-2000:]
+  assert "Traceback" not in bad.stderr

@@ -65,6 +65,14 @@ def test_sft_then_aepo_writes_every_metric_and_checkpoint(full_run):
   assert all(r["rollout/trajectories"] == 2 * 4 for r in rl)  # prompts_per_step x n
   evals = [r for r in records if "eval/suite/accuracy" in r]
   assert len(evals) == 2 and all("eval/suite/tool_calls" in r for r in evals)
+  # Every answer of both evaluations kept, to read back: the records the accuracy was computed from.
+  import json
+
+  for name, ev in zip(("before_rl_0.jsonl", "after_rl_3.jsonl"), evals):
+    with open(os.path.join(workdir, "eval", name)) as f:
+      answers = [json.loads(line) for line in f]
+    assert answers and {"source", "response", "score", "reward"} <= set(answers[0]), sorted(answers[0])
+    assert abs(np.mean([a["score"] for a in answers]) - ev["eval/suite/accuracy"]) < 1e-9
   steps = sorted(int(p) for p in os.listdir(os.path.join(workdir, "checkpoints", "rl")) if p.isdigit())
   assert steps == [1, 2, 3]
   jax.tree.map(lambda x: np.testing.assert_(np.all(np.isfinite(np.asarray(x)))), summary["params"])

@@ -255,3 +255,32 @@ def test_logprob_fn_equals_full_log_softmax():
   np.testing.assert_allclose(np.asarray(lp).reshape(-1, T)[valid], np.asarray(ref_lp)[valid], atol=1e-5)
   np.testing.assert_allclose(np.asarray(ent).reshape(-1, T)[valid], np.asarray(ref_ent)[valid], atol=1e-5)
   assert np.all(np.asarray(lp)[:, :, 0] == 0)
+
+
+def test_off_policy_correction_in_the_step_weights_each_token():
+  """algo.off_policy='tis' in the jitted step: with the sampler's log-probs equal to old_log_prob the update is the
+  uncorrected one; with them lower by log 1.5 on every token (w = 1.5, under the cap 2) every token's gradient
+  grows by 1.5."""
+  from aepo_jax.train._step import make_update_step as make
+
+  batch = rl_batch(M)
+  same = dict(batch, sampler_log_prob=batch["old_log_prob"])
+  lower = dict(batch, sampler_log_prob=batch["old_log_prob"] - np.float32(np.log(1.5)))
+  tis = make(
+    CFG,
+    loss_fn="ppo",
+    optimizer=sgd(),
+    micro_batches=M,
+    temperature=TEMPERATURE,
+    logprob_chunk=8,
+    off_policy="tis",
+    off_policy_hp={"cap": 2.0},
+  )
+  _, _, base_metrics, base = _run(_step(M), batch)
+  _, _, m_same, g_same = _run(tis, same)
+  _, _, m_lower, g_lower = _run(tis, lower)
+  scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(base))
+  assert max_abs_diff(g_same, base) <= 1e-6 * scale and m_same["offpolicy/ess"] == 1.0
+  weighted = jax.tree.map(lambda g: 1.5 * g, base)
+  assert max_abs_diff(g_lower, weighted) <= 1e-5 * scale
+  assert abs(m_lower["offpolicy/weight_mean"] - 1.5) < 1e-5 and m_lower["offpolicy/capped_frac"] == 0.0
