@@ -55,6 +55,22 @@ class JudgeUnavailableError(RuntimeError):
 PROTOCOLS = ("official", "project")
 
 
+def _blank_record(protocol: str, *, extracted: str = "", score_error=None) -> dict:
+  """The fields every scored record has, before a scorer fills them: wrong until shown right."""
+  return {
+    "protocol": protocol,
+    "extracted": extracted,
+    "score": 0.0,
+    "correct": False,
+    "scorer": "",
+    "em": None,
+    "f1": None,
+    "judge": None,
+    "judge_error": None,
+    "score_error": score_error,
+  }
+
+
 def probe_judge(base_url: str, model: str, *, timeout_s: float = 10.0) -> None:
   """One tiny chat completion that must come back with a verdict, else JudgeUnavailableError: "Correct" or
   "Incorrect" by the project's strict rule, or a reply the official rule reads as correct ("The prediction is
@@ -136,18 +152,9 @@ class Scorer:
       return self._score_official(example, response_text)
     answers = list(example.answers)
     checks, error = self._checks(response_text, answers)
-    out = {
-      "extracted": checks["extracted"] if checks else extract_answer(response_text),
-      "score": 0.0,
-      "correct": False,
-      "scorer": "",
-      "em": None,
-      "f1": None,
-      "judge": None,
-      "judge_error": None,
-      "score_error": error,
-      "protocol": "project",
-    }
+    out = _blank_record(
+      "project", extracted=checks["extracted"] if checks else extract_answer(response_text), score_error=error
+    )
     if checks is None:  # the answer took over timeout_s to check (or crashed its worker): wrong, and said why
       out.update(scorer="timeout" if error.startswith("timeout") else "score_failed")
       return out
@@ -181,18 +188,7 @@ class Scorer:
     ref, task = official.official_reference(example.source, example.answers), official.task_of(example.family)
     pool = self._pool if self._pool is not None else shared_pool()
     res = pool.map_results(official.answer_checks, [(response_text, ref, task)], timeout_s=self.timeout_s)[0]
-    out = {
-      "protocol": "official",
-      "extracted": "",
-      "score": 0.0,
-      "correct": False,
-      "scorer": "",
-      "em": None,
-      "f1": None,
-      "judge": None,
-      "judge_error": None,
-      "score_error": None if res.status == "ok" else f"{res.status}: {res.error}",
-    }
+    out = _blank_record("official", score_error=None if res.status == "ok" else f"{res.status}: {res.error}")
     if res.status != "ok":
       out.update(scorer="timeout" if res.status == "timeout" else "score_failed")
       return out

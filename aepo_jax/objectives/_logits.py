@@ -222,6 +222,27 @@ def _head_fwd(h_btd, w, tgt_bt, inv_temp, c, layout, save_logits):
   return out, (h_btd, w_vd, w_dv, tgt_bt, lse_nbc, ent_nbc, z_nbcv)
 
 
+def _chunk_backward(dw_dv, args, w_vd, w_dv, inv_temp, v0):
+  """One chunk of the head's backward over the vocabulary slice w_vd [V_loc, D] (ids v0 .. v0 + V_loc; the whole
+  vocabulary off a mesh): z (recomputed unless saved), dz = g_logp·(onehot − p) − g_H·p·(z − E_p[z]), dh = dz @ W
+  (float32, the slice's share) and dW_dv += hᵀ @ dz. Returns (dW_dv, dh)."""
+  h_bcd, tgt_bc, lse_bc, ent_bc, glp_bc, gent_bc, z_bcv = args
+  v, d, dt = w_vd.shape[0], h_bcd.shape[-1], h_bcd.dtype
+  if z_bcv is None:
+    z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
+  p_bcv = jnp.exp(z_bcv - lse_bc[..., None])
+  onehot = jnp.arange(v, dtype=jnp.int32)[None, None, :] == (tgt_bc.astype(jnp.int32) - v0)[..., None]
+  dz_bcv = jnp.where(onehot, glp_bc[..., None], 0.0) - p_bcv * (
+    glp_bc[..., None] + gent_bc[..., None] * (z_bcv - (lse_bc - ent_bc)[..., None])
+  )
+  if inv_temp != 1.0:
+    dz_bcv = dz_bcv * inv_temp
+  dz_nv = dz_bcv.reshape(-1, v).astype(dt)
+  dh_bcd = jnp.dot(dz_nv, w_vd.astype(dt), preferred_element_type=jnp.float32).reshape(h_bcd.shape)
+  dw_dv = dw_dv + jnp.dot(_t(h_bcd.reshape(-1, d)), dz_nv, preferred_element_type=jnp.float32)
+  return dw_dv, dh_bcd
+
+
 def _head_bwd(inv_temp, c, layout, save_logits, res, cts):
   h_btd, w_vd, w_dv, tgt_bt, lse_nbc, ent_nbc, z_nbcv = res
   g_logp_bt, g_ent_bt = cts
@@ -230,20 +251,7 @@ def _head_bwd(inv_temp, c, layout, save_logits, res, cts):
   dt = h_btd.dtype
 
   def one(dw_dv, args):
-    h_bcd, tgt_bc, lse_bc, ent_bc, glp_bc, gent_bc, z_bcv = args
-    if z_bcv is None:
-      z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
-    p_bcv = jnp.exp(z_bcv - lse_bc[..., None])
-    onehot = jnp.arange(v, dtype=jnp.int32)[None, None, :] == tgt_bc[..., None].astype(jnp.int32)
-    dz_bcv = jnp.where(onehot, glp_bc[..., None], 0.0) - p_bcv * (
-      glp_bc[..., None] + gent_bc[..., None] * (z_bcv - (lse_bc - ent_bc)[..., None])
-    )
-    if inv_temp != 1.0:
-      dz_bcv = dz_bcv * inv_temp
-    dz_nv = dz_bcv.reshape(-1, v).astype(dt)
-    h_nd = h_bcd.reshape(-1, d)
-    dh_bcd = jnp.dot(dz_nv, w_vd.astype(dt), preferred_element_type=jnp.float32).reshape(h_bcd.shape)
-    dw_dv = dw_dv + jnp.dot(_t(h_nd), dz_nv, preferred_element_type=jnp.float32)
+    dw_dv, dh_bcd = _chunk_backward(dw_dv, args, w_vd, w_dv, inv_temp, 0)
     return dw_dv, dh_bcd.astype(dt)
 
   xs = (
@@ -335,21 +343,7 @@ def _local_bwd(h_btd, w, tgt_bt, lse_nbc, ent_nbc, z_nbcv, g_logp_bt, g_ent_bt, 
   v0 = _vocab_offset(sh.vocab_axis, v_loc)
 
   def one(dw_dv, args):
-    h_bcd, tgt_bc, lse_bc, ent_bc, glp_bc, gent_bc, z_bcv = args
-    if z_bcv is None:
-      z_bcv = _chunk_logits(h_bcd, w_dv, inv_temp)
-    p_bcv = jnp.exp(z_bcv - lse_bc[..., None])
-    onehot = jnp.arange(v_loc, dtype=jnp.int32)[None, None, :] == (tgt_bc.astype(jnp.int32) - v0)[..., None]
-    dz_bcv = jnp.where(onehot, glp_bc[..., None], 0.0) - p_bcv * (
-      glp_bc[..., None] + gent_bc[..., None] * (z_bcv - (lse_bc - ent_bc)[..., None])
-    )
-    if inv_temp != 1.0:
-      dz_bcv = dz_bcv * inv_temp
-    dz_nv = dz_bcv.reshape(-1, v_loc).astype(dt)
-    h_nd = h_bcd.reshape(-1, d)
-    dh_bcd = jnp.dot(dz_nv, w_vd.astype(dt), preferred_element_type=jnp.float32).reshape(h_bcd.shape)
-    dw_dv = dw_dv + jnp.dot(_t(h_nd), dz_nv, preferred_element_type=jnp.float32)
-    return dw_dv, dh_bcd
+    return _chunk_backward(dw_dv, args, w_vd, w_dv, inv_temp, v0)
 
   xs = (
     _split(h_btd, c),

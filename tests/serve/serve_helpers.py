@@ -6,12 +6,12 @@ import json
 MAX_SLOTS, MAX_LEN = 4, 4096  # the shared test server's engine
 
 
-def http_request(url: str, method: str, path: str, body=None, raw: bytes = None, timeout: float = 60):
+def http_request(url: str, method: str, path: str, body=None, raw: bytes = None, timeout: float = 60, headers=None):
   """(status, headers, parsed JSON or text) of one plain HTTP request."""
   host, port = url.removeprefix("http://").split(":")
   conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
   data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-  conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+  conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
   resp = conn.getresponse()
   text = resp.read().decode()
   conn.close()

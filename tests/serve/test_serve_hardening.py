@@ -3,31 +3,19 @@ route but /health, JSON content type only, Host checked (DNS rebinding), body an
 tokenization, nesting bounded, never-admissible requests 400 (not 429), --max_len within the model's context, idle
 connections closed. After each case /health answers and greedy output is unchanged."""
 
-import http.client
-import json
 import socket
 import time
 
 import pytest
 
-from serve_helpers import MAX_LEN, MAX_SLOTS
+from serve_helpers import MAX_LEN, MAX_SLOTS, http_request
 
 KEY = "s3cret-key"
 GREEDY = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0.0}
 
 
 def call(url, method, path, body=None, raw=None, headers=None, timeout=120):
-  host, port = url.removeprefix("http://").split(":")
-  conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-  data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-  conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-  resp = conn.getresponse()
-  text = resp.read().decode()
-  conn.close()
-  try:
-    return resp.status, dict(resp.getheaders()), json.loads(text)
-  except json.JSONDecodeError:
-    return resp.status, dict(resp.getheaders()), text
+  return http_request(url, method, path, body, raw, timeout=timeout, headers=headers)
 
 
 def healthy(url, headers=None):
