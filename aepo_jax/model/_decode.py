@@ -1,7 +1,9 @@
 """The model's decode step: a one-token-per-row decoder forward over the KV cache, for the engine.
 
-Same math as `aepo_jax.model.forward_cached` with T = 1 (tested equal), arranged for memory traffic, which is
-what bounds decode at small batch:
+It runs the layer definition the Flax modules run (`_layers.layer`: norms, projections with their biases, q/k norms,
+RoPE, grouped-query attention, SwiGLU, the head), so it is `aepo_jax.model.forward_cached` with T = 1 (tested
+equal, and equal to `forward` token by token: tests/model/test_decode_parity.py). What is its own is arranged for
+memory traffic, which is what bounds decode at small batch:
   * the KV cache rides in the carry of the layer scan and each layer writes its new entries with a scatter, so
     XLA updates the (donated) cache in place instead of stacking a new cache per step;
   * attention reads only the first `attend_len` cache entries (a static bucket >= every active row's length),
@@ -16,21 +18,10 @@ layer's first `attend_len` entries of every row (docs/performance.md).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from aepo_jax.model import _cpu_decode
-from aepo_jax.model._decoder import apply_rope, rope_inv_freq
-
-_NEG_INF = -1e30
-
-
-def _rms(x, scale, eps, dt):
-  xf = x.astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32)).astype(dt)
+from aepo_jax.model import _cpu_decode, _layers
 
 
 def decode_weights(config, params) -> dict:
@@ -85,15 +76,38 @@ def _paged_attention(cache, q_shd, k_skd, v_skd, pos_s, page_table, write_page_s
       q_shd, ck, cv, lengths, table, mesh=parallel.current_mesh(), interpret=kernel == "interpret"
     )
     return ck, cv, out.reshape(s, h * d)
-  dt = q_shd.dtype
-  keys = ck[:, table].reshape(kh, s, n * ps, d).astype(dt)  # [K, S, A, D] gathered pages
-  vals = cv[:, table].reshape(kh, s, n * ps, d).astype(dt)
-  logits = jnp.einsum("skgd,ksad->skga", q_shd.reshape(s, kh, h // kh, d), keys).astype(jnp.float32) / math.sqrt(d)
+  # Gathered pages as [S, A, K, D] keys for the shared grouped-query attention (one query per row).
+  keys, vals = (jnp.moveaxis(c[:, table].reshape(kh, s, n * ps, d), 0, 2).astype(q_shd.dtype) for c in (ck, cv))
   mask_sa = jnp.arange(n * ps)[None, :] <= pos_s[:, None]
-  logits = jnp.where(mask_sa[:, None, None, :], logits, _NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-  out = jnp.einsum("skga,ksad->skgd", probs, vals).reshape(s, h * d)
-  return ck, cv, out
+  out = _layers.attend(_layers.grouped(q_shd, kh), keys, vals, mask_sa)
+  return ck, cv, out.reshape(s, h * d)
+
+
+class _KernelDots:
+  """The weight products through `_cpu_decode.matmul_t` on the stacked `decode_weights` with the layer index (no
+  per-layer weight slices); the same products as `_layers.Dots` on the stored parameters (the `p` arguments)."""
+
+  def __init__(self, config, weights_t, li):
+    self.cfg, self.w, self.li = config, weights_t, li
+
+  def qkv(self, p, x):
+    cfg = self.cfg
+    n_q, n_kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    y = _cpu_decode.matmul_t(x, self.w["qkv"], self.li)
+    s = x.shape[0]
+    q, k, v = y[:, :n_q], y[:, n_q : n_q + n_kv], y[:, n_q + n_kv :]
+    return q.reshape(s, cfg.num_heads, -1), k.reshape(s, cfg.num_kv_heads, -1), v.reshape(s, cfg.num_kv_heads, -1)
+
+  def out(self, p, o):
+    return _cpu_decode.matmul_t(o.reshape(o.shape[0], -1), self.w["o"], self.li)
+
+  def gate_up(self, p, x):
+    y = _cpu_decode.matmul_t(x, self.w["gate_up"], self.li)
+    f = self.cfg.intermediate_size
+    return y[:, :f], y[:, f:]
+
+  def down(self, p, h):
+    return _cpu_decode.matmul_t(h, self.w["down"], self.li)
 
 
 def decode_forward(
@@ -126,98 +140,50 @@ def decode_forward(
   dt = jnp.dtype(cfg.dtype)
   s = token_s.shape[0]
   h_heads, k_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  g = h_heads // k_heads
   rows = jnp.arange(s)
-  inv_freq = rope_inv_freq(cfg)
   mask_sa = jnp.arange(attend_len)[None, :] <= pos_s[:, None]
-  pos_s1 = pos_s[:, None]
   lay = params["layers"]
-  n_q, n_kv = h_heads * d, k_heads * d
 
   kernel_attention = False
   if weights_t is None:
-
-    def qkv(x, p, li):
-      a = p["self_attn"]
-      return tuple(x @ a[n]["kernel"].reshape(cfg.hidden_size, -1).astype(dt) for n in ("q_proj", "k_proj", "v_proj"))
-
-    def o_proj(x, p, li):
-      kernel = p["self_attn"]["o_proj"]["kernel"]  # [H, hd, D]
-      return x @ kernel.reshape(-1, kernel.shape[-1]).astype(dt)
-
-    def gate_up(x, p, li):
-      return x @ p["mlp"]["gate_proj"]["kernel"].astype(dt), x @ p["mlp"]["up_proj"]["kernel"].astype(dt)
-
-    def down(x, p, li):
-      return x @ p["mlp"]["down_proj"]["kernel"].astype(dt)
-
     layer_xs = lay
   else:
-    kmm = _cpu_decode.matmul_t
     kernel_attention = page_table is None and _cpu_decode.attention_applies(cfg, cache["k"].dtype) and dt == jnp.float32
-
-    def qkv(x, p, li):
-      y = kmm(x, weights_t["qkv"], li)
-      return y[:, :n_q], y[:, n_q : n_q + n_kv], y[:, n_q + n_kv :]
-
-    def o_proj(x, p, li):
-      return kmm(x, weights_t["o"], li)
-
-    def gate_up(x, p, li):
-      y = kmm(x, weights_t["gate_up"], li)
-      return y[:, : cfg.intermediate_size], y[:, cfg.intermediate_size :]
-
-    def down(x, p, li):
-      return kmm(x, weights_t["down"], li)
-
     # Only the small per-layer parameters ride in the scan; the projections stay stacked in weights_t.
     layer_xs = {
       "input_layernorm": lay["input_layernorm"],
       "post_attention_layernorm": lay["post_attention_layernorm"],
       "self_attn": {n: v for n, v in lay["self_attn"].items() if n in ("q_norm", "k_norm")},
+      "mlp": {},
     }
     if cfg.attention_bias:
       for n in ("q_proj", "k_proj", "v_proj"):
         layer_xs["self_attn"][n] = {"bias": lay["self_attn"][n]["bias"]}
 
-  x_sd = params["embed_tokens"]["embedding"][token_s].astype(dt)
+  x_sd = _layers.embed(params["embed_tokens"]["embedding"], token_s, dt)
 
   def layer(carry, xs):
     x_sd, cache = carry
     p, li = xs
-    a = p["self_attn"]
-    hn = _rms(x_sd, p["input_layernorm"]["scale"], cfg.rms_norm_eps, dt)  # [S,D]
-    q, k, v = qkv(hn, p, li)
-    q, k, v = q.reshape(s, 1, h_heads, d), k.reshape(s, 1, k_heads, d), v.reshape(s, 1, k_heads, d)
-    if cfg.attention_bias:
-      q, k, v = (t + a[n]["bias"].astype(dt) for t, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
-    if cfg.qk_norm:
-      q = _rms(q, a["q_norm"]["scale"], cfg.rms_norm_eps, dt)
-      k = _rms(k, a["k_norm"]["scale"], cfg.rms_norm_eps, dt)
-    q = apply_rope(q, pos_s1, inv_freq)[:, 0]  # [S,H,D]
-    k = apply_rope(k, pos_s1, inv_freq)[:, 0]  # [S,K,D]
-    v = v[:, 0]
-    if page_table is not None:  # cache: this layer's pools (the layers are unrolled)
-      ck, cv, out = _paged_attention(cache, q, k, v, pos_s, page_table, write_page_s, attend_len, paged_kernel)
-    elif kernel_attention:  # reads each row's entries [0, pos] in place
-      ck = cache["k"].at[li, rows, pos_s].set(k.astype(cache["k"].dtype))
-      cv = cache["v"].at[li, rows, pos_s].set(v.astype(cache["v"].dtype))
-      out = _cpu_decode.attention(q.reshape(s, h_heads * d), ck, cv, li, pos_s)
-    else:
-      ck = cache["k"].at[li, rows, pos_s].set(k.astype(cache["k"].dtype))
-      cv = cache["v"].at[li, rows, pos_s].set(v.astype(cache["v"].dtype))
-      keys = jax.lax.dynamic_slice_in_dim(ck[li], 0, attend_len, axis=1).astype(dt)  # [S,A,K,D]
-      vals = jax.lax.dynamic_slice_in_dim(cv[li], 0, attend_len, axis=1).astype(dt)
-      q_skgd = q.reshape(s, k_heads, g, d)
-      logits = jnp.einsum("skgd,sakd->skga", q_skgd, keys).astype(jnp.float32) / math.sqrt(d)
-      logits = jnp.where(mask_sa[:, None, None, :], logits, _NEG_INF)
-      probs = jax.nn.softmax(logits, axis=-1).astype(dt)
-      out = jnp.einsum("skga,sakd->skgd", probs, vals).reshape(s, h_heads * d)
-    x_sd = x_sd + o_proj(out, p, li)
-    hn = _rms(x_sd, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps, dt)
-    gate, up = gate_up(hn, p, li)
-    x_sd = x_sd + down(jax.nn.silu(gate) * up, p, li)
-    return (x_sd, {"k": ck, "v": cv}), None
+
+    def attention(q_shd, k_skd, v_skd):  # this step's KV entries into the cache, attention over it
+      if page_table is not None:  # cache: this layer's pools (the layers are unrolled)
+        ck, cv, out = _paged_attention(
+          cache, q_shd, k_skd, v_skd, pos_s, page_table, write_page_s, attend_len, paged_kernel
+        )
+        return out.reshape(s, h_heads, d), {"k": ck, "v": cv}
+      ck = cache["k"].at[li, rows, pos_s].set(k_skd.astype(cache["k"].dtype))
+      cv = cache["v"].at[li, rows, pos_s].set(v_skd.astype(cache["v"].dtype))
+      if kernel_attention:  # reads each row's entries [0, pos] in place
+        out = _cpu_decode.attention(q_shd.reshape(s, h_heads * d), ck, cv, li, pos_s)
+      else:  # the layer's first attend_len entries
+        keys = jax.lax.dynamic_slice_in_dim(ck[li], 0, attend_len, axis=1).astype(dt)  # [S,A,K,D]
+        vals = jax.lax.dynamic_slice_in_dim(cv[li], 0, attend_len, axis=1).astype(dt)
+        out = _layers.attend(_layers.grouped(q_shd, k_heads), keys, vals, mask_sa)
+      return out.reshape(s, h_heads, d), {"k": ck, "v": cv}
+
+    mm = _layers.Dots(dt) if weights_t is None else _KernelDots(cfg, weights_t, li)
+    return _layers.layer(cfg, p, x_sd, pos_s, attention, mm), None
 
   if page_table is None:
     (x_sd, cache), _ = jax.lax.scan(layer, (x_sd, cache), (layer_xs, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
@@ -229,14 +195,10 @@ def decode_forward(
       new["k"].append(c["k"])
       new["v"].append(c["v"])
     cache = {n: tuple(c) for n, c in new.items()}
-  h_sd = _rms(x_sd, params["norm"]["scale"], cfg.rms_norm_eps, dt)
+  h_sd = _layers.rms_norm(x_sd, params["norm"]["scale"], cfg.rms_norm_eps, dt)
   if return_hidden:
     return h_sd, cache
   if weights_t is not None:
     head = weights_t["head"] if "head" in weights_t else params["embed_tokens"]["embedding"]
-    logits = _cpu_decode.matmul_t(h_sd, head.astype(jnp.float32), jnp.int32(0))
-  elif cfg.tie_word_embeddings:
-    logits = h_sd @ params["embed_tokens"]["embedding"].astype(dt).T
-  else:
-    logits = h_sd @ params["lm_head"]["kernel"].astype(dt)
-  return logits.astype(jnp.float32), cache
+    return _cpu_decode.matmul_t(h_sd, head.astype(jnp.float32), jnp.int32(0)), cache
+  return _layers.unembed(cfg, params, h_sd), cache

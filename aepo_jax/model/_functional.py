@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aepo_jax.model import _splash
+from aepo_jax.model import _layers, _splash
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.model._decoder import Block, Decoder
 
@@ -145,8 +145,8 @@ def forward_hidden(
 
 
 def unembed(config: ModelConfig, params, h_btd):
-  """Logits (float32) from hidden states; tied or untied head as the config says."""
-  return _module(config).apply({"params": params}, h_btd, method=Decoder.unembed)
+  """Logits (float32) from hidden states; tied or untied head as the config says (`_layers.unembed`)."""
+  return _layers.unembed(config, params, h_btd)
 
 
 def unembed_matrix(config: ModelConfig, params):
@@ -197,7 +197,7 @@ def forward_cached(
   h_btd, new_cache = module.apply({"params": params}, tokens_bt, positions_bt, mask_bts, cache, write_index_b)
   if return_hidden:
     return h_btd, new_cache
-  return module.apply({"params": params}, h_btd, method=Decoder.unembed), new_cache
+  return _layers.unembed(config, params, h_btd), new_cache
 
 
 def fill_cache_rows(
@@ -237,7 +237,7 @@ def fill_cache_rows(
     full_np = page_table[rows_n]
   query_nt = start_n[:, None] + jnp.arange(t)[None, :]
   mask_nts = jnp.arange(attend_len)[None, None, :] <= query_nt[:, :, None]
-  h_ntd = jnp.take(params["embed_tokens"]["embedding"], tokens_nt, axis=0).astype(jnp.dtype(config.dtype))
+  h_ntd = _layers.embed(params["embed_tokens"]["embedding"], tokens_nt, jnp.dtype(config.dtype))
   block = Block(config)
   window = jax.vmap(lambda c, i: jax.lax.dynamic_slice_in_dim(c, i, t, axis=0))  # [n, A, K, D] -> [n, T, K, D]
   idx_nt = query_nt
