@@ -15,8 +15,8 @@ Memory, compiled with `python launch/compile.py --config=configs/aepo_gaia.py --
   a paged KV pool of 393,216 tokens per host, decode through the Pallas paged-attention kernel):
     v5p:4x4x2 (95 GB): update 24.5, logprob 7.8, prefill 31.4, decode 29.9 (96 slots per host) -> fits
     v6e:8x8   (32 GB): update 12.0, logprob 3.7, prefill 27.3, decode 26.8 (48 slots per host) -> fits
-  Longer trajectories fit too: 20,480 tokens (`--config.rollout.max_response_len=18432`) on v6e:8x8 peaks at 28.4
-  (prefill), 32,768 on v5p:4x4x2 at 56.8 (update); docs/performance.md, section "Paged KV cache".
+  Longer trajectories fit too (20,480 tokens, `--config.rollout.max_response_len=18432`, on v6e:8x8; 32,768 on
+  v5p:4x4x2): docs/performance.md, section "Paged KV cache".
 Needs: a Qwen3-14B cold-start SFT checkpoint (ARPO-SFT-54K, spec §2.4) as an HF directory; ARPO's
   hard_search_1k (train) and gaia_test + hle_test (validation), bundled; a search backend (default: replay
   of ARPO's search_cache.json; misses return "No search results found.").

@@ -205,7 +205,7 @@ def reasoning(model: str = "qwen2.5-7b"):
   c.data.train = "train_10k"  # 5k math + 5k QA
   c.data.val = ("valid",)  # 180
   if model == "qwen2.5-3b":
-    # 2 KV heads do not split over 4 chips: the cache was replicated (96 GB per chip in prefill on a v5p-64).
+    # 2 KV heads do not split over 4 chips: with tensor 4 every chip holds the whole cache (prefill over 95 GB).
     # Tensor 2, and the rollout's slots over the other 2 chips of a host.
     c.mesh.tensor = 2
     c.rollout.mesh.data, c.rollout.mesh.fsdp, c.rollout.mesh.tensor = 2, 1, 2

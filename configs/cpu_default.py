@@ -6,22 +6,15 @@ Hardware: 2 CPU cores, 24 GiB RAM, no accelerator, no network (everything it nee
 Needs: nothing to download: SmolLM2-135M-Instruct from the bundled GGUF (`load_pretrained`), the generated
   task suite (arithmetic / lookup questions with a generated corpus), the real Python sandbox and local
   BM25 search over the suite's corpus.
-Time: 9-20 minutes on 2 cores depending on the VM's hour (16 SFT steps of 15-35 s, 5 RL steps of 40-120 s: rollouts,
-  two updates and two evaluations), peak RSS about 8.4 GB; latest (2026-12-01, seed 0): 7:40, 0.025 -> 0.375.
-  Every dated run is in docs/benchmarks.md. KNOB sizes set it.
+Time: 16 SFT steps, then 5 RL steps (rollouts, two updates; evaluations before and after RL), peak RSS about
+  8.4 GB; the VM's speed varies up to 2x by the hour. KNOB sizes set it.
 Design: 3/4 of the cold-start demos answer from memory (data.suite.tool_demo_fraction=0.25), so after SFT the
   policy almost never calls the tool it needs and mostly answers wrong; RL has to teach it when to call tools.
-Expected: held-out accuracy after RL clearly above after SFT.
-Measured (2026-11-30, these settings; seeds = train.seed, sft.seed and data.seed; the task suite is fixed):
-  seed | held-out accuracy after SFT -> after 5 AEPO steps | tool calls per answer
-     0 | 0.025 -> 0.375                                    | 0.0 -> 1.0
-     1 | 0.025 -> 0.925                                    | 0.025 -> 1.0
-     2 | 0.0   -> 0.70                                     | 0.0 -> 1.0
-  mean 0.017 -> 0.667 over 40 held-out questions (after RL: 0.375-0.925); wall 22:55 for seed 2 on a quiet machine.
-  Train rollouts (seed 1): tool calls per trajectory 0.19 -> 0.44 -> 0.63 -> 0.94 -> 0.88, reward 0.13 -> 0.63.
-  Settings that did not work (2026-11-30): tool_demo_fraction=0.5 leaves SFT at 0.85 with little room for RL
-  (0.85 -> 0.825); rollout T=1.0 after 10 SFT steps broke the tag format in 25-56% of samples and RL at lr 3e-5
-  collapsed to answering without tools (0.525 -> 0.0).
+  Why the other settings are what they are (temperature 0.7, 16 SFT steps, lr 1e-5): docs/training.md,
+  "The embedded CPU default".
+Expected: held-out accuracy (40 questions) after RL clearly above after SFT, tool calls per answer from ~0 to ~1.
+  Latest (2026-12-01, seed 0): 0.025 -> 0.375, tool calls 0.0 -> 1.0, 7:40 wall. Every run, the three seeds
+  (seeds = train.seed, sft.seed and data.seed; the task suite is fixed) among them: docs/benchmarks.md.
 """
 
 from aepo_jax.train import base_config
@@ -71,7 +64,7 @@ def get_config(arg=None):
   c.rollout.initial_rollouts = 2
   c.rollout.beam_size = 2
   c.rollout.enable_dynamic_rollouts = False  # the probe trajectory doubles rollout cost on 2 cores
-  c.rollout.entropy_estimator = "official"  # the code's step entropy, as in the measured runs below
+  c.rollout.entropy_estimator = "official"  # the code's step entropy, as in the measured runs (docs/benchmarks.md)
   c.rollout.max_prompt_len = 96  # KNOB: the longest prompt is 92 tokens
   c.rollout.max_response_len = 144  # KNOB: the longest demo response is 129 tokens
   c.rollout.temperature = 0.7  # the 135M model breaks the tag format too often at T=1 (log-probs use it too)
