@@ -39,26 +39,26 @@ _HEADROOM = flags.DEFINE_float("headroom", 0.05, "Fraction of HBM left free in '
 def run(config, topology: str, programs=("update", "logprob", "prefill", "decode"), hlo_dir="", headroom=0.05) -> int:
   """Compiles, prints the table and the JSON line; returns the exit status (0 fits, 1 does not)."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for TPU; run nothing on a local TPU, if any
-  from aepo_jax.train import _compile, _config
+  from aepo_jax.train import compile_check, validate
 
-  _config.validate(config)
-  return _compile.check(config, topology, programs, hlo_dir=hlo_dir, headroom=headroom)
+  validate(config)
+  return compile_check(config, topology, programs, hlo_dir=hlo_dir, headroom=headroom)
 
 
 def main(argv):
   del argv
   if not _TOPOLOGY.value:
     raise app.UsageError("--topology is required, e.g. --topology=v5p:4x4x2")
-  from aepo_jax.train import _config
+  from aepo_jax.train import apply_model_overrides
 
-  config = _config.apply_model_overrides(_CONFIG.value, _MODEL_OVERRIDES)
+  config = apply_model_overrides(_CONFIG.value, _MODEL_OVERRIDES)
   sys.exit(run(config, _TOPOLOGY.value, _PROGRAMS.value, _HLO_DIR.value, _HEADROOM.value))
 
 
 _MODEL_OVERRIDES: dict = {}
 
 if __name__ == "__main__":
-  from aepo_jax.train._config import split_model_overrides
+  from aepo_jax.train import split_model_overrides
 
   sys.argv, _MODEL_OVERRIDES = split_model_overrides(sys.argv)
   flags.mark_flag_as_required("config")

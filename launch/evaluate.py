@@ -65,6 +65,18 @@ _SEARCH_BACKEND = flags.DEFINE_string(
 _SEARCH_URL = flags.DEFINE_string("search_url", None, "Retrieval server URL (--search_backend=retrieval).", **_F)
 _SEARCH_CACHE = flags.DEFINE_string("search_cache", None, "search_cache.json for replay (default: the ARPO one).", **_F)
 _SEARCH_CORPUS = flags.DEFINE_string("search_corpus", None, "Corpus JSONL for --search_backend=local.", **_F)
+_TOOLS = flags.DEFINE_list(
+  "tools",
+  None,
+  "Registered tools to add to python and search (comma separated; default: the checkpoint's training tools.names).",
+  **_F,
+)
+_TOOL_PLUGINS = flags.DEFINE_list(
+  "tool_plugins",
+  None,
+  "Modules to import first, which register tools (default: the checkpoint's training tools.plugins).",
+  **_F,
+)
 _JUDGE_URL = flags.DEFINE_string("judge_url", None, "OpenAI-compatible base URL of the LLM judge.", **_F)
 _JUDGE_MODEL = flags.DEFINE_string("judge_model", None, "Model name served at --judge_url.", **_F)
 _JUDGE_QA = flags.DEFINE_bool(
@@ -263,7 +275,14 @@ def main(argv=None) -> int:
     )
     # The prompt the checkpoint was trained with (its saved data.template), unless --template says otherwise: a
     # checkpoint asked in another template's format scores near 0.
-    trained = (eval_lib.training_config(plan.checkpoint) or {}).get("data", {}).get("template")
+    trained_config = eval_lib.training_config(plan.checkpoint) or {}
+    trained = trained_config.get("data", {}).get("template")
+    # The tools the checkpoint was trained with (plug-ins too), unless --tools / --tool_plugins say otherwise.
+    trained_tools = trained_config.get("tools", {})
+    plan.tools = tuple(_TOOLS.value if _TOOLS.value is not None else trained_tools.get("names", ()))
+    plan.tool_plugins = tuple(
+      _TOOL_PLUGINS.value if _TOOL_PLUGINS.value is not None else trained_tools.get("plugins", ())
+    )
     template = _TEMPLATE.value or trained or ("math" if plan.search_backend in (None, "none") else "code_search")
     if trained and not _TEMPLATE.value:
       print(f"template: {template!r}, the one the checkpoint was trained with (--template to change)", file=sys.stderr)

@@ -84,7 +84,8 @@ def export(
 
   from aepo_jax import model as model_lib
   from aepo_jax.eval import CheckpointNotFoundError, resolve_checkpoint
-  from aepo_jax.train import _checkpoint, _config
+  from aepo_jax.checkpoint import Checkpointer, model_config_from_json
+  from aepo_jax.train import from_json
 
   try:  # checks existence first: a typo never becomes a new directory
     ref = resolve_checkpoint(checkpoint)
@@ -95,7 +96,7 @@ def export(
       f"--checkpoint={checkpoint!r} is already a Hugging Face model ({ref.kind}); give a training "
       "workdir, .../checkpoints/rl or .../checkpoints/rl/<step>."
     )
-  ckpt = _checkpoint.Checkpointer(ref.directory, read_only=True)  # never cleans a writer's save
+  ckpt = Checkpointer(ref.directory, read_only=True)  # never cleans a writer's save
   try:
     step = ckpt.latest_step() if ref.step is None else ref.step
     if step is None:
@@ -105,8 +106,8 @@ def export(
       raise ExportError(
         f"checkpoint {ref.directory}/{step} holds no model_config/config in its meta; was it written by aepo_jax.train?"
       )
-    model_cfg = _checkpoint.model_config_from_json(meta["model_config"])
-    tok_dir, base = _sources(_config.from_json(meta["config"]), tokenizer)
+    model_cfg = model_config_from_json(meta["model_config"])
+    tok_dir, base = _sources(from_json(meta["config"]), tokenizer)
     from etils import epath
 
     if tok_dir and not (epath.Path(tok_dir) / "tokenizer.json").exists():

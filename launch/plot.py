@@ -105,7 +105,7 @@ def plot_run(workdir: str, out: str) -> list[str]:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from aepo_jax.train._metrics import HISTOGRAMS_FILE, read_metrics
+  from aepo_jax.train import HISTOGRAMS_FILE, read_metrics
 
   records = read_metrics(workdir)
   names = sorted({k for r in records for k in r if k not in ("step", "time")})

@@ -60,33 +60,29 @@ def main(argv):
   from aepo_jax import logs
 
   logs.setup(verbose=_VERBOSE.value)  # other libraries' INFO lines off unless --verbose
-  from aepo_jax.train import _config
+  from aepo_jax import train
 
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config=configs/<experiment>.py is required.")
-  _config.apply_model_overrides(config, _MODEL_OVERRIDES)
+  train.apply_model_overrides(config, _MODEL_OVERRIDES)
   if _MODE.value:
     config.mode = _MODE.value
   try:
-    _config.validate(config)  # before any device is claimed; the mesh is checked once devices are known
-  except _config.ConfigError as e:  # the key and the fix, no traceback
+    train.validate(config)  # before any device is claimed; the mesh is checked once devices are known
+  except train.ConfigError as e:  # the key and the fix, no traceback
     sys.exit(f"error: {e}")
   if _DRY_RUN.value:  # also check files, names, backends and URLs; still claim no device
-    from aepo_jax.train import _preflight
-
-    rows = _preflight.checklist(config)
-    print(_preflight.format_checklist(rows, flags.FLAGS["config"].serialize().split("=", 1)[-1]), flush=True)
+    rows = train.preflight_checklist(config)
+    print(train.format_checklist(rows, flags.FLAGS["config"].serialize().split("=", 1)[-1]), flush=True)
     problems = [m for _, _, found in rows for m in found]
     if problems:
       sys.exit("error: the config cannot run here:\n  " + "\n  ".join(problems))
     print("the resolved config (JSON):")
-    print(_config.to_json(config))
+    print(train.to_json(config))
     if _TOPOLOGY.value:
       os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile for the slice; claim no local device
-      from aepo_jax.train import _compile
-
-      sys.exit(_compile.check(config, _TOPOLOGY.value))
+      sys.exit(train.compile_check(config, _TOPOLOGY.value))
     return
 
   if _PLATFORM.value:
@@ -115,8 +111,7 @@ def main(argv):
   )
 
   from aepo_jax.tools import SandboxUnavailableError
-  from aepo_jax.train import CheckpointError, ConfigError, run
-  from aepo_jax.train._preflight import PreflightError
+  from aepo_jax.train import CheckpointError, ConfigError, PreflightError, run
 
   try:
     summary = run(config)
@@ -151,24 +146,21 @@ def _emulated_devices(parallel, name: str) -> None:
 
 def _check_override_keys(argv) -> None:
   """absl reports an unknown `--config.a.b` as a bare KeyError; name the key and the closest one instead."""
-  from aepo_jax.train import _config
+  from aepo_jax.train import unknown_key_hint
 
-  known = _config._flatten(_config.base_config())
   for arg in argv[1:]:
     if not arg.startswith("--config.") or arg.startswith("--config.model.overrides."):
       continue
     key = arg[len("--config.") :].split("=", 1)[0]
-    if key not in known:
-      sys.exit(
-        f"error: config key {key!r} (from {arg!r}) does not exist"
-        + _config.did_you_mean(key, known, otherwise=_config._SEE_BASE)
-      )
+    hint = unknown_key_hint(key)
+    if hint is not None:
+      sys.exit(f"error: config key {key!r} (from {arg!r}) does not exist{hint}")
 
 
 _MODEL_OVERRIDES: dict = {}
 
 if __name__ == "__main__":
-  from aepo_jax.train._config import split_model_overrides
+  from aepo_jax.train import split_model_overrides
 
   sys.argv, _MODEL_OVERRIDES = split_model_overrides(sys.argv)  # absl cannot add keys to model.overrides
   flags.mark_flag_as_required("config")

@@ -14,13 +14,14 @@ ALLOWED = {  # docs/architecture.md's table
   "data": set(),
   "rollout": {"model", "parallel", "tools", "objectives"},
   "serve": {"model", "rollout"},
-  "eval": {"model", "rollout", "tools", "rewards", "data", "train"},
-  "train": {"parallel", "model", "objectives", "tools", "rewards", "data", "rollout", "serve", "eval"},
+  "checkpoint": {"model", "parallel"},
+  "eval": {"model", "rollout", "tools", "rewards", "data", "checkpoint"},
+  "train": {"parallel", "model", "objectives", "tools", "rewards", "data", "rollout", "serve", "checkpoint", "eval"},
   "viz": {"objectives"},
   "logs": set(),
   "testing": {"model", "tools"},
 }
-LAZY_ONLY = {("eval", "train"), ("train", "eval"), ("train", "serve")}  # never at module level
+LAZY_ONLY = {("train", "eval"), ("train", "serve")}  # never at module level
 NO_JAX = ("tools", "rewards", "data")
 
 

@@ -10,7 +10,8 @@ Whole runs
 Pieces
   select_benchmarks(spec), requirements_error(names, search_backend=, judge=), load_examples(name, limit)
   resolve_checkpoint(path) -> CheckpointRef; load_policy(ref, tokenizer=None) -> Policy(config, params, tokenizer)
-  EvalSettings, Evaluator(policy, tools, scorer, settings, loop=None).run(name, examples, path=None) -> records
+  load_tokenizer, training_config, CheckpointNotFoundError, CheckpointDamagedError   (from aepo_jax.checkpoint)
+  EvalSettings, Evaluator(policy, tools, scorer, settings, rollouts=None).run(name, examples, path=None) -> records
                                                    (resumable from the JSONL; `loop`: the caller's agent loop)
   Scorer(judge=None).score(example, response) -> dict; probe_judge(url, model)
   summarize_records(records, ks), write_summary(...), compare(run_dirs, out_prefix) -> (markdown, png)
@@ -27,7 +28,7 @@ from aepo_jax.eval._benchmarks import (
   requirements_error,
   select_benchmarks,
 )
-from aepo_jax.eval._checkpoint_io import (
+from aepo_jax.checkpoint import (
   CheckpointDamagedError,
   CheckpointNotFoundError,
   CheckpointRef,

@@ -18,7 +18,8 @@ import os
 import time
 from typing import Mapping, Optional, Sequence
 
-from aepo_jax.eval import _benchmarks, _checkpoint_io, _report
+from aepo_jax import checkpoint as checkpoint_lib
+from aepo_jax.eval import _benchmarks, _report
 from aepo_jax.eval._runner import EvalSettings, Evaluator
 from aepo_jax.eval._scoring import Scorer, probe_judge
 
@@ -29,7 +30,7 @@ class EvalInputError(ValueError):
 
 @dataclasses.dataclass
 class EvalPlan:
-  checkpoint: _checkpoint_io.CheckpointRef
+  checkpoint: checkpoint_lib.CheckpointRef
   benchmarks: list
   search_backend: Optional[str] = None  # None: not given; 'none': explicitly no search
   search_options: dict = dataclasses.field(default_factory=dict)
@@ -42,6 +43,9 @@ class EvalPlan:
   judge_qa: bool = True  # with a judge, QA sets are judged too (the protocol)
   # The SDS browse form of search (spec §2.5): {pages, summarizer_url, summarizer_model, live}; None = snippets.
   browse: Optional[dict] = None
+  # Registered tools beyond the evaluation's own (build_tools), and the plug-in modules that register them.
+  tools: tuple = ()
+  tool_plugins: tuple = ()
 
 
 def _probe_retrieval(url: str) -> None:
@@ -85,7 +89,7 @@ def check_inputs(
   except ValueError as e:
     raise EvalInputError(str(e)) from None
   try:
-    ref = _checkpoint_io.resolve_checkpoint(checkpoint)
+    ref = checkpoint_lib.resolve_checkpoint(checkpoint)
   except FileNotFoundError as e:
     raise EvalInputError(str(e)) from None
   from aepo_jax.data import data_file_exists, is_data_file
@@ -135,38 +139,47 @@ def check_inputs(
 
 
 def build_tools(plan: EvalPlan, settings: EvalSettings):
-  """The evaluation ToolSet: python always; search through the plan's backend (spec §2.5 limits)."""
+  """The evaluation ToolSet (`tools.build_toolset`): the evaluation's tools (`tools.EVALUATION_TOOLS`: python always;
+  search only with a backend, through the plan's backend as snippets or, with `plan.browse`, the SDS browser), then
+  the plan's further tools (`plan.tools`, after importing `plan.tool_plugins`). Limits per tool: EvalSettings'
+  `<name>_limit` (python_limit, search_limit: spec §2.5) where it has one, else the tool's registered eval_limit."""
   from aepo_jax import tools as tools_lib
 
-  tools = {"python": tools_lib.PythonTool(timeout_s=plan.python_timeout_s, allow_unsandboxed=plan.allow_unsandboxed)}
-  if plan.search_backend not in (None, "none"):
-    opts = dict(plan.search_options)
-    if plan.search_backend == "replay":
-      from aepo_jax.data import arpo_data_root
+  has_backend = plan.search_backend not in (None, "none")
+  try:
+    tools_lib.import_plugins(tuple(plan.tool_plugins))
+    specs = [tools_lib.tool_spec(name) for name in (*tools_lib.EVALUATION_TOOLS, *plan.tools)]
+  except (ImportError, KeyError) as e:
+    raise EvalInputError(e.args[0] if isinstance(e, KeyError) else str(e)) from None
+  names, tags = [], set()
+  for spec in specs:
+    if spec.call_tag in tags or (not has_backend and "search_backend" in spec.settings):
+      continue  # a tag answered once; a tool of the search backend only with one
+    names.append(spec.name)
+    tags.add(spec.call_tag)
+  opts = {
+    "python_timeout": plan.python_timeout_s,
+    "allow_unsandboxed": plan.allow_unsandboxed,
+    "search_backend": plan.search_backend,
+    "search_options": dict(plan.search_options),
+    "search_on_miss": "empty",  # eval questions mostly miss the training cache; say so, don't crash
+    "search_topk": 10,
+    "search_mode": "snippets" if plan.browse is None else "browse",
+    "browse": dict(plan.browse or {}),
+    "retry_count": 3,
+  }
+  limits = {
+    tools_lib.tool_spec(n).call_tag: getattr(settings, f"{n}_limit") for n in names if hasattr(settings, f"{n}_limit")
+  }
+  from aepo_jax.data import arpo_data_root
 
-      opts.setdefault("path", str(arpo_data_root() / "search_cache.json"))
-      opts.setdefault("on_miss", "empty")  # eval questions mostly miss the training cache; say so, don't crash
-    try:
-      backend = tools_lib.make_search_backend(plan.search_backend, **opts)
-    except (TypeError, ValueError, FileNotFoundError, KeyError) as e:
-      raise EvalInputError(f"--search_backend={plan.search_backend}: {e}") from None
-    if plan.browse is not None:  # the SDS browser of the deep-search evaluation (spec §2.5)
-      b = plan.browse
-      tools["search"] = tools_lib.BrowseTool(
-        backend,
-        tools_lib.ChatClient(b["summarizer_url"], b["summarizer_model"]),
-        pages=tools_lib.PageStore(b["pages"]) if b.get("pages") else None,
-        topk=10,
-        live=bool(b.get("live")),
-      )
-    else:
-      tools["search"] = tools_lib.SearchTool(backend, topk=10)
-  return tools_lib.ToolSet(
-    tools,
-    mode="eval",
-    eval_limits={"python": settings.python_limit, "search": settings.search_limit},
-    timeout_s=plan.python_timeout_s + 30.0,
-  )
+  context = tools_lib.ToolContext("eval", data_root=arpo_data_root)  # replay's default: ARPO's search_cache.json
+  try:
+    return tools_lib.build_toolset(names, opts, mode="eval", context=context, eval_limits=limits)
+  except tools_lib.ToolBuildError as e:
+    if "search_backend" in tools_lib.tool_spec(e.tool).settings:
+      raise EvalInputError(f"--search_backend={plan.search_backend}: {e.cause}") from None
+    raise EvalInputError(str(e)) from None
 
 
 def make_judge(plan: EvalPlan, protocol: str = "project"):
@@ -205,7 +218,7 @@ def run_evaluation(
   tools = build_tools(plan, settings)
   try:
     if policy is None:
-      policy = _checkpoint_io.load_policy(plan.checkpoint, tokenizer=plan.tokenizer)
+      policy = checkpoint_lib.load_policy(plan.checkpoint, tokenizer=plan.tokenizer)
     scorer = Scorer(make_judge(plan, settings.protocol), judge_qa=plan.judge_qa, protocol=settings.protocol)
     evaluator = Evaluator(policy, tools, scorer, settings, show_progress=show_progress)
     results, t0 = {}, time.monotonic()

@@ -87,27 +87,47 @@ class EvalSettings:
     if self.template not in TEMPLATES:
       raise ValueError(f"template {self.template!r} is unknown; choose one of {sorted(TEMPLATES)}.")
 
+  def rollout_settings(self):
+    """The evaluation protocol as `aepo_jax.rollout.RolloutSettings`: policy 'none', one trajectory per call, the
+    tokenizer's end of turn ends a trajectory, tool results written as the official evaluation writes them. The
+    per-tool limits live in the ToolSet (refusal text, the model continues); the loop's own total-call cap, which
+    ends a trajectory, is out of reach (a refused call still costs tokens)."""
+    from aepo_jax.rollout import RolloutSettings, SamplingParams
 
-class _ContinuationTokenizer:
-  """The agent loop encodes tool results with encode(text, add_special_tokens=False); our Tokenizer's
-  encode_continuation is the right call for that (no BOS, special-token strings in tool output stay text)."""
+    return RolloutSettings(
+      max_slots=self.batch_size,
+      max_prompt_len=self.max_prompt_len,
+      max_response_len=self.max_response_len,
+      sampling=SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty),
+      tokenizer_eos=True,
+      chunk_steps=self.chunk_steps,
+      result_mode="eval",
+      max_tokens_per_call=self.max_tokens_per_call,
+      max_calls_per_turn=self.max_calls_per_turn,
+    )
 
-  def __init__(self, tok):
-    self._tok = tok
 
-  def encode(self, text, add_special_tokens=False):
-    return self._tok.encode_continuation(text)
-
-  def decode(self, ids, skip_special_tokens=False):
-    return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+_CALLS: dict = {}
 
 
-_CALL = re.compile(r"<(python|search)>(.*?)</\1>\s*<result>(.*?)</result>", re.DOTALL)
+def _call_pattern() -> re.Pattern:
+  """`<tag>input</tag> <result_tag>result</result_tag>` for every registered tool (plug-ins included)."""
+  from aepo_jax.tools import all_call_tags
+
+  pairs = all_call_tags()
+  if pairs not in _CALLS:
+    calls = "|".join(re.escape(c) for c in dict.fromkeys(c for c, _ in pairs))
+    results = "|".join(re.escape(r) for r in dict.fromkeys(r for _, r in pairs))
+    _CALLS[pairs] = re.compile(rf"<({calls})>(.*?)</\1>\s*<({results})>(.*?)</\3>", re.DOTALL)
+  return _CALLS[pairs]
 
 
 def tool_calls_from_text(text: str) -> list[dict]:
-  """[{tool, input, result}] in order, from an evaluation response (results are `<result>..</result>`)."""
-  return [{"tool": m.group(1), "input": m.group(2).strip(), "result": m.group(3)} for m in _CALL.finditer(text)]
+  """[{tool, input, result}] in order, from an evaluation response (results are `<result>..</result>`); tool: the
+  call tag of a registered tool."""
+  return [
+    {"tool": m.group(1), "input": m.group(2).strip(), "result": m.group(4)} for m in _call_pattern().finditer(text)
+  ]
 
 
 def read_records(path: str, *, repair: bool = True) -> list[dict]:
@@ -164,9 +184,10 @@ def _write_records(path: str, records: list[dict]) -> None:
 class Evaluator:
   """One policy + tools + scorer; `run(name, examples, path)` evaluates one benchmark into a JSONL.
 
-  By default the agent loop is built from `settings` (the evaluation protocol). `loop` (with its `rollout_policy`)
-  runs a caller's loop instead: the trainer's validation, on its own engine, tools and result format; `settings`
-  then give only n, batch_size, max_prompt_len, template and seed.
+  By default the rollouts (engine, agent loop, policy 'none') are built from `settings.rollout_settings()` (the
+  evaluation protocol). `rollouts` (an `aepo_jax.rollout.Rollouts`) runs a caller's instead: the trainer's
+  validation, on its own engine, tools and result format; `settings` then give only n, batch_size, max_prompt_len,
+  template and seed.
   """
 
   def __init__(
@@ -178,43 +199,18 @@ class Evaluator:
     *,
     mesh=None,
     show_progress: bool = True,
-    loop=None,
-    rollout_policy=None,
+    rollouts=None,
   ):
-    from aepo_jax.rollout.policies import rollout_policy as make_policy
+    from aepo_jax.rollout import Rollouts
 
     self.policy, self.tools, self.scorer, self.settings = policy, tools, scorer, settings
     self.show_progress = show_progress
-    self.loop = loop if loop is not None else self._protocol_loop(mesh)
-    self.rollout_policy = rollout_policy or make_policy("none", n=1, initial_rollouts=1)
-
-  def _protocol_loop(self, mesh):
-    from aepo_jax.rollout import AgentConfig, AgentLoop, SamplingParams, make_engine
-
-    s, tok, tools = self.settings, self.policy.tokenizer, self.tools
-    tags = tuple(tools.tags)
-    engine = make_engine(
-      self.policy.config,
-      max_slots=s.batch_size,
-      max_len=s.max_prompt_len + s.max_response_len,
-      tokenizer=tok,
-      stop_strings=[f"</{t}>" for t in tags],
-      tokenizer_eos=True,
-      sampling=SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty),
-      mesh=mesh,
-    )
-    # Evaluation: the per-tool limits live in the ToolSet (refusal text, the model continues); the loop's own
-    # total-call cap, which ends a trajectory, is set out of reach (a refused call still costs tokens).
-    agent_cfg = AgentConfig(
-      max_response_len=s.max_response_len,
-      max_tool_calls=10**6,
-      chunk_steps=s.chunk_steps,
-      tool_tags=tags,
-      result_mode="eval",
-      max_tokens_per_call=s.max_tokens_per_call,
-      max_calls_per_turn=s.max_calls_per_turn,
-    )
-    return AgentLoop(engine, _ContinuationTokenizer(tok), tools, agent_cfg, pad_id=getattr(tok, "pad_id", None))
+    if rollouts is None:
+      tok = policy.tokenizer
+      rollouts = Rollouts(
+        policy.config, tok, tools, settings.rollout_settings(), mesh=mesh, pad_id=getattr(tok, "pad_id", None)
+      )
+    self.rollouts = rollouts
 
   def prompt_tokens(self, example: Example) -> list[int]:
     return self.policy.tokenizer.apply_chat_template(
@@ -283,7 +279,7 @@ class Evaluator:
         runnable.append(i)
     if prompts:
       t0 = time.monotonic()
-      traj = self.loop.rollout(self.policy.params, prompts, self.rollout_policy, seed=seed)
+      traj = self.rollouts(self.policy.params, prompts, seed=seed)
       dt = (time.monotonic() - t0) / len(prompts)
       for row, i in enumerate(runnable):
         ex, k = batch[i]

@@ -2,19 +2,32 @@
 
 reward = -1 on any format violation or when no `\\boxed{}` can be extracted from the answer span;
 otherwise F1 = token-F1 (max over aliases) of the boxed answer, plus 0.1 when F1 > 0 and the
-response contains both `</search>` and `</python>`. Range {-1} ∪ [0, 1.1]. Math is scored with
+response closes a call of every bonus tool (`</search>` and `</python>`). Range {-1} ∪ [0, 1.1]. Math is scored with
 token-F1 too (spec §5 item 11): use `math_equal` only for evaluation.
+
+The tools come from the tool registry: the call tags of the tools of the official protocol
+(`aepo_jax.tools.reward_tags()`: search, python; a tool registered with `reward_tool=True` joins them), in
+registration order, both for the format rule (each one's blocks in order) and for the bonus (every one used). The
+`tools` / `bonus_tools` parameters name other call tags; an empty `bonus_tools` gives no bonus.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from aepo_jax.rewards._extract import extract_boxed
 from aepo_jax.rewards._qa import f1_score
 
 FORMAT_PENALTY = -1.0
 TOOL_BONUS = 0.1
+
+
+def _reward_tags(tags: Optional[Sequence[str]]) -> tuple:
+  if tags is not None:
+    return tuple(tags)
+  from aepo_jax.tools import reward_tags
+
+  return reward_tags()
 
 
 def _tool_blocks_ordered(text: str, tool: str) -> bool:
@@ -33,8 +46,9 @@ def _tool_blocks_ordered(text: str, tool: str) -> bool:
     pos = res_end
 
 
-def check_format(text: str) -> tuple[bool, str]:
-  """(ok, reason) for the format rules of spec §1.6.1, checked in the official order."""
+def check_format(text: str, tools: Optional[Sequence[str]] = None) -> tuple[bool, str]:
+  """(ok, reason) for the format rules of spec §1.6.1, checked in the official order; `tools`: the call tags whose
+  blocks must be in order (default `aepo_jax.tools.reward_tags()`: search, then python)."""
   n_think, n_think_end = text.count("<think>"), text.count("</think>")
   if n_think != n_think_end:
     return False, "<think> and </think> counts differ"
@@ -42,10 +56,9 @@ def check_format(text: str) -> tuple[bool, str]:
     return False, "no <think> ... </think> block"
   if text.count("<answer>") != 1 or text.count("</answer>") != 1:
     return False, "need exactly one <answer> and one </answer>"
-  if not _tool_blocks_ordered(text, "search"):
-    return False, "a <search> is not followed by </search>, <result>, </result>"
-  if not _tool_blocks_ordered(text, "python"):
-    return False, "a <python> is not followed by </python>, <result>, </result>"
+  for tool in _reward_tags(tools):
+    if not _tool_blocks_ordered(text, tool):
+      return False, f"a <{tool}> is not followed by </{tool}>, <result>, </result>"
   start, end = text.find("<answer>"), text.find("</answer>")
   if start > end:
     return False, "</answer> comes before <answer>"
@@ -55,8 +68,12 @@ def check_format(text: str) -> tuple[bool, str]:
   return True, "format ok"
 
 
-def deep_research_details(response_text: str, ground_truths: str | Sequence[str]) -> dict:
-  """The §1.6 reward with its breakdown: score, format_ok, reason, extracted (boxed text), f1."""
+def deep_research_details(
+  response_text: str, ground_truths: str | Sequence[str], *, bonus_tools: Optional[Sequence[str]] = None
+) -> dict:
+  """The §1.6 reward with its breakdown: score, format_ok, reason, extracted (boxed text), f1. bonus_tools: the call
+  tags that must all be used (closed) for the tool bonus (default `aepo_jax.tools.reward_tags()`: search and python).
+  """
   ok, reason = check_format(response_text)
   if not ok:
     return dict(score=FORMAT_PENALTY, format_ok=False, reason=reason, extracted=None, f1=0.0)
@@ -65,12 +82,15 @@ def deep_research_details(response_text: str, ground_truths: str | Sequence[str]
   if extracted is None:
     return dict(score=FORMAT_PENALTY, format_ok=False, reason="\\boxed{ is never closed", extracted=None, f1=0.0)
   f1 = f1_score(extracted, ground_truths)
-  used_both = "</search>" in response_text and "</python>" in response_text
-  score = f1 + TOOL_BONUS if (f1 > 0 and used_both) else f1
+  tags = _reward_tags(bonus_tools)
+  used_all = bool(tags) and all(f"</{t}>" in response_text for t in tags)
+  score = f1 + TOOL_BONUS if (f1 > 0 and used_all) else f1
   reason = "correct" if f1 == 1.0 else ("partial" if f1 > 0 else "wrong answer, good format")
   return dict(score=score, format_ok=True, reason=reason, extracted=extracted, f1=f1)
 
 
-def deep_research(response_text: str, ground_truths: str | Sequence[str]) -> float:
+def deep_research(
+  response_text: str, ground_truths: str | Sequence[str], *, bonus_tools: Optional[Sequence[str]] = None
+) -> float:
   """Scalar reward of spec §1.6 for one decoded response (tool results included)."""
-  return float(deep_research_details(response_text, ground_truths)["score"])
+  return float(deep_research_details(response_text, ground_truths, bonus_tools=bonus_tools)["score"])

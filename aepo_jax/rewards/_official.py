@@ -309,13 +309,31 @@ def task_of(family: str) -> str:
   return "math" if family == "math" else "qa"
 
 
-def sample_metrics(output: str, reference, task: str, prediction: Optional[str] = None) -> dict:
+def _tools_used(counts: dict) -> str:
+  """'none', the one tool used, 'both' when the two official tools were (the official labels), else the names."""
+  used = [t for t, n in counts.items() if n]
+  if not used:
+    return "none"
+  if len(used) == 1:
+    return used[0]
+  return "both" if len(counts) == 2 else "+".join(used)
+
+
+def sample_metrics(
+  output: str, reference, task: str, prediction: Optional[str] = None, tools: Optional[Sequence[str]] = None
+) -> dict:
   """`Evaluator.evaluate_sample` without the judge: the official per-sample metrics of one output.
 
   `prediction` None: extracted from `output` as the official inference does (`extract_answer`); an empty one falls
   back to the output's last lines. `reference`: the answer field as the official data holds it (a string, or a
-  list of aliases for the QA sets). Adds `prediction` (what was scored) to the official keys.
+  list of aliases for the QA sets). Adds `prediction` (what was scored) to the official keys. tools: the call tags
+  counted as `<tag>_calls` (default the official protocol's tools, `aepo_jax.tools.reward_tags()`, in name order:
+  python_calls, search_calls, as officially).
   """
+  if tools is None:
+    from aepo_jax.tools import reward_tags
+
+    tools = sorted(reward_tags())
   if task not in ("math", "qa"):
     raise ValueError(f"Unsupported task type: {task}")
   output = output or ""
@@ -327,22 +345,18 @@ def sample_metrics(output: str, reference, task: str, prediction: Optional[str] 
       "acc": 0,
       "f1": 0,
       "math_equal": 0,
-      "python_calls": 0,
-      "search_calls": 0,
+      **{f"{t}_calls": 0 for t in tools},
       "output_length": 0,
       "tools_used": "none",
       "tool_counts": 0,
       "prediction": "",
     }
-  python_calls, search_calls = count_valid_tags(output, "python"), count_valid_tags(output, "search")
+  counts = {t: count_valid_tags(output, t) for t in tools}
   out = {
     "is_valid_answer": True,
-    "python_calls": python_calls,
-    "search_calls": search_calls,
-    "tools_used": (
-      "both" if python_calls and search_calls else "python" if python_calls else "search" if search_calls else "none"
-    ),
-    "tool_counts": python_calls + search_calls,
+    **{f"{t}_calls": n for t, n in counts.items()},
+    "tools_used": _tools_used(counts),
+    "tool_counts": sum(counts.values()),
     "output_length": len(remove_result_tags(output)),
   }
   if task == "math":

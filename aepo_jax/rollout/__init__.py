@@ -28,6 +28,11 @@ from aepo_jax.rollout._state import (
   StepOutputs,
 )
 
+# The one rollout face: every user of the engine (trainer, validation, eval.Evaluator, launch/compile.py) builds here:
+#   RolloutSettings(max_slots, max_prompt_len, max_response_len, sampling, policy, policy_config, ...)
+#   Rollouts(model_config, tokenizer, tools, settings, mesh=None).weights(params) / (weights, prompt_ids, seed)
+#   build_engine(model_config, tokenizer, settings, tool_tags=(), mesh=None)   the Engine of the settings
+#   describe_engine(engine) -> dict                the settings an engine was built with (for comparisons)
 # Agent loop and rollout policies (docs/rollout.md):
 #   AgentLoop(engine, tokenizer, tools, AgentConfig(...)).rollout(params, prompts, policy, seed=0) -> Trajectories
 #   rollout_policy('none' | 'arpo' | 'aepo', PolicyConfig(...), **overrides), register_rollout_policy(name)
@@ -36,4 +41,5 @@ from aepo_jax.rollout._trajectories import Trajectories, TrajectoryRecord, conca
 from aepo_jax.rollout.policies import PolicyConfig, RolloutPolicy, register_rollout_policy, rollout_policy
 from aepo_jax.rollout._generate import generate
 from aepo_jax.rollout._stop import StopStringChecker, stop_sequences_from_strings
+from aepo_jax.rollout._rollouts import RolloutSettings, Rollouts, build_engine, describe_engine
 from aepo_jax.rollout._jetstream import JetStreamEngine  # jetstream itself is imported only when called

@@ -19,6 +19,12 @@ Browse (the evaluation's SDS search: fetch the hits' pages, an LLM summarises th
 HTTP
     http_request(method, url, data=, headers=, timeout_s=) -> (status, body)   one deadline for the whole call
     JsonClient(timeout_s, retries, backoff_s, max_concurrency)                  JSON with retries, on top of it
+Registry and plug-ins (docs/tools.md)
+    register_tool(name, factory, *, call_tag=name, result_tag='result', eval_limit=5, needs_sandbox, settings,
+                  reward_tool) -> ToolSpec;  factory(settings, ToolContext(mode, corpus, data_root)) -> tool
+    registered_tools(), tool_spec(name), call_tags(names), reward_tags(), settings_read(names), needs_sandbox(names),
+    import_plugins(modules), setting(settings, key, default), EVALUATION_TOOLS (eval.build_tools' own)
+    build_toolset(names, settings, *, mode, context, plugins, eval_limits) -> ToolSet   training's and evaluation's
 Protocol and agent-loop interface
     parse_tool_call(text, tags) -> ToolCall | None, format_result(text, mode)
     ToolSet(tools, mode, call_limit, ...).execute/submit(call, state) -> ToolOutput, CallState
@@ -39,6 +45,24 @@ from aepo_jax.tools._protocol import (
   parse_tool_call,
 )
 from aepo_jax.tools._pycode import wrap_last_expression
+from aepo_jax.tools._build import build_toolset
+from aepo_jax.tools._registry import (
+  ToolBuildError,
+  ToolContext,
+  ToolSpec,
+  all_call_tags,
+  call_tags,
+  default_eval_limits,
+  import_plugins,
+  needs_sandbox,
+  register_tool,
+  registered_tools,
+  reward_tags,
+  setting,
+  settings_read,
+  tool_spec,
+  unregister_tool,
+)
 from aepo_jax.tools._python import PythonLimits, PythonPool, PythonResult, PythonTool, run_python
 from aepo_jax.tools._retrieval import (
   LocalIndexBackend,
@@ -62,6 +86,7 @@ from aepo_jax.tools._search import (
 )
 from aepo_jax.tools._toolset import CallState, ToolOutput, ToolSet
 from aepo_jax.tools._web import BingBackend, BraveBackend, SerperBackend, make_search_backend
+from aepo_jax.tools._builtin import EVALUATION_TOOLS  # registers python, search and browse
 
 __all__ = [
   "SEARCH_MODES",
@@ -85,6 +110,23 @@ __all__ = [
   "format_result",
   "parse_tool_call",
   "wrap_last_expression",
+  "EVALUATION_TOOLS",
+  "ToolBuildError",
+  "ToolContext",
+  "ToolSpec",
+  "all_call_tags",
+  "build_toolset",
+  "call_tags",
+  "default_eval_limits",
+  "import_plugins",
+  "needs_sandbox",
+  "register_tool",
+  "registered_tools",
+  "reward_tags",
+  "setting",
+  "settings_read",
+  "tool_spec",
+  "unregister_tool",
   "PythonLimits",
   "PythonPool",
   "PythonResult",

@@ -56,10 +56,11 @@ def parse_tool_call(text: str, tags: tuple[str, ...] = DEFAULT_TAGS) -> ToolCall
   return None if best is None else ToolCall(best[1], best[2])
 
 
-def format_result(text: str, mode: str = "train") -> str:
-  """Wraps tool text for the context: training `" <result>\\n{text}\\n</result>"`, eval `<result>{text}</result>`."""
+def format_result(text: str, mode: str = "train", tag: str = "result") -> str:
+  """Wraps tool text for the context: training `" <result>\\n{text}\\n</result>"`, eval `<result>{text}</result>`
+  (`tag`: a tool's own result tag, ToolSpec.result_tag)."""
   if mode == "train":
-    return f" <result>\n{text}\n</result>"
+    return f" <{tag}>\n{text}\n</{tag}>"
   if mode == "eval":
-    return f"<result>{text}</result>"
+    return f"<{tag}>{text}</{tag}>"
   raise ValueError(f"format_result(mode={mode!r}); expected 'train' or 'eval'")

@@ -10,9 +10,9 @@ says so, `ok` is False, and `tools/<tag>_crashes` counts it.
 Deliberate differences: the official rollout also retries empty output (a program that prints nothing ran
 three times, for nothing) and reports a raising tool as "returned empty output"; we keep the exception
 message, which tells the model (and whoever reads the logs) what went wrong.
-Evaluation (spec §2.5): at most `eval_limits` calls per tool (5 python, 10 search); over the limit the model gets
-the official refusal text and continues; a repeated search query gets the official "You have searched this
-query..." text. Refused calls do not count as calls.
+Evaluation (spec §2.5): at most `eval_limits` calls per tool (default the registered ToolSpec.eval_limit: 5
+python, 10 search); over the limit the model gets the official refusal text and continues; a repeated search query
+gets the official "You have searched this query..." text. Refused calls do not count as calls.
 """
 
 import collections
@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from aepo_jax.tools import _protocol
+from aepo_jax.tools import _protocol, _registry
 from aepo_jax.tools._protocol import ToolCall
 from aepo_jax.tools._search import clean_query
 
@@ -82,6 +82,7 @@ class ToolSet:
       timeout_s: per-call bound on waiting (all tries together, from submission); a hung tool yields an error
           text that says how long it really waited.
       max_workers: thread pool size for submit().
+      result_tags: {tag: the tag its results are wrapped in}; default 'result' (ToolSpec.result_tag).
   """
 
   def __init__(
@@ -93,6 +94,7 @@ class ToolSet:
     retry_count: int = 3,
     timeout_s: float = 150.0,
     max_workers: int = 64,
+    result_tags: dict[str, str] | None = None,
   ):
     if mode not in ("train", "eval"):
       raise ValueError(f"ToolSet(mode={mode!r}); expected 'train' or 'eval'")
@@ -101,7 +103,8 @@ class ToolSet:
     if retry_count < 1:
       raise ValueError(f"ToolSet(retry_count={retry_count}) must be >= 1")
     self.tools, self.mode, self.call_limit = dict(tools), mode, call_limit
-    self.eval_limits = {"python": 5, "search": 10, **(eval_limits or {})}
+    self.eval_limits = {**_registry.default_eval_limits(), **(eval_limits or {})}
+    self.result_tags = {tag: (result_tags or {}).get(tag, "result") for tag in self.tools}
     self.retry_count, self.timeout_s = retry_count, timeout_s
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="toolset")
     self._metrics = collections.Counter()

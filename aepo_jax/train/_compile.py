@@ -187,13 +187,12 @@ def compile_plan(
 ) -> dict:
   """Compiles the RL step's programs of `config` for `topology`; returns the report (see `report_json`)."""
   from aepo_jax import model as model_lib
-  from aepo_jax import rollout as rollout_lib
   from aepo_jax.parallel import local_mesh, make_mesh
-  from aepo_jax.train import _config, _optim, _step, _wiring
+  from aepo_jax.train import _config, _objective, _optim, _step
 
   devices = topology_devices(topology)
   mesh = make_mesh(_config.mesh_shape(config.mesh, len(devices)), devices)
-  mc, r, t, a = config.model, config.rollout, config.train, config.algo
+  r, t, a = config.rollout, config.train, config.algo
   model_cfg = model_config(config)
   seq_len = r.max_prompt_len + r.max_response_len
   optimizer = _optim.make_optimizer(
@@ -231,7 +230,7 @@ def compile_plan(
     }
 
   if "update" in programs:
-    step = _wiring.make_rl_update_step(config, model_cfg, optimizer, mesh)
+    step = _objective.make_rl_update_step(config, model_cfg, optimizer, mesh)
     keys = ["tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages"]
     if a.kl.coef > 0 and not a.kl.use_in_reward:
       keys.append("ref_log_prob")
@@ -257,25 +256,10 @@ def compile_plan(
   if "prefill" in programs or "decode" in programs:
     host = host_devices(topology, devices)
     rmesh = local_mesh({k: int(v) for k, v in r.mesh.items()}, host)
-    dtype = r.dtype or mc.dtype
-    engine_cfg = model_cfg.replace(param_dtype=dtype)
     hosts = len({d.process_index for d in devices})
-    slots = r.max_slots or -(-config.data.prompts_per_step // hosts) * r.n
-    engine = rollout_lib.Engine(
-      engine_cfg,
-      max_slots=slots,
-      max_len=seq_len,
-      eos_ids=(0,),
-      entropy_window=r.entropy_window,
-      topk_entropy=r.topk_entropy,
-      mesh=rmesh,
-      prefill_chunk=r.prefill_chunk,
-      prefill_rows=r.prefill_rows,
-      cpu_kernels=False,
-      kv_layout=r.kv_layout,
-      page_size=r.page_size,
-      num_pages=rollout_lib.num_pages_for(r.kv_tokens, r.page_size),
-    )
+    engine, stop_source = rollout_engine(config, model_cfg, rmesh, hosts)
+    engine_cfg = engine.config
+    slots = engine.max_slots
     weights = _abstract(model_lib.param_shapes(engine_cfg), model_lib.param_shardings(engine_cfg, rmesh))
     resident = params_gb + opt_gb + ref_gb  # the training state stays on the chips during rollouts
     out["rollout"] = {
@@ -287,6 +271,7 @@ def compile_plan(
       "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache),
       "kv_layout": engine.kv_layout,
       "kv_tokens": (engine.num_pages - 1) * engine.page_size if engine.page_size else slots * seq_len,
+      "stop_sequences": stop_source,
     }
     state_gb = _per_chip_gb(weights) + _per_chip_gb(engine.abstract_decode_state())
     if "prefill" in programs:
@@ -305,6 +290,29 @@ def compile_plan(
     "kv_cache": str(jax.tree.leaves(engine.abstract_decode_state().cache)[0].sharding.spec) if "rollout" in out else "",
   }
   return out
+
+
+def rollout_engine(config, model_cfg, mesh, hosts: int):
+  """(engine, where its stop sequences came from): the trainer's rollout engine of `config`, built through the same
+  `rollout_settings` and `aepo_jax.rollout.build_engine` as the run's, on `mesh` (one host's devices of `hosts`).
+
+  The stop sequences are the tool tags' token ids when the model's tokenizer is on this machine (model.name a local
+  HF directory, or model.tokenizer one); otherwise (a gs:// or hub checkpoint: nothing is read) placeholders of 3 tokens per tag, the length
+  of `</python>` in the Qwen and Llama tokenizers: the compiled program depends only on their number and length."""
+  import os
+
+  from aepo_jax import model as model_lib
+  from aepo_jax import rollout as rollout_lib
+  from aepo_jax.train import _wiring
+
+  settings = _wiring.rollout_settings(config, hosts=hosts)
+  tags = _wiring.tool_tags(config)
+  for path in (str(config.model.tokenizer), str(config.model.name)):
+    if path and os.path.isfile(os.path.join(path, "tokenizer.json")):
+      tokenizer = model_lib.Tokenizer.from_dir(path)
+      return rollout_lib.build_engine(model_cfg, tokenizer, settings, tool_tags=tags, mesh=mesh), "tokenizer"
+  stops = [[1, 2, 3 + i] for i in range(len(tags))]
+  return rollout_lib.build_engine(model_cfg, None, settings, mesh=mesh, stop_sequences=stops), "placeholder"
 
 
 def model_config(config):

@@ -50,7 +50,7 @@ class RunMismatchError(_config.ConfigError):
 
 
 def fingerprint(config) -> dict:
-  flat = _config._flatten(config)
+  flat = _config.flatten(config)
   out = {}
   for key, value in flat.items():
     if not any(key == p or key.startswith(p + ".") for p in _KEYS):

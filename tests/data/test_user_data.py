@@ -175,10 +175,10 @@ def _config(tmp_path, tok_dir, path, **overrides):
 
 
 def test_config_routes_a_file_source(tmp_path, tok_dir):
-  from aepo_jax.train import _wiring
+  from aepo_jax.train import _inputs
 
   path = _jsonl(tmp_path / "sums.jsonl", QA)
-  exs = _wiring._examples(_config(tmp_path, tok_dir, path), path, "train")
+  exs = _inputs._examples(_config(tmp_path, tok_dir, path), path, "train")
   assert [e.answers for e in exs[:2]] == [["3", "3.0"], ["7", "7.0"]] and {e.family for e in exs} == {"math"}
 
 

@@ -43,7 +43,7 @@ def short_examples(n=3, family="math", answer="18"):
 
 def save_checkpoint(directory, config, params, tok_dir, step=3, ocdbt=True, training=None):
   """`training`: more of the training config saved in the meta (e.g. {"data": {"template": "compact"}})."""
-  from aepo_jax.train import _checkpoint
+  from aepo_jax import checkpoint as _checkpoint
 
   ckpt = _checkpoint.Checkpointer(directory, async_save=False, ocdbt=ocdbt)
   ckpt.save(

@@ -54,7 +54,7 @@ def test_hf_directory_and_tokenizer_override(tmp_path, tiny_config, tiny_params,
 
 
 def test_orbax_without_a_tokenizer_names_the_flag(tmp_path, tiny_config, tiny_params):
-  from aepo_jax.train import _checkpoint
+  from aepo_jax import checkpoint as _checkpoint
 
   d = str(tmp_path / "checkpoints" / "rl")
   ckpt = _checkpoint.Checkpointer(d, async_save=False)
@@ -74,7 +74,7 @@ def test_damaged_checkpoint_is_one_clear_error_naming_the_others(
   tmp_path, tiny_config, tiny_params, tok_dir, capfd, manifest
 ):
   """A truncated data file used to print pages of 'Event loop is closed' before a TensorStore trace."""
-  from aepo_jax.eval._checkpoint_io import CheckpointDamagedError
+  from aepo_jax.eval import CheckpointDamagedError
 
   d = str(tmp_path / "checkpoints" / "rl")
   save_checkpoint(d, tiny_config, tiny_params, tok_dir, step=1)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from aepo_jax.eval import EvalInputError, check_inputs, resolve_checkpoint
-from aepo_jax.eval import _checkpoint_io
+from aepo_jax import checkpoint as checkpoint_lib
 
 from eval_helpers import free_port
 
@@ -31,7 +31,7 @@ def no_compute(monkeypatch):
   def forbidden(*a, **k):
     raise AssertionError("weights were loaded although the input is bad")
 
-  monkeypatch.setattr(_checkpoint_io, "load_policy", forbidden)
+  monkeypatch.setattr(checkpoint_lib, "load_policy", forbidden)
   monkeypatch.setattr("aepo_jax.model.load_hf", forbidden)
   monkeypatch.setattr("aepo_jax.model.load_pretrained", forbidden)
 

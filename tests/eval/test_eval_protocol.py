@@ -19,14 +19,14 @@ def _evaluator(config, params, tokenizer, settings=SETTINGS, tool=lambda code: "
 def test_stop_sequences_cover_merged_left_contexts(tiny_config, tiny_params, tokenizer):
   tools = ToolSet({"python": lambda code: "42", "search": lambda query: "none"}, mode="eval", retry_count=1)
   ev = Evaluator(Policy(tiny_config, tiny_params, tokenizer, "t"), tools, Scorer(), SETTINGS, show_progress=False)
-  seqs = [list(s) for s in ev.loop.engine.stop_sequences]
+  seqs = [list(s) for s in ev.rollouts.engine.stop_sequences]
   for left in ("", " ", ")", "x"):
     for tag in ("python", "search"):
       ids = tokenizer.encode_continuation(f"{left}</{tag}>")
       assert any(ids[-len(s) :] == s for s in seqs), (left, tag, ids, seqs)
   for s in seqs:
     assert "</python>" in tokenizer.decode(s) or "</search>" in tokenizer.decode(s)
-  assert ev.loop.engine.eos_ids[0] == tokenizer.eos_id  # the tokenizer's end of turn first, then the model's
+  assert ev.rollouts.engine.eos_ids[0] == tokenizer.eos_id  # the tokenizer's end of turn first, then the model's
 
 
 def test_one_tool_call_then_correct_answer_is_scored(tiny_config, scripted, tokenizer, tmp_path):
@@ -70,7 +70,7 @@ def test_a_prompt_longer_than_the_limit_is_recorded_wrong_not_dropped(tiny_confi
 
 
 def test_trainer_validation_metrics(tiny_config, scripted, tokenizer):
-  """aepo_jax.eval.evaluate, what train/_wiring.evaluate calls: per-source accuracy, reward and tool calls."""
+  """aepo_jax.eval.evaluate, what train/_validation.evaluate calls: per-source accuracy, reward and tool calls."""
   from aepo_jax.eval import evaluate
 
   one = dataclasses.replace(SETTINGS, n=1)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from aepo_jax import model as model_lib
-from aepo_jax.train import _checkpoint, _config, load_config
+from aepo_jax import checkpoint as _checkpoint
+from aepo_jax.train import _config, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "train"))
@@ -59,14 +60,14 @@ def _save_run(workdir, config, model_cfg, params, step=2, ocdbt=True):
 
 def _tiny_run(tmp_path, tok_dir, **overrides):
   """A checkpoint of configs/testing/tiny_rl.py (random init, model.tokenizer = the tiny tokenizer)."""
-  from aepo_jax.train import _wiring
+  from aepo_jax.train import _inputs
 
   config = load_config(
     os.path.join(ROOT, "configs", "testing", "tiny_rl.py"),
     num_devices=None,
     overrides={"workdir": str(tmp_path / "run"), "model.tokenizer": tok_dir, **overrides},
   )
-  model_cfg, params, _ = _wiring.load_model(config)
+  model_cfg, params, _ = _inputs.load_model(config)
   params = jax.device_get(params)
   return _save_run(config.workdir, config, model_cfg, params), model_cfg, params
 

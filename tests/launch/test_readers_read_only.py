@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from aepo_jax.train import CheckpointError, _checkpoint
+from aepo_jax import checkpoint as _checkpoint
+from aepo_jax.train import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "launch"))

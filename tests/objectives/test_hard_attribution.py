@@ -77,17 +77,17 @@ def test_shape_errors_name_the_inputs():
 
 
 def test_config_key_selects_hard_attribution():
-  from aepo_jax.train import _wiring, base_config
+  from aepo_jax.train import _objective, base_config
 
   parent = np.array([-1, 0, -1, -1], np.int32)
   fork = np.array([-1, 4, -1, -1], np.int32)
   rewards, groups = np.array([1.0, 0.0, 0.5, 0.2], np.float32), np.array([0, 0, 1, 1], np.int32)
   mask = np.ones((4, 8), np.int32)
   c = base_config()
-  soft = np.asarray(_wiring.advantage_fn(c)(rewards, groups, mask))
+  soft = np.asarray(_objective.advantage_fn(c)(rewards, groups, mask))
   np.testing.assert_allclose(soft, np.asarray(obj.grpo_advantage(rewards, groups, mask)))
   c.algo.attribution = "hard"
-  hard_fn = _wiring.advantage_fn(c)
+  hard_fn = _objective.advantage_fn(c)
   with pytest.raises(ValueError, match=r"tree=\(traj.parent_b, traj.fork_pos_b\)"):
     hard_fn(rewards, groups, mask)
   hard = np.asarray(hard_fn(rewards, groups, mask, tree=(parent, fork)))

@@ -138,7 +138,7 @@ def test_decode_loop_gathers_no_layer_weight_on_a_tensor_parallel_rollout_mesh()
 @pytest.mark.parametrize("source", ["random", "hf"])
 def test_model_loads_sharded_onto_the_mesh(tmp_path, source):
   from aepo_jax.train import base_config
-  from aepo_jax.train._wiring import load_model
+  from aepo_jax.train._inputs import load_model
 
   mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   config = base_config()

@@ -113,6 +113,23 @@ def test_tool_bonus_needs_both_tools_and_a_nonzero_f1():
   assert deep_research(only_python, "176294") == 1.0
 
 
+def test_bonus_tools_come_from_the_registry_or_the_caller():
+  from aepo_jax.tools import reward_tags
+
+  assert reward_tags() == ("search", "python")  # the official tools, in the official order of the format rules
+  calc = "<calc>6*7</calc> <result>\n42\n</result>"
+  both = traj("<think> a </think>", SEARCH, PYTHON, "<think> c </think>", answer="176294")
+  assert deep_research(both, "176294", bonus_tools=("search", "python")) == deep_research(both, "176294")
+  assert deep_research(both, "176294", bonus_tools=("calc",)) == 1.0  # calc not used
+  with_calc = traj("<think> a </think>", calc, "<think> c </think>", answer="42")
+  assert deep_research(with_calc, "42", bonus_tools=("calc",)) == pytest.approx(1.1)
+  assert deep_research(with_calc, "42") == 1.0  # by default only the official tools earn the bonus
+  assert deep_research(with_calc, "42", bonus_tools=()) == 1.0  # no bonus tools: no bonus
+  assert check_format("<think> a </think><calc>1</calc><answer>\\boxed{1}</answer>", tools=("calc",))[1] == (
+    "a <calc> is not followed by </calc>, <result>, </result>"
+  )
+
+
 def test_hostile_long_input_is_linear():
   import time
 

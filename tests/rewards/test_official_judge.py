@@ -156,6 +156,10 @@ def test_sample_metrics_and_the_empty_prediction_fallback():
   assert (m["math_equal"], m["em"], m["tools_used"], m["prediction"]) == (1, 1, "python", "025")
   assert official.sample_metrics("<answer>\\boxed{25}</answer>", "025", "math")["math_equal"] == 0
   assert official.count_valid_tags("<python>a</python><python>b", "python") == 1
+  keys = list(official.sample_metrics("<python>1</python><result>2</result>x", "2", "math"))
+  assert keys[:5] == ["is_valid_answer", "python_calls", "search_calls", "tools_used", "tool_counts"]  # official order
+  m = official.sample_metrics("<calc>1</calc><result>2</result>x", "2", "math", tools=("calc", "python"))
+  assert (m["calc_calls"], m["python_calls"], m["tools_used"], m["tool_counts"]) == (1, 0, "calc", 1)
   assert official.official_reference("hotpotqa", ["Frank Lowy"]) == ["Frank Lowy"]
   assert official.official_reference("gaia", ["x"]) == "x"
   assert official.task_of("math") == "math" and official.task_of("deep_search") == "qa"

@@ -104,7 +104,7 @@ def _traj(texts, groups):
 
 
 def test_trainer_scoring_goes_through_the_shared_pool(shared):
-  from aepo_jax.train import _wiring
+  from aepo_jax.train import _objective
 
   prompts = [Example("m:0", "q", ["5", "6", "7"], "m", "math"), Example("q:0", "q", ["Paris"], "q", "qa")]
   hostile = "<think> x </think> <answer> \\boxed{10^{10^{9}}-1} </answer>"
@@ -112,10 +112,10 @@ def test_trainer_scoring_goes_through_the_shared_pool(shared):
   before = shared.stats["items"]
   start = time.monotonic()
   # DAPO's filter: in-process, math-verify's 5 s guard ran once per alias (over 15 s for this answer).
-  assert _wiring.correct_b(traj, prompts).tolist() == [0.0, 1.0]
+  assert _objective.correct_b(traj, prompts).tolist() == [0.0, 1.0]
   assert time.monotonic() - start < 5
   config = ml_collections.ConfigDict(
     {"reward": {"name": "deep_research", "timeout_s": 10.0}, "algo": {"overlong_buffer": 0}}
   )
-  assert _wiring.make_reward(config)(traj, prompts).tolist() == [0.0, 1.0]
+  assert _objective.make_reward(config)(traj, prompts).tolist() == [0.0, 1.0]
   assert shared.stats["items"] == before + 4 and shared.stats["timeouts"] >= 1

@@ -11,26 +11,16 @@ import jax
 import numpy as np
 import pytest
 
-from aepo_jax.model import ModelConfig, forward, init_params
+from aepo_jax.model import forward, init_params
 from aepo_jax.rollout import Engine
 from aepo_jax.rollout._agent import AgentConfig, AgentLoop
 from aepo_jax.rollout.policies import rollout_policy
+from aepo_jax.testing import tiny_model_config
 from aepo_jax.tools import ToolSet
 
 VOCAB = ["<pad>", "<eos>", "<python>1+1</python>", " <result>\n", "\n</result>", "2"] + list("abcdefghij")
 PAD, EOS, CALL, R_OPEN, R_CLOSE, TWO = range(6)
-CONFIG = ModelConfig(
-  family="llama",
-  vocab_size=len(VOCAB),
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  eos_token_ids=(EOS,),
-  pad_token_id=PAD,
-)
+CONFIG = tiny_model_config(vocab_size=len(VOCAB), eos_token_ids=(EOS,), pad_token_id=PAD)
 
 
 class VocabTokenizer:
@@ -213,18 +203,7 @@ def test_entropy_window_must_match_the_engine(params):
 def test_preempted_trajectories_do_not_take_back_the_pages_a_stalled_slot_waits_for():
   """Two trajectories of 43 tokens (11 pages of 4 each) and 12 usable pages: both stall, one is preempted, and
   re-admitting it must not take the freed pages straight back from the other (a livelock found in review)."""
-  cfg = ModelConfig(
-    family="llama",
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    eos_token_ids=(96,),
-    pad_token_id=0,
-  )
+  cfg = tiny_model_config(eos_token_ids=(96,), pad_token_id=0)
   p = init_params(cfg, jax.random.PRNGKey(0))
   engine = Engine(
     cfg, max_slots=2, max_len=64, eos_ids=[96], prefill_chunk=16, kv_layout="paged", page_size=4, num_pages=13

@@ -5,22 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from aepo_jax.model import ModelConfig, forward, init_params
+from aepo_jax.model import forward, init_params
 from aepo_jax.rollout import Engine, SamplingParams, STOP_BUDGET, STOP_CACHE_FULL, STOP_EOS, STOP_SEQUENCE
+from aepo_jax.testing import tiny_model_config
 
-CFG = ModelConfig(
-  family="qwen3",
-  vocab_size=97,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  qk_norm=True,
-  attention_bias=True,
-  eos_token_ids=(1,),
-)
+CFG = tiny_model_config("qwen3", attention_bias=True, eos_token_ids=(1,))
 TOL = 1e-4
 
 

@@ -13,20 +13,9 @@ import pytest
 from aepo_jax.model import ModelConfig, init_params
 from aepo_jax.rollout import Engine, OutOfPages, SamplingParams
 from aepo_jax.rollout import _state as st
+from aepo_jax.testing import tiny_model_config
 
-CFG = ModelConfig(
-  family="qwen3",
-  vocab_size=97,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  qk_norm=True,
-  attention_bias=True,
-  eos_token_ids=(1,),
-)
+CFG = tiny_model_config("qwen3", attention_bias=True, eos_token_ids=(1,))
 TOL = 1e-4
 PS = 4
 

@@ -3,22 +3,11 @@
 import jax
 import pytest
 
-from aepo_jax.model import ModelConfig
 from aepo_jax.parallel import make_mesh
 from aepo_jax.rollout import SamplingParams, make_engine, stop_sequences_from_strings
+from aepo_jax.testing import tiny_model_config
 
-CFG = ModelConfig(
-  family="llama",
-  vocab_size=320,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=1,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  eos_token_ids=(2,),
-  pad_token_id=0,
-)
+CFG = tiny_model_config(vocab_size=320, num_layers=1, eos_token_ids=(2,), pad_token_id=0)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from aepo_jax.model import ModelConfig, init_params
+from aepo_jax.model import init_params
 from aepo_jax.rollout import SamplingParams, generate
+from aepo_jax.testing import tiny_model_config
 
 pytestmark = pytest.mark.skipif(
   importlib.util.find_spec("jetstream") is None,
@@ -18,18 +19,7 @@ pytestmark = pytest.mark.skipif(
   "portpicker prometheus-client && pip install --no-deps google-jetstream==0.2.2",
 )
 
-CFG = ModelConfig(
-  family="llama",
-  vocab_size=320,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  eos_token_ids=(2,),
-  pad_token_id=0,
-)
+CFG = tiny_model_config(vocab_size=320, eos_token_ids=(2,), pad_token_id=0)
 
 
 def test_importing_jetstream_leaves_jax_seqio_and_logging_as_they_were():

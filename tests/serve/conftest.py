@@ -3,7 +3,8 @@
 import jax
 import pytest
 
-from aepo_jax.model import ModelConfig, Tokenizer, init_params
+from aepo_jax.model import Tokenizer, init_params
+from aepo_jax.testing import tiny_model_config
 from serve_helpers import MAX_LEN, MAX_SLOTS
 
 
@@ -12,18 +13,7 @@ def tiny(tmp_path_factory):
   from aepo_jax.testing import tiny_tokenizer
 
   tok = Tokenizer.from_dir(tiny_tokenizer(tmp_path_factory.mktemp("tok")))
-  cfg = ModelConfig(
-    family="qwen3",
-    vocab_size=tok.vocab_size,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-    eos_token_ids=tuple(tok.eos_ids),
-  )
+  cfg = tiny_model_config("qwen3", vocab_size=tok.vocab_size, eos_token_ids=tuple(tok.eos_ids))
   # Larger weights than the default init: peaked distributions, so greedy paths have clear winners.
   params = jax.tree.map(lambda x: x * 8.0 if x.ndim >= 2 else x, init_params(cfg, jax.random.PRNGKey(0)))
   return cfg, params, tok

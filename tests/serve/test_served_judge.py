@@ -8,7 +8,7 @@ def test_a_config_serves_its_judge(tmp_path):
   from aepo_jax import rewards
   from aepo_jax.testing import tiny_hf_checkpoint, tiny_tokenizer
   from aepo_jax.train import base_config
-  from aepo_jax.train._wiring import serve_judge
+  from aepo_jax.train._validation import serve_judge
 
   ckpt = tiny_hf_checkpoint("qwen2", tmp_path / "judge", vocab_size=320)
   tiny_tokenizer(ckpt)  # the checkpoint's own tokenizer files, so it serves as is

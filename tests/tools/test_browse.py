@@ -151,7 +151,7 @@ def test_chat_client_retries_server_errors(summariser):
 
 def test_training_config_selects_browse(tmp_path, summariser):
   summariser_url, requests, _ = summariser
-  from aepo_jax.train import ConfigError, _wiring, base_config, validate
+  from aepo_jax.train import _wiring, base_config, ConfigError, validate
 
   c = base_config()
   c.tools.names = ("search",)

@@ -186,10 +186,10 @@ def _write_traces(path, tok_dir) -> str:
   """The SFT traces (every train prompt answered by the sleep program, its result, then a search) and the
   suite's corpus path; the suite is generated here exactly as the trainer generates it."""
   from aepo_jax import data as data_lib
-  from aepo_jax.train import _wiring, load_config
+  from aepo_jax.train import _inputs, load_config
 
   config = load_config(CONFIG, overrides={"workdir": str(path.parent), "model.tokenizer": tok_dir}, num_devices=None)
-  suite = _wiring._suite(config)
+  suite = _inputs._suite(config)
   answer = (
     f"<python>{SLEEP_CODE}</python>"
     + tools.format_result("None", "train")  # the program's real result

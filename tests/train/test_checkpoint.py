@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from etils import epath
 
 from aepo_jax.train import CheckpointError, Checkpointer, base_config, check_writable, to_json
-from aepo_jax.train import _checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,7 +125,7 @@ def test_unwritable_workdir_errors(tmp_path, monkeypatch):
   def read_only(*a, **k):
     raise OSError(errno.EROFS, "Read-only file system")
 
-  monkeypatch.setattr(_checkpoint.epath.Path, "write_bytes", read_only)
+  monkeypatch.setattr(epath.Path, "write_bytes", read_only)
   with pytest.raises(CheckpointError, match="the file system is read-only"):
     check_writable(str(tmp_path / "ro"))
 
@@ -203,7 +203,7 @@ def test_killed_mid_save_is_never_latest(tmp_path):
 def test_attention_impl_override_is_not_a_model_mismatch():
   """`model.overrides.attention_impl` picks an execution path, not parameters: resuming across it is allowed."""
   from aepo_jax.train import base_config
-  from aepo_jax.train._checkpoint import model_mismatch
+  from aepo_jax.checkpoint import model_mismatch
 
   a, b = base_config(), base_config()
   b.model.overrides.attention_impl = "xla"

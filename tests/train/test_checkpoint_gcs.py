@@ -129,7 +129,7 @@ def _largest_object(step_dir):
 
   from etils import epath
 
-  from aepo_jax.train._checkpoint_integrity import MANIFEST
+  from aepo_jax.checkpoint._integrity import MANIFEST
 
   files = json.loads((epath.Path(step_dir) / MANIFEST).read_text())["files"]
   return epath.Path(step_dir) / max((k for k in files if k.startswith("state/")), key=lambda k: files[k]["size"])
@@ -141,8 +141,8 @@ def test_damaged_checkpoint_on_gcs_is_named_and_moved_aside(gcs_emulator):
   from etils import epath
 
   from aepo_jax.train import Checkpointer
-  from aepo_jax.train._checkpoint import CheckpointCorruptError
-  from aepo_jax.train._checkpoint_integrity import MANIFEST
+  from aepo_jax.checkpoint import CheckpointCorruptError
+  from aepo_jax.checkpoint._integrity import MANIFEST
 
   d = f"gs://{BUCKET}/integrity/checkpoints/sft"
   ck = Checkpointer(d, keep=2, ocdbt=False)  # zarr: see EMULATOR_FLAKE
@@ -170,7 +170,7 @@ def test_unreachable_storage_fails_in_seconds_naming_the_settings(monkeypatch):
   import time
 
   from aepo_jax.train import CheckpointError, check_writable
-  from aepo_jax.train._checkpoint import check_remote
+  from aepo_jax.checkpoint import check_remote
 
   closed = f"http://127.0.0.1:{_free_port()}"
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", closed)
@@ -209,7 +209,7 @@ def test_unanswered_probe_reads_the_same_whichever_timer_fires_first(monkeypatch
   import urllib.error
   import urllib.request
 
-  from aepo_jax.train._checkpoint import _no_answer
+  from aepo_jax.checkpoint._storage import _no_answer
 
   release = threading.Event()
 
@@ -230,7 +230,7 @@ def test_refused_probe_says_refused(monkeypatch):
   import urllib.error
   import urllib.request
 
-  from aepo_jax.train._checkpoint import _no_answer
+  from aepo_jax.checkpoint._storage import _no_answer
 
   def urlopen(url, timeout):
     raise urllib.error.URLError(ConnectionRefusedError(111, "Connection refused"))

@@ -19,8 +19,8 @@ import pytest
 from etils import epath
 
 from aepo_jax.train import CheckpointError, Checkpointer
-from aepo_jax.train._checkpoint import CheckpointCorruptError
-from aepo_jax.train._checkpoint_integrity import MANIFEST, array_checksums
+from aepo_jax.checkpoint import CheckpointCorruptError
+from aepo_jax.checkpoint._integrity import MANIFEST, array_checksums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -179,7 +179,7 @@ def test_non_finite_state_is_damaged(tmp_path, caplog):
   ck.save(1, _state(1), {"step": 1})
   bad = _state(2)
   bad["opt_state"][0].nu["w"] = bad["opt_state"][0].nu["w"].at[3, 4].set(jnp.inf)
-  with caplog.at_level(logging.WARNING, logger="aepo_jax.train"):
+  with caplog.at_level(logging.WARNING, logger="aepo_jax.checkpoint"):
     ck.save(2, bad, {"step": 2})
   assert "saving non-finite values in ['opt_state'][0].nu['w']" in caplog.text
   with pytest.raises(CheckpointCorruptError, match=r"\['opt_state'\]\[0\]\.nu\['w'\]: 1 non-finite values \(already"):

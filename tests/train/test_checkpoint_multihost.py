@@ -29,7 +29,7 @@ def _worker(pid: int, port: int, directory: str, out: str):
   from jax.sharding import NamedSharding, PartitionSpec
 
   from aepo_jax.train import Checkpointer
-  from aepo_jax.train import _checkpoint_integrity as integrity
+  from aepo_jax.checkpoint import _integrity as integrity
 
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
   sharding = NamedSharding(mesh, PartitionSpec("x"))

@@ -164,13 +164,14 @@ def test_search_backends_keys_and_probe(tok_dir, tmp_path, monkeypatch):
 
 
 def test_a_gs_path_that_hangs_is_reported_at_the_deadline(tok_dir, monkeypatch):
-  from aepo_jax.train import _preflight
+  from aepo_jax.train import _preflight, _preflight_model
 
   class Hanging:
     def exists(self, path):
       time.sleep(30)
 
-  monkeypatch.setattr(_preflight, "_gs_fs", lambda: Hanging())
+  for module in (_preflight, _preflight_model):  # the data and the model checks
+    monkeypatch.setattr(module, "_gs_fs", lambda: Hanging())
   t0 = time.monotonic()
   problems = preflight(
     _tiny(tok_dir, **{"model.init": "pretrained", "model.name": "gs://bkt/m", "workdir": "gs://bkt/run"}),
@@ -190,7 +191,7 @@ def test_shipped_configs_pass_where_their_gs_paths_exist(path, monkeypatch):
   """Every experiment config names backends, templates and sources the runtime accepts; its gs:// paths
   (placeholders here) stand for directories that exist."""
   from aepo_jax import model as model_lib
-  from aepo_jax.train import _preflight
+  from aepo_jax.train import _preflight, _preflight_model
 
   class Everything:
     def exists(self, path):
@@ -199,7 +200,8 @@ def test_shipped_configs_pass_where_their_gs_paths_exist(path, monkeypatch):
     def cat(self, path):
       return json.dumps(model_lib.to_hf_config(model_lib.preset("qwen3-0.6b"))).encode()
 
-  monkeypatch.setattr(_preflight, "_gs_fs", lambda: Everything())
+  for module in (_preflight, _preflight_model):  # the data and the model checks
+    monkeypatch.setattr(module, "_gs_fs", lambda: Everything())
   config = load_config(path, num_devices=None)
   if "YOUR_BUCKET" in config.model.name:  # the placeholder is reported at once (not a bucket name) ...
     assert [p.split("=")[0] for p in preflight(config)] == ["model.name"]

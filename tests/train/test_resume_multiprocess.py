@@ -12,7 +12,7 @@ import pytest
 
 from aepo_jax import model as model_lib
 from aepo_jax.train import Checkpointer
-from aepo_jax.train._checkpoint import model_config_from_json
+from aepo_jax.checkpoint import model_config_from_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4

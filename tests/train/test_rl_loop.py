@@ -161,7 +161,7 @@ def test_dapo_generation_keeps_differing_groups_until_the_batch_is_full():
   takes the first 2 usable groups in order, with their own rewards. The rollout and reward are stand-ins:
   the test is about the selection."""
   from aepo_jax.train import _metrics
-  from aepo_jax.train._trainer import _generate
+  from aepo_jax.train._rl import generate as _generate
   from aepo_jax.data._records import Example
 
   config = load_config(

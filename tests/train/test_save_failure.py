@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from aepo_jax.train import _checkpoint_integrity as integrity
-from aepo_jax.train._checkpoint import _EXIT_GRACE_S, save_failure
+from aepo_jax.checkpoint import _integrity as integrity
+from aepo_jax.checkpoint._storage import _EXIT_GRACE_S, save_failure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from aepo_jax.train import load_config
-from aepo_jax.train import _wiring
+from aepo_jax.train import _inputs, _wiring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,14 +25,14 @@ def setup(tmp_path_factory):
     overrides={"model.tokenizer": tok_dir, "data.suite.mix": (0.4, 0.4, 0.2), "data.suite.tool_demo_fraction": 0.5},
     num_devices=None,
   )
-  model_cfg, _, tok = _wiring.load_model(config)
+  model_cfg, _, tok = _inputs.load_model(config)
   return config, model_cfg, tok
 
 
 def test_sft_example_is_rollout_prompt_then_turn_with_tool_results_masked(setup):
   config, model_cfg, tok = setup
-  suite = _wiring._suite(config)
-  examples = _wiring.sft_examples(config, tok, model_cfg)
+  suite = _inputs._suite(config)
+  examples = _inputs.sft_examples(config, tok, model_cfg)
   assert len(examples) == len(suite.demos)
   eos = model_cfg.eos_token_ids[0]
   kinds = set()
@@ -79,16 +79,16 @@ def test_suite_directories_of_killed_processes_are_swept(tmp_path):
   other = tmp_path / "aepo_jax_suite_notapid"
   for d in (stale, live, other):
     (d / "corpus").mkdir(parents=True)
-  _wiring._sweep_stale_suites(str(tmp_path))
+  _inputs._sweep_stale_suites(str(tmp_path))
   assert not stale.exists() and live.exists() and other.exists()
 
 
 def test_the_generated_suite_belongs_to_the_run_scope(monkeypatch):
-  monkeypatch.setattr(_wiring, "_SUITES", {})  # suites cached outside any scope by earlier tests stay theirs
+  monkeypatch.setattr(_inputs, "_SUITES", {})  # suites cached outside any scope by earlier tests stay theirs
   config = load_config("configs/testing/tiny_rl.py")
-  with _wiring.run_scope():
-    suite = _wiring._suite(config)
-    assert _wiring._suite(config) is suite  # shared within the run
+  with _inputs.run_scope():
+    suite = _inputs._suite(config)
+    assert _inputs._suite(config) is suite  # shared within the run
     corpus_dir = suite.corpus_path.parent
     assert corpus_dir.exists()
-  assert not corpus_dir.exists() and not _wiring._SUITES
+  assert not corpus_dir.exists() and not _inputs._SUITES

@@ -11,7 +11,7 @@ import pytest
 
 from aepo_jax import data
 from aepo_jax.data import RecordError
-from aepo_jax.train import _wiring, load_config, read_metrics, run
+from aepo_jax.train import _inputs, load_config, read_metrics, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "testing", "tiny_rl.py")
@@ -147,9 +147,9 @@ def _config(tmp_path, tok_dir, source, **overrides):
 
 def test_trace_examples_mask_exactly_the_tool_results(tmp_path, tok_dir):
   config = _config(tmp_path, tok_dir, _sharegpt_jsonl(tmp_path / "t.jsonl"))
-  model_cfg, _, tok = _wiring.load_model(config)
+  model_cfg, _, tok = _inputs.load_model(config)
   eos = model_cfg.eos_token_ids[0]
-  examples = _wiring.sft_examples(config, tok, model_cfg)
+  examples = _inputs.sft_examples(config, tok, model_cfg)
   assert len(examples) == 2
   tokens, mask = examples[0]
   prompt = tok.apply_chat_template(
@@ -168,12 +168,12 @@ def test_trace_examples_mask_exactly_the_tool_results(tmp_path, tok_dir):
   assert tok.decode(tokens[mask == 1][:-1].tolist()) == "".join(MODEL_TEXT)
   assert tok.decode(tokens[len(prompt) :][mask[len(prompt) :] == 0].tolist()) == RESULT_1 + RESULT_2
   # The cutoff keeps a prefix; a turn whose context alone passes it has nothing to learn and is dropped.
-  cut = _wiring.trace_examples(str(tmp_path / "t.jsonl"), tok, eos, max_len=len(prompt) + 3)
+  cut = _inputs.trace_examples(str(tmp_path / "t.jsonl"), tok, eos, max_len=len(prompt) + 3)
   assert all(len(t) == len(prompt) + 3 for t, _ in cut)
-  kept = _wiring.trace_examples(str(tmp_path / "t.jsonl"), tok, eos, max_len=len(prompt))
+  kept = _inputs.trace_examples(str(tmp_path / "t.jsonl"), tok, eos, max_len=len(prompt))
   assert len(kept) == 1 and kept[0][1].any()  # the first turn (longer system prompt) is dropped
   with pytest.raises(ValueError, match="raise sft.max_len"):
-    _wiring.trace_examples(str(tmp_path / "t.jsonl"), tok, eos, max_len=2)
+    _inputs.trace_examples(str(tmp_path / "t.jsonl"), tok, eos, max_len=2)
 
 
 @pytest.mark.slow

@@ -212,7 +212,7 @@ def test_nonfinite_loss_skips_update_and_is_reported():
 def test_nonfinite_updates_stop_training_after_train_nan_limit():
   """The trainer counts the step's skipped updates across steps (and checkpoints: meta 'nan_count'); one more than
   `train.nan_limit` is a clear stop that names the key and what to do."""
-  from aepo_jax.train._trainer import TrainingError, _check_finite
+  from aepo_jax.train._phase import TrainingError, check_finite as _check_finite
 
   count = 0
   for step in range(2):  # limit 2: two skipped updates pass (logged), the third stops

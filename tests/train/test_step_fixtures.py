@@ -11,22 +11,12 @@ import numpy as np
 import optax
 
 from aepo_jax import objectives
-from aepo_jax.model import ModelConfig, forward, init_params
+from aepo_jax.model import forward, init_params
+from aepo_jax.testing import tiny_model_config
 from aepo_jax.train._batch import micro_batches
 
 # Dims divide every mesh axis used in the tests (fsdp up to 8, tensor 2).
-CFG = ModelConfig(
-  family="llama",
-  vocab_size=128,
-  hidden_size=32,
-  intermediate_size=64,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  tie_word_embeddings=True,
-  rope_theta=10000.0,
-)
+CFG = tiny_model_config(vocab_size=128, tie_word_embeddings=True, rope_theta=10000.0)
 M, MB, T = 4, 2, 16
 TEMPERATURE = 0.7
 

@@ -5,7 +5,7 @@ tensorstore) and `meta` (JSON: data-iterator state, metrics of record, the confi
 into a temporary directory and commits by rename (local) or a commit marker (gs://), so a checkpoint killed
 mid-save is never returned by `latest_step()`.
 
-Integrity (`_checkpoint_integrity.py`): a save records a checksum of every array (in `meta`) and the size and hash
+Integrity (`_integrity.py`): a save records a checksum of every array (in `meta`) and the size and hash
 of every file (`integrity.json`); a restore checks both, and that every value is finite, and raises
 `CheckpointCorruptError` naming the damaged files or arrays. `restore_newest_intact` then moves a damaged step aside
 (`<step>.damaged`) and resumes from the newest intact one, which `keep` never deletes while this run lasts.
@@ -18,251 +18,30 @@ of every file (`integrity.json`); a restore checks both, and that every value is
 
 from __future__ import annotations
 
-import base64
-import dataclasses
-import errno
-import gc
 import json
 import logging
-import os
-import re
-import shutil
-import socket
-import sys
-import threading
-import time
-import urllib.error
-import urllib.request
-import uuid
-from typing import Any, Optional
+from typing import Optional
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from aepo_jax import parallel
-from aepo_jax.train import _checkpoint_integrity as integrity
-from aepo_jax.train import _config
+from aepo_jax.checkpoint import _integrity as integrity
+from aepo_jax.checkpoint._meta import _abstract, _json_default, _no_numpy_scalar, model_mismatch
+from aepo_jax.checkpoint._storage import (
+  CheckpointCorruptError,
+  CheckpointError,
+  _finalize_quietly,
+  _first_line,
+  _read_error,
+  bound_exit,
+  check_remote,
+  is_remote,
+  save_failure,
+)
 
-log = logging.getLogger("aepo_jax.train")
-
-_MIN_FREE_BYTES = 64 << 20  # refuse to start with less free space than this in the work directory
-_PROBE_TIMEOUT_S = 5.0  # gcsfs retries an unreachable service for 60-90 s before it fails
-# After a failed async save, Orbax's signalling threads wait (300 s each, non-daemon) for a step that will never
-# come; the interpreter's exit waits for them. A failed save therefore bounds the exit: this long after the
-# interpreter starts shutting down, the process ends with status 1.
-_EXIT_GRACE_S = 15.0
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be written or read as asked; the message says which and why."""
-
-
-class CheckpointCorruptError(CheckpointError):
-  """A checkpoint whose files or values differ from what was saved, hold NaN/inf, or cannot be read.
-  `step` is the damaged step, `problems` names its files or arrays."""
-
-  def __init__(self, message: str, step: Optional[int] = None, problems: tuple = ()):
-    super().__init__(message)
-    self.step, self.problems = step, list(problems)
-
-
-def is_remote(path: str) -> bool:
-  return str(path).startswith("gs://")
-
-
-def _no_answer(url: str, timeout_s: float) -> Optional[str]:
-  """Why `url` gives no HTTP answer within `timeout_s` (whole call, DNS included), or None if it answers.
-
-  One deadline, one message: a socket time-out and the join's deadline both read "no answer within N s", whichever
-  fires first; other failures (refused, unknown host) say what they are.
-  """
-  result = {}
-
-  def probe():
-    try:
-      urllib.request.urlopen(url, timeout=timeout_s).close()
-    except urllib.error.HTTPError:  # any status: the service is there
-      pass
-    except Exception as e:  # noqa: BLE001 - reported as the reason
-      reason = getattr(e, "reason", e)
-      timed_out = isinstance(reason, (socket.timeout, TimeoutError)) or isinstance(e, (socket.timeout, TimeoutError))
-      result["error"] = None if timed_out else str(reason)
-      result["timed_out"] = timed_out
-
-  thread = threading.Thread(target=probe, daemon=True)
-  thread.start()
-  thread.join(timeout_s)
-  if thread.is_alive() or result.get("timed_out"):
-    return f"no answer within {timeout_s:g} s"
-  return result.get("error")
-
-
-def check_remote(path: str, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
-  """Fail in seconds, naming the settings, when the storage service behind a gs:// path cannot be reached."""
-  emulator, ts_url = os.environ.get("STORAGE_EMULATOR_HOST"), os.environ.get("TENSORSTORE_GCS_HTTP_URL")
-  if emulator and not ts_url:  # tensorstore would try the real service and hang
-    raise CheckpointError(
-      f"{path}: STORAGE_EMULATOR_HOST={emulator} is set but TENSORSTORE_GCS_HTTP_URL is not, so "
-      "array data would go to the real service; set TENSORSTORE_GCS_HTTP_URL to the emulator too."
-    )
-  urls = [u if "://" in u else f"http://{u}" for u in (emulator or "https://storage.googleapis.com", ts_url) if u]
-  for url in dict.fromkeys(urls):
-    reason = _no_answer(url, timeout_s)
-    if reason:
-      raise CheckpointError(
-        f"{path}: the storage service at {url} does not answer ({reason}). Check the network and any proxy "
-        "(HTTPS_PROXY); an emulator needs STORAGE_EMULATOR_HOST and TENSORSTORE_GCS_HTTP_URL; credentials come "
-        "from GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login` or the VM's service "
-        "account. Or use a local path."
-      )
-
-
-def check_writable(workdir: str, need_bytes: int = _MIN_FREE_BYTES) -> None:
-  """Fail at start-up, not at the first save, on a read-only, missing, full or unreachable work directory."""
-  if is_remote(workdir):
-    check_remote(workdir)
-  path = epath.Path(workdir)
-  probe = path / f".write_probe_{uuid.uuid4().hex[:8]}"
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-    probe.write_bytes(b"\0" * 4096)
-    probe.unlink()
-  except OSError as e:
-    reason = {
-      errno.EROFS: "the file system is read-only",
-      errno.EACCES: "permission denied",
-      errno.ENOSPC: "the disk is full",
-      errno.EDQUOT: "the disk quota is exhausted",
-    }.get(e.errno, str(e))
-    raise CheckpointError(
-      f"work directory {workdir!r} is not writable ({reason}); choose another "
-      "--config.workdir or free/mount it read-write."
-    ) from e
-  if not is_remote(workdir):
-    free = shutil.disk_usage(os.fspath(path)).free
-    if free < need_bytes:
-      raise CheckpointError(
-        f"work directory {workdir!r} has {free / 2**20:.1f} MiB free but a checkpoint needs about "
-        f"{need_bytes / 2**20:.1f} MiB; free space or choose another --config.workdir."
-      )
-
-
-def save_failure(directory: str, step: int, e: BaseException, intact: Optional[int] = None) -> str:
-  """One line: which step's save failed, where, why, and what to do (permission, disk full, other)."""
-  text = _first_line(e)
-  code, path, x = None, directory, e
-  for _ in range(8):  # the OSError in the chain, if any, has the errno and the path
-    if x is None:
-      break
-    if isinstance(x, OSError):
-      code, path = x.errno, x.filename or directory
-      break
-    x = x.__cause__ or x.__context__
-  if code in (errno.EACCES, errno.EPERM, errno.EROFS) or "Permission denied" in text or "Read-only" in text:
-    why, fix = f"permission denied on {path}", f"make {directory} writable (or choose another --config.workdir)"
-  elif code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "RESOURCE_EXHAUSTED" in text:
-    why, fix = f"the disk holding {directory} is full", "free space there (or choose another --config.workdir)"
-  else:
-    why, fix = text, f"check {directory} (or choose another --config.workdir)"
-  if intact is None:
-    kept = "no checkpoint was committed before it, so a rerun starts afresh"
-  else:
-    kept = f"the newest committed checkpoint (step {intact}) is untouched and a rerun resumes from it"
-  return f"saving step {step} to {directory!r} failed: {why} ({text}). {fix}; {kept}."
-
-
-_exit_bounded = False
-
-
-def bound_exit(grace_s: float = _EXIT_GRACE_S) -> None:
-  """Make the interpreter's exit end within `grace_s` even if non-daemon threads (Orbax's, after a failed save)
-  never finish: a daemon watchdog, started as the exit begins (before threads are joined), ends the process with
-  status 1. A process that exits sooner never sees it."""
-  global _exit_bounded
-  if _exit_bounded:
-    return
-  _exit_bounded = True
-
-  def watchdog():
-    time.sleep(grace_s)
-    try:
-      sys.stderr.write(f"(checkpoint save threads still waiting {grace_s:g} s after exit; ending the process)\n")
-      sys.stdout.flush()
-      sys.stderr.flush()
-    finally:
-      os._exit(1)
-
-  def arm():
-    threading.Thread(target=watchdog, name="aepo_jax-exit-watchdog", daemon=True).start()
-
-  register = getattr(threading, "_register_atexit", None)  # CPython: runs before non-daemon threads are joined
-  try:
-    register(arm)
-  except Exception:  # noqa: BLE001 - no hook before the joins: start the watchdog's clock now
-    arm()
-
-
-def tree_bytes(tree) -> int:
-  return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
-def encode_iterator_state(state) -> Any:
-  """Grain iterator state as JSON: MapDataset iterators give dicts, DataLoader iterators give bytes."""
-  if isinstance(state, bytes):
-    return {"__bytes__": base64.b64encode(state).decode("ascii")}
-  return state
-
-
-def decode_iterator_state(state) -> Any:
-  if isinstance(state, dict) and set(state) == {"__bytes__"}:
-    return base64.b64decode(state["__bytes__"])
-  return state
-
-
-def model_config_to_json(model_cfg) -> dict:
-  return dataclasses.asdict(model_cfg)
-
-
-def model_config_from_json(d: dict):
-  """The ModelConfig saved in a checkpoint's meta (lists back to the tuples the frozen dataclass hashes)."""
-  from aepo_jax.model import ModelConfig
-
-  d = dict(d)
-  d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-  if d.get("rope_scaling"):
-    d["rope_scaling"] = tuple(tuple(kv) for kv in d["rope_scaling"])
-  return ModelConfig(**d)
-
-
-def model_mismatch(saved_config, config) -> list[str]:
-  """`model.*` fields that differ between a checkpoint's config and the current one (dtype changes are allowed)."""
-
-  def flat(c):
-    d = dict(_config._flatten(c.model, "model."))
-    d.update({f"model.overrides.{k}": v for k, v in dict(c.model.overrides).items()})
-    d.pop("model.overrides", None)
-    for k in (
-      "model.dtype",
-      "model.remat",
-      "model.tokenizer",
-      "model.init",
-      "model.overrides.attention_impl",
-      "model.overrides.splash_block_q",
-      "model.overrides.splash_block_kv",
-      "model.overrides.scan_unroll",
-    ):
-      d.pop(k, None)  # these do not change parameter shapes
-    return d
-
-  canon = lambda d: {k: json.loads(json.dumps(v, default=str)) for k, v in d.items()}  # tuples == lists
-  a, b = canon(flat(saved_config)), canon(flat(config))
-  return [
-    f"{k}: checkpoint={a.get(k, '<unset>')!r} current={b.get(k, '<unset>')!r}"
-    for k in sorted(set(a) | set(b))
-    if a.get(k) != b.get(k)
-  ]
+log = logging.getLogger("aepo_jax.checkpoint")
 
 
 def _pytree_restore(target, partial: bool = False):
@@ -504,7 +283,8 @@ class Checkpointer:
     """
     step, meta, recorded = self._verified_meta(step, check_files=check_files)
     if config is not None and "config" in meta:
-      diff = model_mismatch(_config.from_json(meta["config"]), config)
+      saved = meta["config"]
+      diff = model_mismatch(json.loads(saved) if isinstance(saved, str) else saved, config)
       if diff:
         raise CheckpointError(
           f"checkpoint {self._step_dir(step)} was written for another model; differing fields:\n  "
@@ -626,76 +406,3 @@ class Checkpointer:
   def close(self):
     self.wait()
     self._mgr.close()
-
-
-def _is_failed_read_noise(exc, tb=None, obj=None) -> bool:
-  """What a failed tensorstore read leaves behind: the other reads' callbacks raising asyncio's 'Event loop is
-  closed', and their coroutines (orbax's) finalized with GeneratorExit or the read error."""
-  if isinstance(exc, RuntimeError) and tb is not None:
-    while tb.tb_next is not None:
-      tb = tb.tb_next
-    return tb.tb_frame.f_code.co_name == "_check_closed"  # asyncio's closed-loop check
-  return "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", "")
-
-
-def _finalize_quietly():
-  """A failed tensorstore read leaves the other reads' coroutines pending; collect them now, and from then on
-  drop the 'Event loop is closed' and coroutine-finalizer reports their callbacks print (some arrive from
-  tensorstore's threads after this returns), passing every other report to the hooks that were there."""
-  if not getattr(sys.unraisablehook, "_aepo_quiet", False):
-    unraisable_hook, except_hook = sys.unraisablehook, sys.excepthook
-
-    def quiet_unraisable(u):
-      if not _is_failed_read_noise(u.exc_value, u.exc_traceback, u.object):
-        unraisable_hook(u)
-
-    def quiet_except(kind, value, tb):
-      if not _is_failed_read_noise(value, tb):
-        except_hook(kind, value, tb)
-
-    quiet_unraisable._aepo_quiet = True
-    sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_except
-  gc.collect()
-
-
-def _first_line(e: BaseException) -> str:
-  text = str(e).strip().splitlines()
-  return (text[0] if text else type(e).__name__)[:400]
-
-
-def _read_error(e: BaseException) -> Optional[str]:
-  """The storage layer's own message in `e`'s chain (tensorstore's "OUT_OF_RANGE: Error reading ...", an OSError),
-  which names the array and what is wrong with it; None for errors of another kind (a tree that does not fit)."""
-  chain, seen = [e], set()
-  while chain:
-    x = chain.pop(0)
-    if x is None or id(x) in seen:
-      continue
-    seen.add(id(x))
-    if isinstance(x, OSError) or re.match(r"(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND): |.*Error reading", str(x)):
-      return _first_line(x)
-    chain += [x.__cause__, x.__context__]
-  return None
-
-
-def _no_numpy_scalar(x):
-  if isinstance(x, np.generic):
-    return np.asarray(x)
-  return x
-
-
-def _abstract(x):
-  sharding = getattr(x, "sharding", None)
-  if sharding is None:  # host arrays / plain shapes: restore onto the first local device
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-
-def _json_default(x):
-  if isinstance(x, (np.generic, np.ndarray)):
-    return x.tolist()
-  if isinstance(x, jax.Array):
-    return np.asarray(x).tolist()
-  if isinstance(x, bytes):
-    return encode_iterator_state(x)
-  return str(x)

@@ -1,6 +1,6 @@
 """The policy to evaluate, from any of: a named pretrained model, an HF directory, or an Orbax training checkpoint
 (local or gs://). The Orbax path reads only the `params` of the `state` item (never the optimizer state) with
-the trainer's own `Checkpointer`, and the ModelConfig and tokenizer from the checkpoint's `meta`.
+the `Checkpointer`, and the ModelConfig and tokenizer from the checkpoint's `meta`.
 
   resolve_checkpoint(path) -> CheckpointRef     cheap: existence and kind, no arrays read (runs before compute)
   load_policy(path_or_ref, tokenizer=None) -> Policy(config, params, tokenizer, source)
@@ -14,6 +14,10 @@ import os
 import shutil
 import tempfile
 from typing import Any, Optional
+
+from aepo_jax.checkpoint._checkpointer import Checkpointer
+from aepo_jax.checkpoint._meta import model_config_from_json
+from aepo_jax.checkpoint._storage import CheckpointCorruptError, CheckpointError, check_remote
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -63,11 +67,9 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
   if path in PRETRAINED:
     return CheckpointRef(path, "pretrained")
   if str(path).startswith("gs://"):  # fail in seconds, not after gcsfs's minute of retries
-    from aepo_jax.train import _checkpoint
-
     try:
-      _checkpoint.check_remote(path)
-    except _checkpoint.CheckpointError as e:
+      check_remote(path)
+    except CheckpointError as e:
       raise CheckpointNotFoundError(f"--checkpoint {e}") from None
   p = _epath(path)
   if not p.exists():
@@ -138,9 +140,7 @@ def training_config(ref: CheckpointRef | str) -> Optional[dict]:
   ref = resolve_checkpoint(ref) if isinstance(ref, str) else ref
   if ref.kind != "orbax":
     return None
-  from aepo_jax.train import _checkpoint
-
-  ckpt = _checkpoint.Checkpointer(ref.directory, read_only=True)
+  ckpt = Checkpointer(ref.directory, read_only=True)
   try:
     step = ckpt.latest_step() if ref.step is None else ref.step
     cfg = ckpt.restore_meta(step).get("config") if step is not None else None
@@ -170,9 +170,7 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
       except FileNotFoundError as e:
         raise CheckpointNotFoundError(f"{e} Or pass --tokenizer=DIR_OR_NAME.") from e
     return Policy(cfg, params, tok, f"hf {ref.path}")
-  from aepo_jax.train import _checkpoint
-
-  ckpt = _checkpoint.Checkpointer(ref.directory, read_only=True)  # never cleans a writer's save
+  ckpt = Checkpointer(ref.directory, read_only=True)  # never cleans a writer's save
   try:
     step = ckpt.latest_step() if ref.step is None else ref.step
     if step is None:
@@ -182,14 +180,14 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
       raise CheckpointNotFoundError(
         f"checkpoint {ref.directory}/{step} holds no model_config in its meta; was it written by aepo_jax.train?"
       )
-    cfg = _checkpoint.model_config_from_json(meta["model_config"])
+    cfg = model_config_from_json(meta["model_config"])
     if dtype:
       cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     shapes = model_lib.param_shapes(cfg)
     params = jax.device_get(ckpt.restore_params(step, shapes))
     if dtype:  # a checkpoint saved in bfloat16 evaluates in the requested compute dtype
       params = jax.tree.map(lambda x: x.astype(dtype), params)
-  except _checkpoint.CheckpointCorruptError as e:
+  except CheckpointCorruptError as e:
     others = [s for s in ckpt.all_steps() if s != e.step]
     hint = (
       f"evaluate another step (--checkpoint={ref.directory}/<step>, committed: {', '.join(map(str, others))}) "

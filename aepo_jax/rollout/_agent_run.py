@@ -1,0 +1,266 @@
+"""The agent loop's run state and scheduling: one rollout call's mutable state (`_Run`), and the rounds (close,
+branch, refill, fork on the device) and the paged KV cache's bookkeeping (admission by free pages, stalls,
+preemption, eviction) as methods that `AgentLoop` (_agent.py) inherits.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import jax
+import numpy as np
+
+from aepo_jax.rollout.policies import RolloutPolicy
+
+
+def _tool_tags(config, tools) -> tuple:
+  """The loop's call tags: AgentConfig.tool_tags, else the ToolSet's, else every registered tool's."""
+  if config.tool_tags is not None:
+    return tuple(config.tool_tags)
+  tags = getattr(tools, "tags", None)
+  if tags:
+    return tuple(tags)
+  from aepo_jax.tools import all_call_tags
+
+  return tuple(dict.fromkeys(c for c, _ in all_call_tags()))
+
+
+def _encode(tokenizer, text: str) -> list:
+  """Ids of a tool result appended after existing tokens: no BOS, special-token strings kept as text."""
+  if hasattr(tokenizer, "encode_continuation"):
+    return list(tokenizer.encode_continuation(text))
+  try:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+  except TypeError:
+    return list(tokenizer.encode(text))
+
+
+class _Run:
+  """Mutable state of one rollout call."""
+
+  def __init__(self, engine, params, num_prompts: int, seed: int):
+    self.engine, self.params = engine, params
+    self.state = engine.init_decode_state()
+    self.records: list = []
+    self.queue: collections.deque = collections.deque()
+    self.slot_rec: dict = {}
+    self.free = list(range(engine.max_slots))
+    self.decoding: set = set()
+    self.futures: dict = {}  # record index -> (future, decoded tokens at submit)
+    self.round = 0
+    self.counts_p = np.zeros((num_prompts,), np.int32)
+    self.seed = int(seed)
+    self.key = jax.random.PRNGKey(self.seed)
+    self.decoded_tokens = 0  # tokens sampled by all slots so far
+    self.tool_overlap: list = []  # tokens decoded by other slots while each tool ran
+    self.decisions: list = []
+    self.restarts: dict = collections.Counter()
+    # Paged KV cache (Engine kv_layout='paged'): slots stopped for want of a page, the open segments of trajectories
+    # preempted mid-segment (record index -> its device accumulators), and whether a step was held back this
+    # iteration for lack of pages.
+    self.stalled: set = set()
+    self.seg_resume: dict = {}
+    self.page_blocked = False
+    self.preemptions = 0
+    self.stall_events = 0
+    # max_calls_per_turn: record index -> (its open segment's number, generation calls in it, where the last began)
+    self.turn_calls: dict = {}
+
+
+class _Scheduling:
+  """Rounds and KV pages of AgentLoop (it provides engine, config and the record helpers these call)."""
+
+  # ------------------------------------------------------------------------------------------------ rounds
+  def _round_closed(self, run: _Run) -> bool:
+    r = run.round
+    for rec in run.records:
+      if rec.first_round > r:
+        continue
+      if rec.done and rec.end_round <= r:
+        continue
+      if rec.first_round + rec.rounds_done() - 1 < r:
+        return False
+    return True
+
+  def _end_round(self, run: _Run, policy: RolloutPolicy) -> bool:
+    """Applies the policy's plan for the closing round. Returns False when the rollout is complete."""
+    rnd = run.round
+    live = [r for r in run.records if r.kind != "probe"]
+    plan = policy.plan_round(
+      live, rnd, run.counts_p.copy(), list(run.free), jax.random.fold_in(run.key, rnd), self.engine.config.vocab_size
+    )
+    if plan.decisions:
+      run.decisions.append({"round": rnd, **{k: np.asarray(v) for k, v in plan.decisions.items()}})
+    forks = []
+    for parent, fork_pos, dst in plan.children:
+      child = parent.fork(len(run.records), fork_pos, 0, rnd + 1, lambda s: s.copy() if s is not None else None)
+      run.records.append(child)
+      run.counts_p[child.prompt] += 1
+      child.seed = self._seed(run, child.index)
+      if dst >= 0:
+        forks.append((parent, child, dst))
+      else:
+        run.queue.append(child.index)
+    if forks:
+      self._fork_on_device(run, forks)
+    for p in plan.refills:
+      first = next(r for r in run.records if r.prompt == p and r.kind != "probe")
+      self._new_record(run, p, "refill", first.prompt_tokens, rnd + 1)
+    run.round += 1
+    # Finished trajectories are no fork source after their last round (one that finished early, running ahead,
+    # may still be a candidate when its own round closes in corrected mode).
+    self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done and run.records[i].end_round <= rnd])
+    # Not `any(not r.done)`: with lookahead a trajectory may have finished a round ahead; the rounds up to its
+    # last still have to be closed, since the policy may branch from it or refill its prompt there.
+    return any(not r.done or r.end_round > rnd for r in run.records)
+
+  def _fork_on_device(self, run: _Run, forks) -> None:
+    """Children copy their parent's slot and rewind to the fork position. Where the parent's device state stops
+    short of it (the tool result that ends the fork prefix is still on the host, waiting for the parent's next
+    round), the child is rewound to what the device holds and extended with the rest, as the parent would be."""
+    src = [p.slot for p, _, _ in forks]
+    dst = [d for _, _, d in forks]
+    cut = {c.index: min(p.device_len, c.fork_pos) for p, c, _ in forks}
+    if self._paged():  # at most a copied page for the fork, one for the cut, and the pages of the extension
+      need = sum(
+        2
+        + self._pages_for(len(c.prompt_tokens) + c.fork_pos + 1)
+        - self._pages_for(len(c.prompt_tokens) + cut[c.index])
+        for _, c, _ in forks
+      )
+      if need > self._spare_pages(run):
+        run.page_blocked = True
+        for _, child, _ in forks:  # re-prefilled from the host tokens once pages are free
+          child.slot = -1
+          run.queue.append(child.index)
+        return
+    run.state = self.engine.copy_slots(run.state, src, dst, [c.seed for _, c, _ in forks])
+    run.state = self.engine.truncate(run.state, dst, [len(c.prompt_tokens) + cut[c.index] for _, c, _ in forks])
+    for _, child, d in forks:
+      run.free.remove(d)
+      run.slot_rec[d] = child.index
+      child.slot, child.device_len, child.forked_on_device = d, cut[child.index], True
+    ok = [c for _, c, _ in forks if c.room > 0]
+    for _, c, _ in forks:
+      if c.room <= 0:
+        self._end(c, "length")
+    if ok:
+      run.state = self.engine.extend(
+        run.params,
+        run.state,
+        [c.slot for c in ok],
+        [c.tokens[c.device_len : c.fork_pos] for c in ok],
+        [self._call_budget(c) for c in ok],
+      )
+      for c in ok:
+        c.device_len = c.fork_pos
+        self._start_segment(c)
+        run.decoding.add(c.slot)
+
+  # ------------------------------------------------------------------------------------------------ pages
+  def _paged(self) -> bool:
+    return bool(getattr(self.engine, "page_size", 0))
+
+  def _pages_for(self, length: int) -> int:
+    return int(self.engine.pages_held(length))
+
+  def _tokens_held(self, run: _Run, slot: int) -> int:
+    rec = run.records[run.slot_rec[slot]]
+    return len(rec.prompt_tokens) + rec.device_len
+
+  def _spare_pages(self, run: _Run) -> int:
+    """Free pages beyond one for each running or stalled slot (the page its next write may need): what admission,
+    extension and forks may take without starving the slots already going (a preempted trajectory would otherwise
+    take back at once the pages that a stalled slot was waiting for)."""
+    return self.engine.pages_free(run.state) - len(run.decoding) - len(run.stalled)
+
+  def _resume_budget(self, rec, run: Optional[_Run] = None) -> int:
+    """The budget of a trajectory re-admitted mid-segment: its room, and what is left of the call's cap."""
+    cap = self.config.max_tokens_per_call
+    start = rec.segments[-1].start
+    if run is not None and rec.index in run.turn_calls and run.turn_calls[rec.index][0] == len(rec.segments):
+      start = run.turn_calls[rec.index][2]  # a continued call: its cap counts from where it began
+    return min(rec.room, cap - (rec.response_len - start)) if cap else rec.room
+
+  def _unstall(self, run: _Run) -> None:
+    """Slots that stopped for want of a page decode again, as many as there are free pages (one each to start)."""
+    if not run.stalled:
+      return
+    free = self.engine.pages_free(run.state)
+    if free <= 0:
+      run.page_blocked = True
+      return
+    slots = sorted(run.stalled)[:free]
+    run.state = self.engine.resume(run.state, slots)
+    run.stalled.difference_update(slots)
+    run.decoding.update(slots)
+
+  def _preempt(self, run: _Run) -> None:
+    """No slot decodes, no tool runs, and what waits needs pages: release the waiting trajectory that holds the most
+    tokens; it goes back to the queue (its tokens are on the host) and is re-prefilled when pages are free, in the
+    same segment if it was cut mid-segment."""
+    waiting = [s for s, i in run.slot_rec.items() if not run.records[i].done and s not in run.decoding]
+    waiting = [s for s in waiting if run.slot_rec[s] not in run.futures]
+    done = [s for s, i in run.slot_rec.items() if run.records[i].done]
+    if done:  # finished trajectories kept as fork sources go first
+      self._release(run, done)
+      return
+    if not waiting:  # nothing holds pages but what this rollout cannot run without (checked up front, so rare)
+      pool = (self.engine.num_pages - 1) * self.engine.page_size
+      raise RuntimeError(
+        f"AgentLoop: the KV page pool ({self.engine.num_pages - 1} pages of {self.engine.page_size} tokens, "
+        f"{pool} tokens) cannot hold one trajectory of this rollout (prompt + max_response_len); raise "
+        "rollout.kv_tokens (Engine num_pages)."
+      )
+    s = max(waiting, key=lambda s: self._tokens_held(run, s))
+    idx = run.slot_rec[s]
+    if s in run.stalled:  # mid-segment: its segment's per-position entropies go back in with the re-prefill
+      run.seg_resume[idx] = self.engine.segment_snapshot(run.state, s)
+      run.stalled.discard(s)
+    self._release(run, [s])
+    run.restarts[idx] += 1
+    run.preemptions += 1
+    run.queue.append(idx)
+    if run.preemptions > 8 * len(run.records) + 16:  # never loop for ever: each preemption re-prefills a trajectory
+      raise RuntimeError(
+        f"AgentLoop: {run.preemptions} preemptions for {len(run.records)} trajectories: the KV page pool "
+        f"({self.engine.num_pages - 1} pages of {self.engine.page_size} tokens) is too small for this many slots at "
+        "these lengths; raise rollout.kv_tokens or lower rollout.max_slots."
+      )
+
+  def _release(self, run: _Run, slots) -> None:
+    slots = [s for s in slots if s in run.slot_rec]
+    if not slots:
+      return
+    run.state = self.engine.release(run.state, slots)
+    for s in slots:
+      run.records[run.slot_rec.pop(s)].slot = -1
+      run.free.append(s)
+    run.free.sort()
+
+  def _progress_possible(self, run: _Run) -> bool:
+    ready = any(self._may_start(run, run.records[i]) for i in run.queue)
+    resumable = any(
+      self._may_start(run, run.records[i]) and run.records[i].device_len < run.records[i].response_len
+      for i in run.slot_rec.values()
+      if not run.records[i].done
+    )
+    return (ready and (run.free or any(run.records[i].done for i in run.slot_rec.values()))) or resumable
+
+  def _evict_paused(self, run: _Run) -> None:
+    """More live trajectories than slots and every slot waits for a later round: move one back to the queue
+    (its tokens are on the host; it is re-prefilled when it may run)."""
+    paused = [
+      s for s, i in run.slot_rec.items() if not run.records[i].done and s not in run.decoding and i not in run.futures
+    ]
+    if not paused or not run.queue:
+      raise RuntimeError(
+        f"AgentLoop: no progress possible in round {run.round} (queue={list(run.queue)}, "
+        f"slots={run.slot_rec}); this is a bug."
+      )
+    s = max(paused, key=lambda s: self._next_round(run.records[run.slot_rec[s]]))
+    idx = run.slot_rec[s]
+    self._release(run, [s])
+    run.restarts[idx] += 1
+    run.queue.append(idx)

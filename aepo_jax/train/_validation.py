@@ -1,0 +1,135 @@
+"""Validation during training: n = 1 accuracy on each validation source through `aepo_jax.eval`, on this host's
+validation rollout, with an optional LLM judge served in this process (`eval.judge_checkpoint`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+from aepo_jax.train._inputs import _examples, host_share
+from aepo_jax.train._wiring import Rollout
+
+log = logging.getLogger("aepo_jax.train")
+
+
+def serve_judge(config):
+  """(config with eval.judge_url / judge_model pointing at it, server): `eval.judge_checkpoint` served by
+  `aepo_jax.serve.Server` on 127.0.0.1 (a free port) in this process, for the validation's LLM judge. The caller
+  shuts the server down. (None, config) unchanged when no judge checkpoint is set."""
+  ckpt = config.eval.judge_checkpoint
+  if not ckpt:
+    return config, None
+  from aepo_jax import eval as eval_lib
+  from aepo_jax.serve import Server
+
+  policy = eval_lib.load_policy(ckpt, dtype=config.model.dtype)
+  server = Server(
+    policy.config,
+    policy.params,
+    policy.tokenizer,
+    model_name=ckpt,
+    max_slots=8,
+    max_len=min(8192, policy.config.max_position_embeddings or 8192),  # never beyond the judge's context
+    port=0,
+  ).start()
+  server.warmup()
+  log.info("judge %s served at %s", ckpt, server.url)
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.eval.judge_url, config.eval.judge_model, config.eval.judge_checkpoint = server.url + "/v1", ckpt, ""
+  return config, server
+
+
+def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
+  """The validation rollout (policy 'none', n = 1, eval.temperature: greedy by default)."""
+  e = config.eval
+  return Rollout(
+    config,
+    model_cfg,
+    tokenizer,
+    tools,
+    policy_name="none",
+    temperature=e.temperature,
+    n=1,
+    prompts_per_call=max(host_share(e.batch_size or config.data.prompts_per_step), 1),
+    max_response_len=e.max_response_len or None,
+  )
+
+
+def evaluate(config, rollout: Rollout, params, records_path: str = "") -> dict:
+  """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature), by
+  `eval.evaluate` on this host's validation rollout: eval/<source>/accuracy (answer correct by `eval.Scorer`: math
+  equivalence / EM; with eval.judge_url, the evaluation protocol's LLM judge OR'ed with math equivalence on QA and
+  deep-search sets), eval/<source>/reward and eval/<source>/tool_calls (mean calls per answer), eval/accuracy.
+
+  Every host evaluates its own share of the examples on its own devices; the sums are combined across hosts once
+  per source at the end (the only collectives: that and copying the weights)."""
+  from aepo_jax import eval as eval_lib
+  from aepo_jax import rewards as rewards_lib
+
+  e = config.eval
+  policy = eval_lib.Policy(rollout.engine.config, rollout.weights(params), rollout.tokenizer, "in-training")
+  protocol = e.get("protocol", "project")
+  judge_cls = rewards_lib.OfficialJudge if protocol == "official" else rewards_lib.OpenAICompatibleJudge
+  judge = judge_cls(e.judge_url, e.judge_model) if e.judge_url else None
+  # The loop brings the engine, tools and result format of training; the settings only batch, template and seed.
+  settings = eval_lib.EvalSettings(
+    n=1,
+    batch_size=rollout.prompts_per_call,
+    max_prompt_len=config.rollout.max_prompt_len,
+    template=config.data.template,
+    seed=jax.process_index(),
+  )
+  evaluator = eval_lib.Evaluator(
+    policy,
+    None,
+    eval_lib.Scorer(judge, timeout_s=config.reward.timeout_s, protocol=protocol),
+    settings,
+    show_progress=False,
+    rollouts=rollout.rollouts,
+  )
+  limit = e.num_prompts or config.data.val_size
+  sources = {}
+  for source in config.data.val:
+    examples = _examples(config, source, "val")
+    sources[_short(source)] = examples[:limit] if limit else examples
+  return eval_lib.evaluate(evaluator, sources, reward_timeout_s=config.reward.timeout_s, records_path=records_path)
+
+
+def _short(source: str) -> str:
+  return os.path.splitext(os.path.basename(str(source)))[0] or "val"
+
+
+class Validation:
+  """The run's validation: `validation(params, step, phase)` evaluates every validation source, writes the metrics
+  at `step` and every answer to workdir/eval/<phase>_<step>.jsonl, and returns the metrics. Its rollout and the
+  judge served for it (eval.judge_checkpoint) are built at the first call; `close()` shuts that judge down."""
+
+  def __init__(self, run, tools):
+    self.run, self.tools = run, tools
+    self._rollout = None
+    self._config = run.config  # with eval.judge_url pointing at a served judge, once there is one
+    self._judge = None
+
+  def __call__(self, params, step: int, phase: str = "rl") -> dict:
+    run, tools = self.run, self.tools
+    config = run.config
+    if self._rollout is None:
+      self._rollout = make_eval_rollout(config, run.model_cfg, run.tokenizer, tools)
+      self._config, self._judge = serve_judge(config)
+    log.info("evaluating (%s, step %d) on %s", phase, step, ", ".join(map(str, config.data.val)))
+    records = f"{str(config.workdir).rstrip('/')}/eval/{phase}_{step}.jsonl"  # every answer, to read back
+    ev = evaluate(self._config, self._rollout, params, records)
+    if tools:  # the evaluation's own tool calls, kept out of the next RL step's tools/* counters
+      ev.update({f"eval/tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()})
+      tools.reset_metrics()
+    run.writer.scalars(step, ev)
+    run.writer.flush()
+    return ev
+
+  def close(self) -> None:
+    if self._judge is not None:
+      self._judge.shutdown(drain_s=5.0)
+      self._judge = None
