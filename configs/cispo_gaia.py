@@ -2,7 +2,9 @@ r"""CISPO on Qwen3-14B deep search, a baseline of AEPO's comparison (spec §3.6)
 
 Command:  python launch/tpu_pod.py --config=configs/cispo_gaia.py --config.workdir=gs://BUCKET/cispo_gaia \
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
-Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `baseline_14b`).
+Models and variants: `:qwen3-8b` or `:qwq-32b` for those models' deep-search settings (default Qwen3-14B), and the
+  paper configs' `released` / `cold_start` / `calls3` (`common.baseline_config`).
+Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `common.baseline`).
 Compiled with `python launch/compile.py --config=configs/cispo_gaia.py --topology=v5p:4x4x2`
   (2026-12-01): update step 24.33 GB per chip of 95 (`--programs=update`);
   log-prob, prefill and decode are configs/aepo_gaia.py's programs (the same model and rollout shapes).
@@ -16,7 +18,9 @@ from aepo_jax.train import load_sibling
 common = load_sibling(__file__, "common")
 
 
+def cispo(c):
+  return common.baseline(c, "cispo", 1.0, 0.28, 0.0)  # no lower IS bound; ε_high unknown (§3.6)
+
+
 def get_config(arg=None):
-  del arg
-  c = common.baseline_14b("cispo", 1.0, 0.28, 0.0)  # no lower IS bound; ε_high unknown (§3.6)
-  return c
+  return common.baseline_config(arg, "configs/cispo_gaia.py", "deep_search", cispo)

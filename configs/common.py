@@ -7,11 +7,13 @@ file. Variants are chosen after the file name, comma separated: `--config=config
   paper       (default) the paper's full method; our corrected rollout quirks and one global token-mean
   released    what the released scripts ran (`released` below)
   cold_start  start from the base model: the cold-start SFT on chat traces (sft.source), then RL
+  calls3      deep search with the tool-call limit of the ARPO yaml uploaded with the paper (3); the presets follow
+              the later "fix tool call limit" commit (6) of the official repository (spec §1.7)
 """
 
 from aepo_jax.train import base_config
 
-VARIANTS = ("paper", "released", "cold_start")
+VARIANTS = ("paper", "released", "cold_start", "calls3")
 SFT_TRACES = "gs://YOUR_BUCKET/data/ARPO-SFT-54K.jsonl"  # ARPO-SFT-54K as JSONL (or Parquet), sharegpt or alpaca
 SFT_EXAMPLES = 54_000
 
@@ -103,8 +105,9 @@ def _run(
 def _sft(c):
   """The cold-start SFT of both papers (spec §2.4: LLaMA-Factory, full fine-tuning on ARPO-SFT-54K, lr 7e-6,
   3 epochs, cosine, warm-up 0.1, cutoff 15,000). Off by default: the released runs start from its checkpoint
-  (model.name); the `cold_start` variant runs it first. The batch size is not in the released material: 64 traces
-  per step, packed into 32 rows of 15,000 tokens."""
+  (model.name); the `cold_start` variant runs it first. Here 64 traces per step, packed into 32 rows of 15,000
+  tokens, tool results inside assistant turns without loss (as in RL); the `released` variant runs the released
+  recipe instead (`released_sft`: 16 per step, unpacked, results trained)."""
   c.sft.enabled = False
   c.sft.source = SFT_TRACES
   c.sft.max_len = 15_000  # LLaMA-Factory cutoff_len
@@ -242,12 +245,28 @@ def released(c):
   """What the released scripts ran (spec §1.2 quirks, §1.5, §2.6): the official rollout quirks (Q1's never-cleared
   initial-entropy table, the branch decision on the segment that ended with the call), the top-10 entropy, no
   pre-monitoring (ENABLE_DYNAMIC_ROLLOUTS=False: m = initial_rollouts), no entropy-aware advantage (the actor never
-  passed the entropy: entropy_coeff=0) and verl's per-micro-batch loss weighting (use_dynamic_bsz)."""
+  passed the entropy: entropy_coeff=0) and verl's per-micro-batch loss weighting (use_dynamic_bsz); and, for the
+  `cold_start` variant, the released LLaMA-Factory recipe (`released_sft`)."""
+  released_sft(c)
   c.rollout.mode = "faithful"
   c.rollout.entropy_estimator = "official"
   c.rollout.enable_dynamic_rollouts = False
   c.algo.entropy_advantage_coef = 0.0
   c.algo.aggregation = "verl"
+  return c
+
+
+def released_sft(c):
+  """The cold-start SFT as the released LLaMA-Factory recipe runs it: 1 example per device x gradient
+  accumulation 2 x 8 GPUs = 16 examples per optimizer step, unpacked, 3 epochs; observation turns masked and the
+  `<result>` spans inside assistant turns trained (sft.mask_results=False). 16 rows per micro-batch split over a
+  mesh whose data x fsdp divides 16 (v5p-64: fsdp 16); on a larger data x fsdp raise sft.batch_size and
+  sft.micro_batch_size to it."""
+  c.sft.batch_size = 16
+  c.sft.micro_batch_size = 16
+  c.sft.packed_rows = 0
+  c.sft.mask_results = False
+  c.sft.steps = 3 * -(-SFT_EXAMPLES // c.sft.batch_size)  # 3 epochs
   return c
 
 
@@ -265,15 +284,27 @@ def apply(c, v: dict, base_checkpoint: str):
     released(c)
   if v["cold_start"]:
     cold_start(c, base_checkpoint)
+  if v["calls3"]:
+    c.tools.call_limit = 3  # the deep-search yaml as uploaded with the ARPO paper
   return c
 
 
-def baseline_14b(loss: str, clip_low: float, clip_high: float, clip_c: float):
-  """A baseline of AEPO's comparison (spec §3) on the 14B deep-search setting: plain group sampling (policy
-  'none', all n = 12 samples global, as the baselines have no branching), the given loss and clip values, no
-  AEPO-specific terms. How the AEPO authors ran the baselines is unknown (spec §3): the values are the original
-  papers' or upstream verl's."""
-  c = deep_search_14b()
+DEEP_SEARCH_MODELS = {  # deep search: the setting of each model's released script, and its base model
+  "qwen3-14b": "gs://YOUR_BUCKET/models/Qwen3-14B",
+  "qwen3-8b": "gs://YOUR_BUCKET/models/Qwen3-8B",
+  "qwq-32b": "gs://YOUR_BUCKET/models/QwQ-32B",
+}
+
+
+def deep_search(model: str = "qwen3-14b"):
+  """The deep-search setting of `model` (a key of DEEP_SEARCH_MODELS)."""
+  return {"qwen3-14b": deep_search_14b, "qwen3-8b": deep_search_8b, "qwq-32b": deep_search_qwq32b}[model]()
+
+
+def baseline(c, loss: str, clip_low: float, clip_high: float, clip_c: float):
+  """A baseline of the papers' comparisons (spec §3) on the setting `c`: plain group sampling (policy 'none', all n
+  samples global, as the baselines have no branching), the given loss and clip values, no AEPO-specific terms. How
+  the authors ran the baselines is unknown (spec §3): the values are the original papers' or upstream verl's."""
   c.rollout.policy = "none"
   c.rollout.initial_rollouts = c.rollout.n
   c.rollout.enable_dynamic_rollouts = False
@@ -281,4 +312,49 @@ def baseline_14b(loss: str, clip_low: float, clip_high: float, clip_c: float):
   c.algo.entropy_advantage_coef = 0.0
   c.algo.preserve_high_clip_grad = False
   c.algo.clip_low, c.algo.clip_high, c.algo.clip_c = clip_low, clip_high, clip_c
+  return c
+
+
+def baseline_14b(loss: str, clip_low: float, clip_high: float, clip_c: float):
+  """`baseline` on the 14B deep-search setting (AEPO's comparison)."""
+  return baseline(deep_search_14b(), loss, clip_low, clip_high, clip_c)
+
+
+def baseline_config(arg, config_file: str, setting: str, make):
+  """A baseline experiment: `make(c)` (the baseline's loss settings) on the chosen model of `setting` ('deep_search':
+  qwen3-14b (default), qwen3-8b, qwq-32b; 'reasoning': qwen2.5-7b (default), qwen2.5-3b, llama-3.1-8b), with the
+  variants of the paper configs (`released`, `cold_start`, `calls3`)."""
+  models = DEEP_SEARCH_MODELS if setting == "deep_search" else REASONING_MODELS
+  v = variants(arg, config_file, models=models)
+  model = v["model"] or ("qwen3-14b" if setting == "deep_search" else "qwen2.5-7b")
+  c = deep_search(model) if setting == "deep_search" else reasoning(model)
+  return apply(make(c), v, models[model])
+
+
+def grpo(c):
+  """GRPO (spec §3.1): group-normalised advantage (unbiased std), clipped surrogate ε = 0.2 with verl's dual clip
+  c = 3, no KL (the ARPO fork's β = 0), token-mean."""
+  baseline(c, "grpo", 0.2, 0.2, 3.0)  # verl adds the dual clip
+  c.algo.advantage = "grpo"
+  return c
+
+
+def dapo(c):
+  """DAPO (spec §3.2): clip-higher (ε_low 0.2, ε_high 0.28; verl recipe c = 10), dynamic sampling (groups whose
+  accuracy is all 0 or all 1 are dropped and generation continues, up to 10 batches), overlong shaping with verl's
+  test-script buffer of 512 tokens (the paper: 4,096 of 20,480), token-level mean, no KL."""
+  baseline(c, "dapo", 0.2, 0.28, 10.0)  # clip-higher; verl recipe c = 10
+  c.algo.filter_groups = True  # dynamic sampling: drop all-0 / all-1 groups
+  c.algo.max_num_gen_batches = 10
+  c.algo.overlong_buffer = 512  # verl test script buffer; the paper uses 4096 of 20480
+  c.algo.overlong_factor = 1.0
+  return c
+
+
+def reinforce_pp(c):
+  """REINFORCE++-baseline (spec §3.4): R minus the group mean, whitened over the batch's valid tokens; PPO clip 0.2;
+  the KL enters the reward (k1, verl's default coefficient 0.001). Which variant and β the papers ran is unknown."""
+  baseline(c, "ppo", 0.2, 0.2, 0.0)
+  c.algo.advantage = "reinforce_pp_baseline"  # group-mean baseline + global whitening; variant unknown (§3.4)
+  c.algo.kl.name, c.algo.kl.coef, c.algo.kl.use_in_reward = "k1", 0.001, True  # verl default kl_coef
   return c

@@ -2,7 +2,9 @@ r"""DAPO on Qwen3-14B deep search, a baseline of AEPO's comparison (spec §3.2).
 
 Command:  python launch/tpu_pod.py --config=configs/dapo_gaia.py --config.workdir=gs://BUCKET/dapo_gaia \
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
-Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `baseline_14b`).
+Models and variants: `:qwen3-8b` or `:qwq-32b` for those models' deep-search settings (default Qwen3-14B), and the
+  paper configs' `released` / `cold_start` / `calls3` (`common.baseline_config`).
+Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `common.baseline`).
 Compiled with `python launch/compile.py --config=configs/dapo_gaia.py --topology=v5p:4x4x2`
   (2026-12-01), per-chip peaks of 95 GB: update 24.33, logprob 7.8, prefill 31.4, decode 29.9 (96 slots per host,
   paged KV pool: the rollout programs of configs/aepo_gaia.py): fits.
@@ -18,10 +20,4 @@ common = load_sibling(__file__, "common")
 
 
 def get_config(arg=None):
-  del arg
-  c = common.baseline_14b("dapo", 0.2, 0.28, 10.0)  # clip-higher; verl recipe c = 10
-  c.algo.filter_groups = True  # dynamic sampling: drop all-0 / all-1 groups
-  c.algo.max_num_gen_batches = 10
-  c.algo.overlong_buffer = 512  # verl test script buffer; the paper uses 4096 of 20480
-  c.algo.overlong_factor = 1.0
-  return c
+  return common.baseline_config(arg, "configs/dapo_gaia.py", "deep_search", common.dapo)

@@ -2,7 +2,9 @@ r"""GPPO on Qwen3-14B deep search, a baseline of AEPO's comparison (spec §3.5).
 
 Command:  python launch/tpu_pod.py --config=configs/gppo_gaia.py --config.workdir=gs://BUCKET/gppo_gaia \
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
-Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `baseline_14b`).
+Models and variants: `:qwen3-8b` or `:qwq-32b` for those models' deep-search settings (default Qwen3-14B), and the
+  paper configs' `released` / `cold_start` / `calls3` (`common.baseline_config`).
+Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `common.baseline`).
 Compiled with `python launch/compile.py --config=configs/gppo_gaia.py --topology=v5p:4x4x2`
   (2026-12-01), per-chip peaks of 95 GB: update 24.33, logprob 7.8, prefill 31.4, decode 29.9 (96 slots per host,
   paged KV pool: the rollout programs of configs/aepo_gaia.py): fits.
@@ -16,7 +18,9 @@ from aepo_jax.train import load_sibling
 common = load_sibling(__file__, "common")
 
 
+def gppo(c):
+  return common.baseline(c, "gppo", 0.2, 0.28, 0.0)  # Klear-Reasoner (from memory, verify)
+
+
 def get_config(arg=None):
-  del arg
-  c = common.baseline_14b("gppo", 0.2, 0.28, 0.0)  # Klear-Reasoner (from memory, verify)
-  return c
+  return common.baseline_config(arg, "configs/gppo_gaia.py", "deep_search", gppo)

@@ -2,7 +2,9 @@ r"""REINFORCE++ (baseline form) on Qwen3-14B deep search, a baseline of AEPO's c
 
 Command:  python launch/tpu_pod.py --config=configs/reinforce_pp_gaia.py --config.workdir=gs://BUCKET/reinforce_pp_gaia \
               --config.model.name=gs://BUCKET/models/Qwen3-14B-SFT
-Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `baseline_14b`).
+Models and variants: `:qwen3-8b` or `:qwq-32b` for those models' deep-search settings (default Qwen3-14B), and the
+  paper configs' `released` / `cold_start` / `calls3` (`common.baseline_config`).
+Hardware, Needs, Time: those of configs/aepo_gaia.py (same model, data, budget and slice; `common.baseline`).
 Compiled with `python launch/compile.py --config=configs/reinforce_pp_gaia.py --topology=v5p:4x4x2`
   (2026-12-01): update step 26.18 GB per chip of 95 (`--programs=update`);
   log-prob, prefill and decode are configs/aepo_gaia.py's programs (the same model and rollout shapes).
@@ -17,8 +19,4 @@ common = load_sibling(__file__, "common")
 
 
 def get_config(arg=None):
-  del arg
-  c = common.baseline_14b("ppo", 0.2, 0.2, 0.0)
-  c.algo.advantage = "reinforce_pp_baseline"  # group-mean baseline + global whitening; variant unknown (§3.4)
-  c.algo.kl.name, c.algo.kl.coef, c.algo.kl.use_in_reward = "k1", 0.001, True  # verl default kl_coef
-  return c
+  return common.baseline_config(arg, "configs/reinforce_pp_gaia.py", "deep_search", common.reinforce_pp)

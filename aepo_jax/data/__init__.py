@@ -8,7 +8,8 @@ tensorflow_datasets load only when `make_loader` / `build_arpo_tfds` are first u
   load_records(path, *, question_key, answer_key, system_key, family)   # your own JSONL / Parquet, local or gs://
   is_data_file(source), data_file_exists(path), iter_rows(path) (streamed records with their line / row numbers)
   read_traces(path) -> Trace(id, messages)   # SFT chat traces: alpaca or sharegpt (LLaMA-Factory's forms)
-  trace_segments(assistant_text) -> [(text, trained)]   # tool results (<result>...</result>) untrained
+  trace_segments(assistant_text, mask_results=True, observed=()) -> [(text, trained)]
+                                      # tool results untrained (mask_results=False: only observation turns)
   read_jsonl(path, name=, family=, question_key=, gsm8k_answer=)     # strict JSONL reader
   prompts: TEMPLATES, system_prompt(name), build_messages(example, template), has_backspace_bug
   make_loader(examples, *, batch_size, seed, shuffle, num_epochs, shard_index, shard_count)
@@ -19,6 +20,7 @@ tensorflow_datasets load only when `make_loader` / `build_arpo_tfds` are first u
 from aepo_jax.data import prompts
 from aepo_jax.data._files import data_file_exists, is_data_file, iter_rows, load_records
 from aepo_jax.data._traces import Trace, read_traces, trace_from_record
+from aepo_jax.data._traces import OBSERVED as TRACE_OBSERVED
 from aepo_jax.data._traces import segments as trace_segments
 from aepo_jax.data._records import FAMILIES, Example, RecordError
 from aepo_jax.data._sources import (
@@ -70,6 +72,7 @@ __all__ = [
   "read_traces",
   "trace_from_record",
   "trace_segments",
+  "TRACE_OBSERVED",
   "data_file_exists",
   "TEMPLATES",
   "build_messages",

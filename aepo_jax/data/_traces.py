@@ -8,8 +8,10 @@ LLaMA-Factory reads, normalised to one `Trace` per record.
               "content": ...}]} (the OpenAI form).
 The form is detected per record. Tool results live inside an assistant turn as `<result>...</result>` (how
 ARPO-SFT-54K and our rollouts write them); an observation / tool turn is folded into the assistant turn before it
-in the training result format (" <result>\\n{text}\\n</result>"). `segments` splits an assistant turn into the
-model's text (trained) and its tool results (no loss, as in RL). A malformed record raises RecordError naming the
+in the training result format (" <result>\\n{text}\\n</result>") and its place kept (`OBSERVED`). `segments` splits an
+assistant turn into the model's text (trained) and its tool results (no loss, as in RL); with mask_results=False
+only the folded observation turns are untrained, as LLaMA-Factory's released recipe trains (a `<result>` written
+inside an assistant turn is then trained like the rest of the turn). A malformed record raises RecordError naming the
 file, the line (JSONL, from 1) or row (Parquet, from 0) and the field.
 """
 
@@ -34,6 +36,7 @@ _ROLES = {
   "function": "tool",
 }
 _RESULT = re.compile(r"\s*<result>.*?</result>", re.DOTALL)
+OBSERVED = "observed"  # an assistant message's key: [(start, end)] character spans of folded observation turns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +48,27 @@ class Trace:
   messages: list
 
 
-def segments(text: str, *, where: str = "assistant turn") -> list[tuple[str, bool]]:
+def segments(
+  text: str, *, where: str = "assistant turn", mask_results: bool = True, observed=()
+) -> list[tuple[str, bool]]:
   """An assistant turn as (text, trained) pieces: the model's own text trained, every `<result>...</result>`
-  (with the whitespace before it, which the rollout appends as part of the result) not."""
-  out, at = [], 0
-  for m in _RESULT.finditer(text):
-    if m.start() > at:
-      out.append((text[at : m.start()], True))
-    out.append((m.group(0), False))
-    at = m.end()
-  tail = text[at:]
+  (with the whitespace before it, which the rollout appends as part of the result) not. With mask_results=False
+  only the `observed` character spans (folded observation turns, `OBSERVED`) are untrained."""
+  spans = [(m.start(), m.end()) for m in _RESULT.finditer(text)]
+  tail = text[spans[-1][1] :] if spans else text
   opened = tail.find("<result>")
   if opened >= 0:
-    raise ValueError(f"{where}: '<result>' at character {at + opened} has no closing '</result>'")
-  if tail:
-    out.append((tail, True))
+    raise ValueError(f"{where}: '<result>' at character {len(text) - len(tail) + opened} has no closing '</result>'")
+  if not mask_results:
+    spans = sorted(tuple(s) for s in observed)
+  out, at = [], 0
+  for start, end in spans:
+    if start > at:
+      out.append((text[at:start], True))
+    out.append((text[start:end], False))
+    at = end
+  if text[at:]:
+    out.append((text[at:], True))
   return out
 
 
@@ -113,7 +122,9 @@ def _sharegpt(rec: dict, path, i, unit) -> list:
       if not msgs or msgs[-1]["role"] != "assistant":
         raise RecordError(path, i, field, "a tool result must follow an assistant turn", unit=unit)
       wrapped = text if "<result>" in text else f" <result>\n{text}\n</result>"
+      start = len(msgs[-1]["content"])
       msgs[-1]["content"] += wrapped
+      msgs[-1].setdefault(OBSERVED, []).append((start, start + len(wrapped)))
     elif role == "assistant" and msgs and msgs[-1]["role"] == "assistant":
       msgs[-1]["content"] += text  # the model continues after a tool result
     elif role == "system" and msgs:

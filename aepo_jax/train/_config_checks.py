@@ -135,6 +135,7 @@ def _choices(config) -> list:
     ("rollout.policy", r.policy, policies.rollout_policy_names()),
     ("rollout.entropy_estimator", r.entropy_estimator, policies.ESTIMATORS),
     ("rollout.mode", r.mode, policies.MODES),
+    ("rollout.premonitor_formula", r.premonitor_formula, policies.PREMONITOR_FORMULAS),
     ("tools.search_mode", config.tools.search_mode, tools.SEARCH_MODES),
   ]
 

@@ -108,6 +108,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.penalize_refills = True
   c.rollout.enable_dynamic_rollouts = True  # paper: True; released scripts: False (spec §2.6)
   c.rollout.premonitor_beta = 0.5
+  # m of the pre-monitoring split: 'code' int(n·σ(β·ΔH)) + 1 (the released code), 'paper' n·σ(β·ΔH) rounded.
+  c.rollout.premonitor_formula = "code"
   c.rollout.probe_tokens = 50
   c.rollout.max_prompt_len = 2000
   c.rollout.max_response_len = 6192
@@ -225,6 +227,9 @@ def base_config() -> ml_collections.ConfigDict:
   # 0: one demo per row of max_len. R > 0: each step's batch_size demos are packed into R rows of max_len
   # (attention within each demo; the same loss on fewer padded tokens); micro_batch_size then counts rows.
   c.sft.packed_rows = 0
+  # Tool results inside an assistant turn (<result>...</result>) get no loss, as in RL (this project's choice);
+  # False trains them like the rest of the turn and masks only observation / tool turns (LLaMA-Factory's recipe).
+  c.sft.mask_results = True
   c.sft.seed = 0
 
   c.eval = ml_collections.ConfigDict()

@@ -121,7 +121,7 @@ def sft_examples(config, tokenizer, model_cfg):
     raise ValueError(f"sft.source={s.source!r} needs a tokenizer; set model.tokenizer or use a pretrained model.")
   eos = int(model_cfg.eos_token_ids[0])
   if data_lib.is_data_file(s.source):
-    return trace_examples(s.source, tokenizer, eos, max_len=s.max_len)
+    return trace_examples(s.source, tokenizer, eos, max_len=s.max_len, mask_results=s.mask_results)
   if s.source != "suite":
     raise ValueError(
       f"sft.source={s.source!r}: use 'suite' (the task suite's demonstrations), 'synthetic', or a "
@@ -141,11 +141,12 @@ def sft_examples(config, tokenizer, model_cfg):
   return out
 
 
-def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
+def trace_examples(path: str, tokenizer, eos: int, *, max_len: int, mask_results: bool = True) -> list:
   """(tokens, loss_mask) per assistant turn of every trace in `path` (`data.read_traces`): the conversation before
   the turn rendered by the chat template with the generation prompt (no loss; earlier assistant turns as the
-  template writes them), then the turn's own text (loss) with its tool results (no loss), then EOS (loss). Each
-  example is cut at max_len (LLaMA-Factory's cutoff_len); one with no loss token left is dropped and counted."""
+  template writes them), then the turn's own text (loss) with its tool results (no loss; mask_results=False: only
+  the observation turns folded into it), then EOS (loss). Each example is cut at max_len (LLaMA-Factory's
+  cutoff_len); one with no loss token left is dropped and counted."""
   from aepo_jax import data as data_lib
   from aepo_jax.train import _batch
 
@@ -157,7 +158,10 @@ def trace_examples(path: str, tokenizer, eos: int, *, max_len: int) -> list:
         continue
       segments = [(tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=True), False)]
       segments += [
-        (tokenizer.encode_continuation(text), trained) for text, trained in data_lib.trace_segments(turn["content"])
+        (tokenizer.encode_continuation(text), trained)
+        for text, trained in data_lib.trace_segments(
+          turn["content"], mask_results=mask_results, observed=turn.get(data_lib.TRACE_OBSERVED, ())
+        )
       ]
       segments.append(([eos], True))
       tokens, mask = _batch.sft_example(segments)

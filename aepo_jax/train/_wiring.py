@@ -47,6 +47,7 @@ def policy_config(config):
     penalty_counts_refills=r.penalize_refills,
     enable_dynamic_rollouts=r.enable_dynamic_rollouts,
     premonitor_beta=r.premonitor_beta,
+    premonitor_formula=r.premonitor_formula,
     probe_tokens=r.probe_tokens,
   )
 

@@ -161,6 +161,23 @@ def test_premonitor_split_matches_code_formula(n):
   assert int(premonitor_split(jnp.asarray([1.0]), jnp.asarray([1.0]), n=16, beta=0.5)[0]) == 9  # int(16/2)+1
 
 
+@pytest.mark.parametrize("n", [1, 4, 12, 16])
+def test_premonitor_split_paper_formula(n):
+  """'paper': m = n·σ(β·ΔH) (spec §2.1), rounded half up to a whole sample, clamped to [1, n]."""
+  rng = np.random.default_rng(100 + n)
+  h_root, h_tool = rng.uniform(0, 4, 200).astype(np.float32), rng.uniform(0, 4, 200).astype(np.float32)
+  got = np.asarray(premonitor_split(jnp.asarray(h_root), jnp.asarray(h_tool), n=n, beta=0.5, formula="paper"))
+  sig = 1 / (1 + np.exp(-0.5 * (h_root.astype(np.float64) - h_tool)))
+  want = np.clip(np.floor(n * sig + 0.5).astype(np.int64), 1, n)
+  near = np.abs(n * sig + 0.5 - np.round(n * sig + 0.5)) < 1e-4  # float32 vs float64 at a rounding boundary
+  np.testing.assert_array_equal(got[~near], want[~near])
+  one = jnp.asarray([1.0])
+  assert int(premonitor_split(one, one, n=16, beta=0.5, formula="paper")[0]) == 8  # 16·σ(0) = 8; the code gives 9
+  assert int(premonitor_split(one, one, n=12, beta=0.5, formula="paper")[0]) == 6  # the code gives 7
+  with pytest.raises(ValueError, match="formula='kσ'"):
+    premonitor_split(one, one, n=4, beta=0.5, formula="kσ")
+
+
 def test_registry_and_config_errors():
   assert rollout_policy_names() == ["aepo", "arpo", "none"]
   with pytest.raises(ValueError, match="Unknown rollout policy"):

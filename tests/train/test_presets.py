@@ -169,6 +169,8 @@ def test_paper_variant_differs_only_in_the_documented_switches(name, model, scri
   paper, released = _load(name, model), _load(name, model, "released")
   changed = {k for k, (a, b) in ((k, (_get(paper, k), _get(released, k))) for k in _flat_keys(paper)) if a != b}
   allowed = {"rollout.mode", "algo.aggregation"}
+  # the released LLaMA-Factory cold-start recipe (common.released_sft): 16 per step, unpacked, results trained
+  allowed |= {"sft.batch_size", "sft.packed_rows", "sft.mask_results", "sft.steps"}
   if switches is RELEASED_AEPO:
     allowed |= {"rollout.enable_dynamic_rollouts", "algo.entropy_advantage_coef"}
     assert paper.rollout.enable_dynamic_rollouts and paper.algo.entropy_advantage_coef == 0.2
@@ -176,6 +178,8 @@ def test_paper_variant_differs_only_in_the_documented_switches(name, model, scri
   assert (paper.rollout.mode, paper.algo.aggregation) == ("corrected", "global")
   cold = _load(name, model, "released", "cold_start")
   assert cold.sft.enabled and cold.mode == "both" and cold.sft.source.endswith((".jsonl", ".parquet"))
+  assert (cold.sft.batch_size, cold.sft.packed_rows, cold.sft.mask_results) == (16, 0, False)
+  assert (paper.sft.batch_size, paper.sft.packed_rows, paper.sft.mask_results) == (64, 32, True)
   if name.endswith(("gaia.py", "8b.py", "32b.py")):  # deep search starts from the SFT checkpoint, not the base
     assert cold.model.name != released.model.name and released.model.name.endswith("-SFT")
 
@@ -186,6 +190,49 @@ def _flat_keys(c, prefix=""):
       yield from _flat_keys(v, f"{prefix}{k}.")
     else:
       yield f"{prefix}{k}"
+
+
+@pytest.mark.parametrize("name", ["arpo_gaia.py", "aepo_gaia.py", "arpo_gaia_8b.py"])
+def test_calls3_is_the_paper_snapshot_call_limit_and_nothing_else(name):
+  """The presets follow the deep-search yaml after the 'fix tool call limit' commit (6 calls); ':calls3' is the yaml
+  uploaded with the ARPO paper (3 calls), every other value the same (spec §1.7)."""
+  later, early = _load(name, None, "released"), _load(name, None, "released", "calls3")
+  assert (later.tools.call_limit, early.tools.call_limit) == (6, 3)
+  changed = {k for k in _flat_keys(later) if _get(later, k) != _get(early, k)}
+  assert changed == {"tools.call_limit"}
+
+
+SETTING_KEYS = (
+  "model.shape",
+  "data.train",
+  "data.prompts_per_step",
+  "rollout.n",
+  "rollout.max_prompt_len",
+  "rollout.max_response_len",
+  "tools.call_limit",
+  "train.ppo_mini_batch_size",
+  "optim.lr",
+)
+
+
+@pytest.mark.parametrize(
+  "baseline,model,paper_config",
+  [
+    ("grpo_gaia.py", None, "arpo_gaia.py"),
+    ("grpo_gaia.py", "qwen3-8b", "arpo_gaia_8b.py"),
+    ("dapo_gaia.py", "qwq-32b", "arpo_gaia_qwq32b.py"),
+    ("grpo_reasoning.py", None, "arpo_reasoning.py"),
+    ("dapo_reasoning.py", "qwen2.5-3b", "arpo_reasoning.py:qwen2.5-3b"),
+    ("reinforce_pp_reasoning.py", "llama-3.1-8b", "arpo_reasoning.py:llama-3.1-8b"),
+  ],
+)
+def test_baselines_run_on_the_setting_of_the_paper_config_of_their_model(baseline, model, paper_config):
+  """A baseline differs from ARPO on the same model only in the method: same data, budget, lengths, call limit."""
+  name, _, arg = paper_config.partition(":")
+  ours, theirs = _load(baseline, model), _load(name, arg or None)
+  assert {k: _get(ours, k) for k in SETTING_KEYS} == {k: _get(theirs, k) for k in SETTING_KEYS}
+  assert ours.rollout.policy == "none" and ours.rollout.initial_rollouts == ours.rollout.n
+  assert ours.algo.loss != "arpo" and not ours.algo.preserve_high_clip_grad and ours.algo.entropy_advantage_coef == 0
 
 
 def test_unknown_variant_names_the_choices():

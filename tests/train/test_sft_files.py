@@ -76,12 +76,27 @@ def test_both_forms_normalise_to_the_same_turns(tmp_path):
     {"role": "user", "content": "Capital of France? (0)"},
     {"role": "assistant", "content": TURN},
   ]
-  assert share[1].messages[-1] == {"role": "assistant", "content": MODEL_TEXT[0] + RESULT_1 + MODEL_TEXT[2]}
+  folded = share[1].messages[-1]  # the tool turn's place is kept: it stays untrained in every recipe
+  span = (len(MODEL_TEXT[0]), len(MODEL_TEXT[0]) + len(RESULT_1))
+  assert folded == {
+    "role": "assistant",
+    "content": MODEL_TEXT[0] + RESULT_1 + MODEL_TEXT[2],
+    data.TRACE_OBSERVED: [span],
+  }
   assert data.trace_segments(TURN) == [
     (MODEL_TEXT[0], True),
     (RESULT_1, False),
     (MODEL_TEXT[1], True),
     (RESULT_2, False),
+    (MODEL_TEXT[2], True),
+  ]
+  # LLaMA-Factory's released recipe (sft.mask_results=False): results written inside the turn are trained, the
+  # folded observation turn is not.
+  assert data.trace_segments(TURN, mask_results=False) == [(TURN, True)]
+  observed = folded[data.TRACE_OBSERVED]
+  assert data.trace_segments(folded["content"], mask_results=False, observed=observed) == [
+    (MODEL_TEXT[0], True),
+    (RESULT_1, False),
     (MODEL_TEXT[2], True),
   ]
 

@@ -12,6 +12,7 @@ Tree statistics: tree_stats(records, ...); combine_stats(per-host stats) -> the 
 from aepo_jax.rollout.policies._base import MODES, PolicyConfig, RolloutPolicy, RoundPlan
 from aepo_jax.rollout.policies._entropy import (
   ESTIMATORS,
+  PREMONITOR_FORMULAS,
   RULES,
   branch_probability,
   decide_branches,

@@ -28,7 +28,12 @@ class AepoPolicy(RolloutPolicy):
       )
     h_root_p, h_tool_p = probe()
     self.last_probe = (np.asarray(h_root_p), np.asarray(h_tool_p))
-    return np.asarray(jax.device_get(premonitor_split(h_root_p, h_tool_p, n=cfg.n, beta=cfg.premonitor_beta)), np.int32)
+    return np.asarray(
+      jax.device_get(
+        premonitor_split(h_root_p, h_tool_p, n=cfg.n, beta=cfg.premonitor_beta, formula=cfg.premonitor_formula)
+      ),
+      np.int32,
+    )
 
   def _update_counters(self, children_p, refills_p) -> None:
     """After a round that created any copy: +1 for prompts that got one, reset to 0 for the others; rounds

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aepo_jax.rollout.policies._entropy import ESTIMATORS, decide_branches
+from aepo_jax.rollout.policies._entropy import ESTIMATORS, PREMONITOR_FORMULAS, decide_branches
 
 MODES = ("corrected", "faithful")
 
@@ -55,6 +55,7 @@ class PolicyConfig:
   penalty_counts_refills: bool = True  # AEPO code: refills also advance the consecutive-branch counter
   enable_dynamic_rollouts: bool = True  # AEPO pre-monitoring: paper; the released scripts set False (spec §2.6)
   premonitor_beta: float = 0.5  # β of the pre-monitoring sigmoid; official (hard-coded)
+  premonitor_formula: str = "code"  # 'code': int(n·σ) + 1 (official); 'paper': n·σ rounded (spec §2.1)
   probe_tokens: int = 50  # max tokens of the H_root sample; official
 
   def __post_init__(self):
@@ -77,6 +78,8 @@ class PolicyConfig:
       bad("branch_threshold", "τ must be in [0, 1].")
     if self.probe_tokens < 1:
       bad("probe_tokens", "must be >= 1.")
+    if self.premonitor_formula not in PREMONITOR_FORMULAS:
+      bad("premonitor_formula", f"choose one of {PREMONITOR_FORMULAS}.")
 
 
 @dataclasses.dataclass

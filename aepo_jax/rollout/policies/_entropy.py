@@ -142,9 +142,21 @@ def decide_branches(
   }
 
 
-@functools.partial(jax.jit, static_argnames=("n",))
-def premonitor_split(h_root_p, h_tool_p, *, n: int, beta: float):
-  """AEPO entropy pre-monitoring (spec §2.1, code form):
-  m = clamp(int(n·σ(β·(H_root − H̄_tool))) + 1, 1, n)."""
+PREMONITOR_FORMULAS = ("code", "paper")
+
+
+@functools.partial(jax.jit, static_argnames=("n", "formula"))
+def premonitor_split(h_root_p, h_tool_p, *, n: int, beta: float, formula: str = "code"):
+  """AEPO entropy pre-monitoring (spec §2.1): the global samples m of the budget n per prompt.
+
+  'code' (the released code): m = clamp(int(n·σ(β·(H_root − H̄_tool))) + 1, 1, n) (floor + 1).
+  'paper': m = n·σ(β·(H_root − H̄_tool)), rounded half up to a whole sample, clamped to [1, n] (the paper leaves the
+  rounding open; at ΔH = 0 it gives round(n/2), the code int(n/2) + 1)."""
   share_p = jax.nn.sigmoid(beta * (h_root_p - h_tool_p))
-  return jnp.clip(jnp.floor(n * share_p).astype(jnp.int32) + 1, 1, n)
+  if formula == "code":
+    m = jnp.floor(n * share_p) + 1
+  elif formula == "paper":
+    m = jnp.floor(n * share_p + 0.5)
+  else:
+    raise ValueError(f"premonitor_split: formula={formula!r}; use one of {PREMONITOR_FORMULAS}.")
+  return jnp.clip(m.astype(jnp.int32), 1, n)
