@@ -1,4 +1,5 @@
-r"""Evaluate a checkpoint (Pass@1 / Pass@k, spec §2.5) on the papers' benchmarks or your own data, or compare runs.
+r"""Evaluate a checkpoint or a served policy (Pass@1 / Pass@k, spec §2.5) on the papers' benchmarks or your own
+data, or compare runs.
 
   python launch/evaluate.py --checkpoint=smollm2-135m-instruct --benchmarks=gsm8k,math500 --limit=20 \
       --n=5 --k=1,5 --output=/tmp/eval/smollm2
@@ -12,10 +13,14 @@ r"""Evaluate a checkpoint (Pass@1 / Pass@k, spec §2.5) on the papers' benchmark
       --judge_url=http://127.0.0.1:8001/v1 --judge_model=Qwen2.5-72B-Instruct --output=/tmp/eval/sds
   python launch/evaluate.py --checkpoint=/ckpt/rl/300 --benchmarks=gs://BUCKET/data/my_test.jsonl \
       --question_field=problem --answer_field=solution --data_family=math --output=/tmp/eval/mine
+  python launch/evaluate.py --policy_url=http://127.0.0.1:8000/v1 --policy_model=my-model \
+      --tokenizer=/ckpt/hf/my-model --benchmarks=math500 --output=/tmp/eval/served
   python launch/evaluate.py --compare=/tmp/eval/smollm2,/tmp/eval/rl [--output=/tmp/eval/cmp]
 
 --checkpoint: an Orbax checkpoint (step dir, phase dir or training workdir; local or gs://), an HF directory,
-or a pretrained name. The defaults are the official evaluation protocol (spec §2.5): T=0.6, top_p 0.95, top_k 20,
+or a pretrained name. --policy_url instead: a policy served by any OpenAI-compatible server (launch/serve.py, vLLM,
+SGLang) with its --policy_model and --tokenizer, run through the same tools, protocol, scoring and records (the
+generation calls go over HTTP as token ids; docs/evaluation.md "Evaluating a served policy"). The defaults are the official evaluation protocol (spec §2.5): T=0.6, top_p 0.95, top_k 20,
 min_p 0, repetition penalty 1.1, at most 4,096 tokens per generation call, 5 python and 10 search calls; with
 --judge_url the QA and deep-search sets are scored by the judge OR math equivalence. Rerunning the same command resumes: answers already in <output>/<benchmark>.jsonl are
 kept. Bad input (unknown benchmark, missing checkpoint or data file, missing search backend or judge, a judge
@@ -38,6 +43,20 @@ _F = {"flag_values": FLAGS}
 
 _CHECKPOINT = flags.DEFINE_string(
   "checkpoint", None, "Orbax checkpoint (local or gs://), HF directory, or pretrained name.", **_F
+)
+_POLICY_URL = flags.DEFINE_string(
+  "policy_url",
+  None,
+  "OpenAI base URL of a served policy (http://HOST:PORT/v1: launch/serve.py, vLLM, SGLang), evaluated instead of a "
+  "--checkpoint; needs --policy_model and --tokenizer.",
+  **_F,
+)
+_POLICY_MODEL = flags.DEFINE_string("policy_model", None, "Model name served at --policy_url.", **_F)
+_POLICY_API_KEY = flags.DEFINE_string(
+  "policy_api_key", None, "API key of --policy_url (default: $AEPO_JAX_POLICY_API_KEY; none: no key).", **_F
+)
+_POLICY_TIMEOUT_S = flags.DEFINE_float(
+  "policy_timeout_s", 600.0, "Deadline of one generation request to --policy_url, in seconds.", **_F
 )
 _BENCHMARKS = flags.DEFINE_string(
   "benchmarks",
@@ -105,7 +124,10 @@ _SUMMARIZER_URL = flags.DEFINE_string(
 _SUMMARIZER_MODEL = flags.DEFINE_string("summarizer_model", None, "Model name served at --summarizer_url.", **_F)
 _BROWSE_LIVE = flags.DEFINE_bool("browse_live", False, "Fetch http(s) pages the page store lacks.", **_F)
 _TOKENIZER = flags.DEFINE_string(
-  "tokenizer", None, "Tokenizer dir or pretrained name (overrides the checkpoint's).", **_F
+  "tokenizer",
+  None,
+  "Tokenizer dir or pretrained name (overrides the checkpoint's; with --policy_url: the served model's).",
+  **_F,
 )
 _TEMPLATE = flags.DEFINE_string(
   "template",
@@ -218,8 +240,12 @@ def main(argv=None) -> int:
   if rest:
     print(f"error: unexpected arguments {rest}; flags are written --name=value.", file=sys.stderr)
     return 2
-  if not _COMPARE.value and not _CHECKPOINT.value:
-    print("error: give --checkpoint=PATH (evaluate) or --compare=RUN_DIR,RUN_DIR (compare).", file=sys.stderr)
+  if not _COMPARE.value and not _CHECKPOINT.value and not _POLICY_URL.value:
+    print(
+      "error: give --checkpoint=PATH (evaluate) or --compare=RUN_DIR,RUN_DIR (compare), or --policy_url=URL "
+      "--policy_model=NAME --tokenizer=TOK (evaluate a served policy).",
+      file=sys.stderr,
+    )
     return 2
 
   from aepo_jax.parallel import use_cpu_xla_flags
@@ -259,6 +285,14 @@ def main(argv=None) -> int:
     "system_key": _SYSTEM_FIELD.value,
     "family": _DATA_FAMILY.value,
   }
+  served = {}
+  if _POLICY_URL.value:
+    served = {
+      "policy_url": _POLICY_URL.value,
+      "policy_model": _POLICY_MODEL.value,
+      "policy_api_key": _POLICY_API_KEY.value or os.environ.get("AEPO_JAX_POLICY_API_KEY") or None,
+      "policy_timeout_s": _POLICY_TIMEOUT_S.value,
+    }
   try:
     plan = eval_lib.check_inputs(
       _CHECKPOINT.value,
@@ -272,10 +306,11 @@ def main(argv=None) -> int:
       data_options=data_opts,
       judge_qa=_JUDGE_QA.value,
       browse=browse,
+      **served,
     )
     # The prompt the checkpoint was trained with (its saved data.template), unless --template says otherwise: a
     # checkpoint asked in another template's format scores near 0.
-    trained_config = eval_lib.training_config(plan.checkpoint) or {}
+    trained_config = (eval_lib.training_config(plan.checkpoint) if plan.checkpoint is not None else None) or {}
     trained = trained_config.get("data", {}).get("template")
     # The tools the checkpoint was trained with (plug-ins too), unless --tools / --tool_plugins say otherwise.
     trained_tools = trained_config.get("tools", {})
@@ -305,13 +340,17 @@ def main(argv=None) -> int:
       )
     except ValueError as e:
       raise eval_lib.EvalInputError(str(e)) from None
-    output = _OUTPUT.value or os.path.join("eval_runs", os.path.basename(os.path.normpath(_CHECKPOINT.value)))
+    name = _CHECKPOINT.value or _POLICY_MODEL.value
+    output = _OUTPUT.value or os.path.join("eval_runs", os.path.basename(os.path.normpath(name)))
     summary = eval_lib.run_evaluation(
       plan, output, settings=settings, ks=ks, limit=_LIMIT.value, show_progress=_PROGRESS.value
     )
   except (eval_lib.EvalInputError, eval_lib.CheckpointNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except eval_lib.PolicyServerError as e:  # the served policy failed mid-run: the answers so far are kept
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   print(eval_lib.summary_markdown(summary))
   print(f"wrote {output}/summary.md, summary.json and one JSONL per benchmark")
   return 0

@@ -7,8 +7,11 @@ r"""Export a training checkpoint to a Hugging Face directory that transformers a
 --checkpoint: a training workdir (its latest RL step, else SFT), a phase dir (.../checkpoints/rl: its latest step)
 or a step dir (.../checkpoints/rl/6); local or gs://. The output (local or gs://) gets the weights (safetensors,
 sharded with an index past --max_shard_mb), config.json, the tokenizer files and chat template of the tokenizer
-the run used (model.tokenizer, else the model's own: a bundled name, a local or a gs:// directory), and the base
-model's generation_config.json (its sampling defaults kept). The model comes from the checkpoint's own config.
+the run used (model.tokenizer, else the model's own: a bundled name, a local or a gs:// directory), the base
+model's generation_config.json (its sampling defaults kept), and `system_prompt.txt`: the system prompt the run
+trained with (its data.template). The chat template adds no system prompt of its own, so a client of the exported
+model (transformers, vLLM, launch/serve.py) sends that text as the system message, as training and
+launch/evaluate.py do. The model comes from the checkpoint's own config.
 """
 
 import os
@@ -28,6 +31,9 @@ _TOKENIZER = flags.DEFINE_string(
 )
 _MAX_SHARD_MB = flags.DEFINE_float("max_shard_mb", 2048.0, "Largest safetensors shard, in MiB.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Write into a non-empty --output (its old weights are removed).")
+
+
+SYSTEM_PROMPT_FILE = "system_prompt.txt"
 
 
 class ExportError(ValueError):
@@ -83,6 +89,7 @@ def export(
   import jax
 
   from aepo_jax import model as model_lib
+  from aepo_jax.data import system_prompt
   from aepo_jax.eval import CheckpointNotFoundError, resolve_checkpoint
   from aepo_jax.checkpoint import Checkpointer, model_config_from_json
   from aepo_jax.train import from_json
@@ -107,7 +114,8 @@ def export(
         f"checkpoint {ref.directory}/{step} holds no model_config/config in its meta; was it written by aepo_jax.train?"
       )
     model_cfg = model_config_from_json(meta["model_config"])
-    tok_dir, base = _sources(from_json(meta["config"]), tokenizer)
+    run_config = from_json(meta["config"])
+    tok_dir, base = _sources(run_config, tokenizer)
     from etils import epath
 
     if tok_dir and not (epath.Path(tok_dir) / "tokenizer.json").exists():
@@ -125,12 +133,15 @@ def export(
   )
   if tok_dir:
     model_lib.copy_tokenizer_files(tok_dir, output)
+  template = str(run_config.data.template)
+  (epath.Path(output) / SYSTEM_PROMPT_FILE).write_text(system_prompt(template))
   return {
     "output": output,
     "checkpoint": f"{ref.directory}/{step}",
     "step": step,
     "tokenizer": tok_dir,
     "generation_config": f"{base}/generation_config.json" if generation else None,
+    "template": template,
   }
 
 
@@ -151,6 +162,10 @@ def main(argv):
   except ExportError as e:
     sys.exit(f"error: {e}")
   print(f"exported {info['checkpoint']} to {info['output']}")
+  print(
+    f"system prompt: the run trained with template {info['template']!r}; send {info['output']}/{SYSTEM_PROMPT_FILE} "
+    "as the system message (the chat template adds none)."
+  )
   if not info["tokenizer"]:
     print(
       "warning: the run had no tokenizer (random init without model.tokenizer); AutoTokenizer will not load "

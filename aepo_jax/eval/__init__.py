@@ -7,6 +7,9 @@ Whole runs
   run_evaluation(plan, output, *, settings=EvalSettings(), ks=(1, 5), limit=None) -> summary dict
   evaluate(evaluator, {name: examples}, reward_timeout_s=) -> {'eval/<name>/accuracy', ...}  (the trainer's)
   EvalInputError                                   bad input, raised before any compute
+  RemoteRollouts(url, model, tokenizer, tools, rollout_settings, api_key=)   the agent loop against a served policy
+                                                   (OpenAI-compatible; Evaluator(..., rollouts=)); PolicyServerError,
+                                                   probe_policy_server(url, model)
 Pieces
   select_benchmarks(spec), requirements_error(names, search_backend=, judge=), load_examples(name, limit)
   resolve_checkpoint(path) -> CheckpointRef; load_policy(ref, tokenizer=None) -> Policy(config, params, tokenizer)
@@ -41,6 +44,7 @@ from aepo_jax.checkpoint import (
 from aepo_jax.eval._passk import best_of_k, bootstrap_ci, mean_pass_at_k, pass_at_k, summarize
 from aepo_jax.eval._report import compare, load_summary, summarize_records, summary_markdown, write_summary
 from aepo_jax.eval._runner import EvalSettings, Evaluator, read_records, tool_calls_from_text
+from aepo_jax.eval._remote import PolicyServerError, RemoteRollouts, probe_policy_server
 from aepo_jax.eval._scoring import JudgeUnavailableError, Scorer, probe_judge
 
 __all__ = [
@@ -79,6 +83,9 @@ __all__ = [
   "Evaluator",
   "read_records",
   "tool_calls_from_text",
+  "PolicyServerError",
+  "RemoteRollouts",
+  "probe_policy_server",
   "JudgeUnavailableError",
   "Scorer",
   "probe_judge",

@@ -1,13 +1,18 @@
-"""One evaluation from a checkpoint path to a summary, with every input checked before compute.
+"""One evaluation from a checkpoint path (or a served policy) to a summary, with every input checked before compute.
 
   plan = check_inputs(checkpoint, benchmarks, search_backend=..., judge_url=..., judge_model=...)
+  plan = check_inputs(None, benchmarks, policy_url="http://HOST:PORT/v1", policy_model=NAME, tokenizer=TOK)
   summary = run_evaluation(plan, output_dir, settings=EvalSettings(n=5), ks=(1, 5), limit=None)
   evaluate(evaluator, {name: examples}, reward_timeout_s=10.0)   # the trainer's validation metrics
 
 check_inputs fails, in this order and before any weights are read: unknown benchmark names; a checkpoint
-path that does not exist; benchmarks whose search backend or judge is not configured; a browse setting without
-its summariser or page store; a judge or summariser endpoint that does not answer a health probe; a retrieval
-server that does not answer GET /health.
+path that does not exist (or both or neither of a checkpoint and a policy URL, a policy URL without its model name
+or tokenizer); benchmarks whose search backend or judge is not configured; a browse setting without its summariser
+or page store; a judge or summariser endpoint that does not answer a health probe; a retrieval server that does not
+answer GET /health; a policy server that does not list its model at GET /models.
+
+A served policy (`policy_url`: any OpenAI-compatible server) runs through `RemoteRollouts` (_remote.py): the same
+tools, protocol, scoring and records, the generation calls made over HTTP.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class EvalInputError(ValueError):
 
 @dataclasses.dataclass
 class EvalPlan:
-  checkpoint: checkpoint_lib.CheckpointRef
+  checkpoint: Optional[checkpoint_lib.CheckpointRef]  # None: a served policy (policy_url)
   benchmarks: list
   search_backend: Optional[str] = None  # None: not given; 'none': explicitly no search
   search_options: dict = dataclasses.field(default_factory=dict)
@@ -46,6 +51,19 @@ class EvalPlan:
   # Registered tools beyond the evaluation's own (build_tools), and the plug-in modules that register them.
   tools: tuple = ()
   tool_plugins: tuple = ()
+  # A served policy instead of a checkpoint: its OpenAI base URL and model name (the tokenizer is `tokenizer`), the
+  # API key it wants (never written to run.json or the summary) and the deadline of one generation request.
+  policy_url: Optional[str] = None
+  policy_model: Optional[str] = None
+  policy_api_key: Optional[str] = dataclasses.field(default=None, repr=False)
+  policy_timeout_s: float = 600.0
+
+  @property
+  def policy_name(self) -> str:
+    """What is evaluated: the checkpoint's path, or `MODEL at URL` for a served policy."""
+    if self.policy_url:
+      return f"{self.policy_model} at {self.policy_url}"
+    return self.checkpoint.path if self.checkpoint is not None else "?"
 
 
 def _probe_retrieval(url: str) -> None:
@@ -73,7 +91,7 @@ def _probe_summarizer(url: str, model: str) -> None:
 
 
 def check_inputs(
-  checkpoint: str,
+  checkpoint: Optional[str],
   benchmarks,
   *,
   search_backend: Optional[str] = None,
@@ -83,15 +101,36 @@ def check_inputs(
   probe: bool = True,
   **kwargs,
 ) -> EvalPlan:
-  """Every check that can fail before weights are read (see the module docstring)."""
+  """Every check that can fail before weights are read (see the module docstring). A served policy: checkpoint
+  None and `policy_url`, `policy_model`, `tokenizer` (and `policy_api_key`, `policy_timeout_s`) in kwargs."""
   try:
     names = _benchmarks.select_benchmarks(benchmarks)
   except ValueError as e:
     raise EvalInputError(str(e)) from None
-  try:
-    ref = checkpoint_lib.resolve_checkpoint(checkpoint)
-  except FileNotFoundError as e:
-    raise EvalInputError(str(e)) from None
+  policy_url = kwargs.get("policy_url")
+  if policy_url:
+    if checkpoint:
+      raise EvalInputError("give --checkpoint (evaluate its weights here) or --policy_url (a served policy), not both.")
+    if not kwargs.get("policy_model"):
+      raise EvalInputError("--policy_url needs --policy_model=NAME, the model name the server serves.")
+    if not kwargs.get("tokenizer"):
+      from aepo_jax.model import PRETRAINED
+
+      model = kwargs["policy_model"]
+      if model not in PRETRAINED and not os.path.isdir(model):
+        raise EvalInputError(
+          "--policy_url needs --tokenizer=DIR_OR_NAME, the served model's tokenizer (prompts go as its token ids), "
+          "unless --policy_model is itself a bundled name or a model directory."
+        )
+      kwargs["tokenizer"] = model  # vLLM-style serving under the model's own directory or name
+    ref = None
+  else:
+    if not checkpoint:
+      raise EvalInputError("give --checkpoint=PATH, or --policy_url=URL with --policy_model=NAME.")
+    try:
+      ref = checkpoint_lib.resolve_checkpoint(checkpoint)
+    except FileNotFoundError as e:
+      raise EvalInputError(str(e)) from None
   from aepo_jax.data import data_file_exists, is_data_file
 
   for name in names:
@@ -135,6 +174,13 @@ def check_inputs(
     _probe_summarizer(browse["summarizer_url"], browse["summarizer_model"])
   if probe and search_backend == "retrieval":
     _probe_retrieval(opts["url"])
+  if probe and policy_url:
+    from aepo_jax.eval._remote import PolicyServerError, probe_policy_server
+
+    try:
+      probe_policy_server(policy_url, kwargs["policy_model"], api_key=kwargs.get("policy_api_key"))
+    except PolicyServerError as e:
+      raise EvalInputError(str(e)) from None
   return EvalPlan(ref, names, search_backend, opts, judge_url, judge_model, **kwargs)
 
 
@@ -214,19 +260,39 @@ def run_evaluation(
     }
   except (ValueError, FileNotFoundError) as e:
     raise EvalInputError(str(e)) from None
+  if plan.policy_url and policy is None:  # a served policy: only its tokenizer is read here
+    try:
+      tokenizer = checkpoint_lib.load_tokenizer(plan.tokenizer)
+    except (OSError, ValueError) as e:
+      raise EvalInputError(f"--tokenizer={plan.tokenizer!r} could not be loaded ({e}).") from None
   _check_run_dir(output, plan, settings)
   tools = build_tools(plan, settings)
   try:
-    if policy is None:
+    rollouts = None
+    if plan.policy_url:
+      from aepo_jax.eval._remote import RemoteRollouts
+
+      if policy is None:
+        policy = checkpoint_lib.Policy(None, None, tokenizer, f"served policy {plan.policy_name}")
+      rollouts = RemoteRollouts(
+        plan.policy_url,
+        plan.policy_model,
+        policy.tokenizer,
+        tools,
+        settings.rollout_settings(),
+        api_key=plan.policy_api_key,
+        timeout_s=plan.policy_timeout_s,
+      )
+    elif policy is None:
       policy = checkpoint_lib.load_policy(plan.checkpoint, tokenizer=plan.tokenizer)
     scorer = Scorer(make_judge(plan, settings.protocol), judge_qa=plan.judge_qa, protocol=settings.protocol)
-    evaluator = Evaluator(policy, tools, scorer, settings, show_progress=show_progress)
+    evaluator = Evaluator(policy, tools, scorer, settings, show_progress=show_progress, rollouts=rollouts)
     results, t0 = {}, time.monotonic()
     for name in plan.benchmarks:
       shown = _benchmarks.display_name(name)
       results[shown] = evaluator.run(shown, examples[name], os.path.join(output, f"{shown}.jsonl"))
     meta = {
-      "checkpoint": plan.checkpoint.path,
+      "checkpoint": plan.policy_name,
       "protocol": settings.protocol,
       "source": policy.source,
       "settings": dataclasses.asdict(settings),
@@ -238,6 +304,8 @@ def run_evaluation(
       "tool_metrics": tools.metrics(),
       "seconds": time.monotonic() - t0,
     }
+    if plan.policy_url:
+      meta.update(policy_url=plan.policy_url, policy_model=plan.policy_model)
     families = {
       _benchmarks.display_name(n): _benchmarks.family_of(n, plan.data_options.get("family", "qa"))
       for n in plan.benchmarks
@@ -256,9 +324,11 @@ def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
   """A resumed run must use the settings of the run it continues (else its JSONL mixes two protocols)."""
   path = os.path.join(output, _RUN_FILE)
   mine = {
-    "checkpoint": plan.checkpoint.path,
+    "checkpoint": plan.checkpoint.path if plan.checkpoint is not None else None,
     "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("n", "batch_size", "chunk_steps")},
   }
+  if plan.policy_url:  # a served policy: its URL and model in place of a checkpoint
+    mine.update(policy_url=plan.policy_url, policy_model=plan.policy_model)
   if os.path.exists(path):
     with open(path) as f:
       theirs = json.load(f)
@@ -270,8 +340,9 @@ def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
         for k in set(theirs["settings"]) | set(mine["settings"])
         if theirs["settings"].get(k) != mine["settings"].get(k)
       ]
-      if theirs["checkpoint"] != mine["checkpoint"]:
-        diff.insert(0, "checkpoint")
+      for key in ("policy_model", "policy_url", "checkpoint"):
+        if theirs.get(key) != mine.get(key):
+          diff.insert(0, key)
       raise EvalInputError(
         f"--output {output!r} holds a run with different {diff}; resume with the same settings "
         "or choose another --output."

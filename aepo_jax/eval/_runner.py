@@ -185,9 +185,10 @@ class Evaluator:
   """One policy + tools + scorer; `run(name, examples, path)` evaluates one benchmark into a JSONL.
 
   By default the rollouts (engine, agent loop, policy 'none') are built from `settings.rollout_settings()` (the
-  evaluation protocol). `rollouts` (an `aepo_jax.rollout.Rollouts`) runs a caller's instead: the trainer's
-  validation, on its own engine, tools and result format; `settings` then give only n, batch_size, max_prompt_len,
-  template and seed.
+  evaluation protocol). `rollouts` runs a caller's instead, any object called as `aepo_jax.rollout.Rollouts` is
+  (`rollouts(weights, prompt_ids, seed=) -> Trajectories`): the trainer's validation, on its own engine, tools and
+  result format, or `eval.RemoteRollouts`, a policy served over HTTP; `settings` then give only n, batch_size,
+  max_prompt_len, template and seed.
   """
 
   def __init__(

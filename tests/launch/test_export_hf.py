@@ -99,6 +99,10 @@ def test_tiny_run_from_its_workdir(tmp_path, tok_dir, export_cli):
   assert info["step"] == 2 and info["tokenizer"] == tok_dir and info["generation_config"] is None
   assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
   assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(out))
+  from aepo_jax.data import system_prompt
+
+  assert info["template"] == "compact"  # tiny_rl's data.template: the system prompt it trained with, shipped
+  assert open(os.path.join(out, "system_prompt.txt")).read() == system_prompt("compact")
   hf = _check_loads_as_is(out, model_cfg, params, tok_dir)
   assert hf.generation_config.eos_token_id == [2] and hf.generation_config.pad_token_id == 0
   _, back = model_lib.load_hf(out)  # lossless in float32
