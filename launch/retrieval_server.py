@@ -17,7 +17,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from aepo_jax.tools._retrieval import MAX_BODY_BYTES, MAX_QUERIES  # noqa: E402
+from aepo_jax.tools import MAX_BODY_BYTES, MAX_QUERIES  # noqa: E402
 
 _CORPUS = flags.DEFINE_string("corpus", None, "JSONL corpus file.")
 _INDEX = flags.DEFINE_string("index", None, "Directory for the saved index (created if missing).")

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 from aepo_jax.rollout import _state as st
-from aepo_jax.rollout._agent_run import _encode, _Run, _Scheduling, _tool_tags
+from aepo_jax.rollout._agent_run import _Run, _Scheduling, _tool_tags
+from aepo_jax.rollout._stop import _encode
 from aepo_jax.rollout._trajectories import Segment, TrajectoryRecord, Trajectories, assemble
 from aepo_jax.rollout.policies import RolloutPolicy, rollout_policy, tree_stats, window_statistic
 

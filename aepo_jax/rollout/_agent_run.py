@@ -26,16 +26,6 @@ def _tool_tags(config, tools) -> tuple:
   return tuple(dict.fromkeys(c for c, _ in all_call_tags()))
 
 
-def _encode(tokenizer, text: str) -> list:
-  """Ids of a tool result appended after existing tokens: no BOS, special-token strings kept as text."""
-  if hasattr(tokenizer, "encode_continuation"):
-    return list(tokenizer.encode_continuation(text))
-  try:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-  except TypeError:
-    return list(tokenizer.encode(text))
-
-
 class _Run:
   """Mutable state of one rollout call."""
 

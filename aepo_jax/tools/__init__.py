@@ -65,6 +65,8 @@ from aepo_jax.tools._registry import (
 )
 from aepo_jax.tools._python import PythonLimits, PythonPool, PythonResult, PythonTool, run_python
 from aepo_jax.tools._retrieval import (
+  MAX_BODY_BYTES,
+  MAX_QUERIES,
   LocalIndexBackend,
   RetrievalBackend,
   RetrievalIndex,
@@ -133,6 +135,8 @@ __all__ = [
   "PythonTool",
   "run_python",
   "LocalIndexBackend",
+  "MAX_BODY_BYTES",
+  "MAX_QUERIES",
   "RetrievalBackend",
   "RetrievalIndex",
   "load_corpus",
