@@ -15,6 +15,7 @@ from aepo_jax.model import _cpu_decode
 from aepo_jax.model import decode_forward, decode_weights
 from aepo_jax.rollout import Engine
 from aepo_jax.rollout._engine import prepared_weights
+from aepo_jax.testing import tiny_model_config
 
 if not {"avx2", "fma"} <= _native.cpu_flags():
   pytest.skip("the CPU decode kernel needs AVX2 and FMA", allow_module_level=True)
@@ -133,9 +134,9 @@ FAMILIES = {  # together: tied and untied head, q/k/v biases, q/k norms
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_decode_forward_kernel_equals_xla_dots(family):
-  cfg = ModelConfig(
+def _wider(family):
+  """A config wider than the tiny one (6 heads, 3 layers), where the kernel's per-head and per-layer indexing show."""
+  return ModelConfig(
     vocab_size=101,
     hidden_size=48,
     intermediate_size=80,
@@ -145,6 +146,11 @@ def test_decode_forward_kernel_equals_xla_dots(family):
     head_dim=8,
     **FAMILIES[family],
   )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decode_forward_kernel_equals_xla_dots(family):
+  cfg = _wider(family)
   params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x, init_params(cfg, jax.random.PRNGKey(1)))
   s, max_len = 5, 16
   cache = {
@@ -169,16 +175,7 @@ def test_decode_forward_equals_the_decoders_cached_forward(family):
   and the same new KV entries (the decode step is the decoder's math arranged for memory traffic)."""
   from aepo_jax.model import forward_cached
 
-  cfg = ModelConfig(
-    vocab_size=101,
-    hidden_size=48,
-    intermediate_size=80,
-    num_layers=3,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=8,
-    **FAMILIES[family],
-  )
+  cfg = _wider(family)
   params = init_params(cfg, jax.random.PRNGKey(2))
   s, max_len = 5, 16
   rng = np.random.default_rng(1)
@@ -192,16 +189,7 @@ def test_decode_forward_equals_the_decoders_cached_forward(family):
 
 
 def test_engine_uses_the_kernel_where_it_applies_and_says_why_not():
-  cfg = ModelConfig(
-    family="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-  )
+  cfg = tiny_model_config(vocab_size=64)
   params = init_params(cfg, jax.random.PRNGKey(0))
   assert Engine(cfg, max_slots=4, max_len=16).uses_cpu_kernels(params)
   assert not Engine(cfg, max_slots=4, max_len=16, cpu_kernels=False).uses_cpu_kernels(params)
@@ -217,16 +205,7 @@ def test_engine_uses_the_kernel_where_it_applies_and_says_why_not():
 
 
 def test_prepared_weights_are_made_once_per_parameter_version_and_freed_with_it():
-  cfg = ModelConfig(
-    family="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-  )
+  cfg = tiny_model_config(vocab_size=64)
   params = init_params(cfg, jax.random.PRNGKey(0))
   first = prepared_weights.get(cfg, params)
   assert prepared_weights.get(cfg, params) is first  # reused across calls (and engines)
