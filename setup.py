@@ -8,7 +8,13 @@ setuptools.setup(
   name="aepo_jax",
   version="0.1.0",
   description="Agentic Entropy-Balanced Policy Optimization (AEPO), ARPO and RL baselines in JAX/Flax",
-  packages=setuptools.find_packages(include=["aepo_jax", "aepo_jax.*"]),
+  # configs/ and launch/ ship inside the package (aepo_jax/configs, aepo_jax.launch), so that an installed package
+  # runs from any directory: `python -m aepo_jax.launch.tpu_pod --config=configs/cpu_default.py` (a config path not
+  # found there is the shipped one: train.find_config). configs/ stays a folder of files loaded by path (no
+  # __init__.py); launch/__init__.py lets an editable install run `-m aepo_jax.launch.NAME` too. tests/test_install.py.
+  packages=setuptools.find_packages(include=["aepo_jax", "aepo_jax.*"])
+  + ["aepo_jax.configs", "aepo_jax.configs.testing", "aepo_jax.launch"],
+  package_dir={"aepo_jax.configs": "configs", "aepo_jax.launch": "launch"},
   # The CPU kernels' sources (decode matmul and attention; training attention), compiled on first use
   # (aepo_jax/parallel/_native.py).
   package_data={"aepo_jax.model": ["csrc/*.cc"], "aepo_jax.parallel": ["csrc/*.h"]},

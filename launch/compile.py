@@ -25,7 +25,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if not __package__:  # run as a script from a checkout (not as `python -m aepo_jax.launch.NAME`)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Experiment config file (configs/*.py[:arg]).", lock_config=True
@@ -58,8 +59,12 @@ def main(argv):
 _MODEL_OVERRIDES: dict = {}
 
 if __name__ == "__main__":
-  from aepo_jax.train import split_model_overrides
+  from aepo_jax.train import ConfigError, resolve_config_flag, split_model_overrides
 
   sys.argv, _MODEL_OVERRIDES = split_model_overrides(sys.argv)
+  try:  # configs/X.py not in this directory: the config the package ships
+    sys.argv = resolve_config_flag(sys.argv)
+  except ConfigError as e:
+    sys.exit(f"error: {e}")
   flags.mark_flag_as_required("config")
   app.run(main)

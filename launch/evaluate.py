@@ -34,7 +34,8 @@ import sys
 
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if not __package__:  # run as a script from a checkout (not as `python -m aepo_jax.launch.NAME`)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # This script's own flags, so that importing it (tests load it more than once) never collides with another
 # module's definitions in absl's global FLAGS.

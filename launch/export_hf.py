@@ -19,7 +19,8 @@ import sys
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if not __package__:  # run as a script from a checkout (not as `python -m aepo_jax.launch.NAME`)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CKPT = flags.DEFINE_string("checkpoint", None, "Training workdir, phase dir or step dir (local or gs://).")
 _OUT = flags.DEFINE_string("output", None, "Output directory (local or gs://).")

@@ -13,7 +13,8 @@ import sys
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if not __package__:  # run as a script from a checkout (not as `python -m aepo_jax.launch.NAME`)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's work directory (local or gs://).")
 _OUT = flags.DEFINE_string("out", None, "Output folder (default: <workdir>/plots; local only).")

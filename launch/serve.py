@@ -24,7 +24,8 @@ import threading
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+if not __package__:  # run as a script from a checkout (not as `python -m aepo_jax.launch.NAME`)
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CKPT = flags.DEFINE_string("checkpoint", None, "Bundled name, HF directory (local or gs://) or training checkpoint.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer name or directory (default: the checkpoint's).")

@@ -4,7 +4,8 @@ Config      base_config(), validate(config, num_devices=None), load_config(path,
             load_sibling(__file__, "common") (shared config files), mesh_shape(mesh_cfg, num_devices), set_key,
             to_json/from_json, ConfigError
 Command line split_model_overrides(argv) -> (argv, {field: value}) (`--config.model.overrides.FIELD=VALUE`),
-            apply_model_overrides(config, overrides), unknown_key_hint(key) -> None or '; did you mean ...'
+            apply_model_overrides(config, overrides), unknown_key_hint(key) -> None or '; did you mean ...',
+            resolve_config_flag(argv), find_config(path) (`configs/x.py` not here: the shipped config)
 Checks      preflight_checklist(config) -> rows, format_checklist(rows, config_name), PreflightError
             (files, names, backends and URLs, no device claimed); compile_check(config, topology, programs,
             hlo_dir=, headroom=) -> exit status (every program compiled for a TPU topology: fits in HBM?)
@@ -23,10 +24,12 @@ from aepo_jax.train._config import (
   ConfigError,
   apply_model_overrides,
   base_config,
+  find_config,
   from_json,
   load_config,
   load_sibling,
   mesh_shape,
+  resolve_config_flag,
   set_key,
   split_model_overrides,
   to_json,
@@ -60,6 +63,8 @@ __all__ = [
   "from_json",
   "split_model_overrides",
   "apply_model_overrides",
+  "resolve_config_flag",
+  "find_config",
   "unknown_key_hint",
   "preflight_checklist",
   "format_checklist",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from pathlib import Path
 from typing import Optional
 
 import ml_collections
@@ -32,11 +33,13 @@ __all__ = [
   "apply_model_overrides",
   "base_config",
   "did_you_mean",
+  "find_config",
   "flatten",
   "from_json",
   "load_config",
   "load_sibling",
   "mesh_shape",
+  "resolve_config_flag",
   "set_key",
   "split_model_overrides",
   "to_json",
@@ -45,10 +48,47 @@ __all__ = [
 ]
 
 
+def shipped_configs_dir() -> Path:
+  """The experiment configs this package ships: `aepo_jax/configs` in an installed package (setup.py maps the
+  checkout's configs/ there), else the checkout's configs/ beside aepo_jax/."""
+  package = Path(__file__).resolve().parents[1]
+  return package / "configs" if (package / "configs").is_dir() else package.parent / "configs"
+
+
+def find_config(path: str) -> str:
+  """`path` ('configs/x.py[:arg]') when that file exists, else the shipped config of that name, so the README's
+  `--config=configs/cpu_default.py` also works from any directory with an installed (non-editable) package. Neither:
+  a ConfigError naming the closest shipped config."""
+  file, sep, arg = path.partition(":")
+  if os.path.exists(file):
+    return path
+  shipped = shipped_configs_dir()
+  found = shipped / os.path.normpath(file).removeprefix("configs" + os.sep)
+  if not os.path.isabs(file) and found.is_file():
+    return f"{found}{sep}{arg}"
+  names = sorted(str(p.relative_to(shipped.parent)) for p in shipped.rglob("*.py") if p.name != "common.py")
+  raise ConfigError(
+    f"config file {file!r} exists neither here nor among the shipped configs ({shipped})"
+    + did_you_mean(os.path.normpath(file), names, otherwise=f"; they are {', '.join(names)}")
+  )
+
+
+def resolve_config_flag(argv: list, name: str = "config") -> list:
+  """argv with the config file flag (`--config=PATH` or `--config PATH`) resolved by `find_config`; the launchers
+  call it before absl parses the flag, which loads the file."""
+  out = list(argv)
+  for i, a in enumerate(out):
+    if a.startswith(f"--{name}="):
+      out[i] = f"--{name}=" + find_config(a.split("=", 1)[1])
+    elif a == f"--{name}" and i + 1 < len(out):
+      out[i + 1] = find_config(out[i + 1])
+  return out
+
+
 def load_config(path: str, arg: Optional[str] = None, overrides: Optional[dict] = None, **validate_kw):
-  """Load `configs/x.py` (its `get_config(arg)`), apply {'rollout.n': 8, ...} overrides, validate."""
-  if not os.path.exists(path):
-    raise ConfigError(f"config file {path!r} does not exist; see configs/ for the available experiments.")
+  """Load `configs/x.py` (its `get_config(arg)`; a shipped config by that name when no such file is here, see
+  `find_config`), apply {'rollout.n': 8, ...} overrides, validate."""
+  path = find_config(path)
   module = _import_file(path)
   config = module.get_config(arg) if arg is not None else module.get_config()
   for key, value in (overrides or {}).items():
