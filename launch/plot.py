@@ -28,7 +28,11 @@ PANELS = {
   "clip_fractions": [r"^actor/.*clipfrac.*$"],
   "kl": [r"^actor/ppo_kl$", r"^actor/kl_loss$", r"^mismatch/logprob_abs_diff_mean$"],
   "grad_norm": [r"^train/grad_norm$", r"^sft/grad_norm$"],
-  "branches": [r"^rollout/branches_per_prompt$", r"^rollout/top3_branch_share$", r"^rollout/tree_depth_mean$"],
+  "branches": [
+    r"^rollout/branches_per_prompt$",
+    r"^rollout/(top3|consecutive)_branch_share$",
+    r"^rollout/tree_depth_mean$",
+  ],
   "tool_calls": [
     r"^rollout/tool_calls.*$",
     r"^tools/.*(calls|timeouts|failures|errors).*$",

@@ -182,7 +182,8 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
 
   need(config.mode in MODES, f"mode={config.mode!r}: choose one of {MODES}.")
   need(
-    config.model.init in ("pretrained", "random"), f"model.init={config.model.init!r}: use 'pretrained' or 'random'."
+    config.model.init in ("pretrained", "random", "checkpoint"),
+    f"model.init={config.model.init!r}: use 'pretrained', 'random' or 'checkpoint'.",
   )
   for k in ("dtype", "param_dtype"):
     need(

@@ -21,7 +21,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Model: a preset name (random init), 'smollm2-135m-instruct' (load_pretrained), an HF dir, or gs://.
   c.model = ml_collections.ConfigDict()
   c.model.name = "smollm2-135m-instruct"
-  c.model.init = "pretrained"  # pretrained (load the weights named by `name`) | random (preset shape)
+  # pretrained (load the weights named by `name`) | random (preset shape) | checkpoint (`name` is another run's
+  # Orbax checkpoint: a step dir, phase dir or workdir; e.g. RL from an SFT run's final parameters)
+  c.model.init = "pretrained"
   c.model.dtype = "float32"  # compute dtype; bfloat16 on TPU, float32 on CPU (XLA's CPU bf16 is slow)
   c.model.param_dtype = "float32"
   c.model.remat = False

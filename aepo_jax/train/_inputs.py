@@ -26,11 +26,15 @@ def load_model(config, mesh=None):
   local HF directory, or a gs:// HF directory (streamed file by file to a local temporary directory that is removed
   after loading). HF and named checkpoints are read tensor by tensor into each host's own shards
   (`model.load_hf(mesh=)`): no parameter is ever whole on one device, and no host copy outlives the load.
+  init='checkpoint': the parameters of another run's Orbax checkpoint at `model.name` (a step directory, a phase
+  directory or a training workdir, local or gs://; e.g. RL from an SFT run), read into their shardings; its
+  model config and tokenizer are the ones that run saved (`model.tokenizer` overrides the tokenizer).
   """
   from aepo_jax import model as model_lib
 
   mc = config.model
-  kw = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, **dict(mc.overrides))
+  overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in mc.overrides.items()}  # a config read from JSON
+  kw = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, **overrides)
   tokenizer = None
   if mc.init == "random":
     cfg = model_lib.preset(mc.name, **kw)
@@ -39,6 +43,18 @@ def load_model(config, mesh=None):
       params = model_lib.init_params(cfg, key)
     else:
       params = jax.jit(lambda k: model_lib.init_params(cfg, k), out_shardings=model_lib.param_shardings(cfg, mesh))(key)
+  elif mc.init == "checkpoint":
+    from aepo_jax import checkpoint
+
+    ref = checkpoint.resolve_checkpoint(str(mc.name))
+    if ref.kind != "orbax":
+      raise checkpoint.CheckpointNotFoundError(
+        f"model.name={mc.name!r} is a {ref.kind} model, not an Orbax checkpoint of a training run; load it "
+        "with model.init='pretrained'."
+      )
+    policy = checkpoint.load_policy(ref, tokenizer=mc.tokenizer or None, dtype=mc.param_dtype, mesh=mesh)
+    log.info("model: %s", policy.source)
+    return policy.config.replace(**kw), policy.params, policy.tokenizer
   elif str(mc.name).startswith("gs://") or os.path.isdir(mc.name):
     with _local_files(mc.name) as path:
       cfg, params = model_lib.load_hf(path, dtype=mc.param_dtype, mesh=mesh)

@@ -80,6 +80,9 @@ def _model(config, p):
         "needs; set --config.model.tokenizer=<directory with tokenizer.json>."
       )
     return
+  if mc.init == "checkpoint":
+    _checkpoint_source(name, p)
+    return
   no_tokenizer = (
     f"model.name={name!r} has no tokenizer.json; set model.tokenizer to a directory (local or gs://) "
     "that holds the model's tokenizer."
@@ -127,6 +130,27 @@ def _model(config, p):
       "Hugging Face directory with config.json, nor a gs:// one"
       + ("" if os.path.isabs(name) else f" (relative paths resolve against {os.getcwd()})")
       + "; fix the name or the path."
+    )
+
+
+def _checkpoint_source(name: str, p) -> None:
+  """model.init='checkpoint': `name` resolves to committed Orbax steps of a run that saved its model config."""
+  from aepo_jax import checkpoint
+
+  try:
+    ref = checkpoint.resolve_checkpoint(name)
+  except checkpoint.CheckpointNotFoundError as e:
+    p.add(f"model.name (model.init='checkpoint'): {str(e).replace('--checkpoint ', '')}")
+    return
+  if ref.kind != "orbax":
+    p.add(
+      f"model.name={name!r} is a {ref.kind} model, not an Orbax checkpoint of a training run; use "
+      "model.init='pretrained' for it."
+    )
+  elif checkpoint.training_config(ref) is None:
+    p.add(
+      f"model.name={name!r}: no committed checkpoint with a saved training config there (an interrupted save, or "
+      "not written by aepo_jax.train); give a step directory such as .../checkpoints/sft/16."
     )
 
 

@@ -2,7 +2,9 @@
 
 top3_branch_share is the concentration AEPO's consecutive-branch penalty targets (spec §2.1: 93.4% of ARPO's
 branches sit on 1-3 trajectories): per prompt with at least one branch, the share of its branches whose parent
-is one of the 3 trajectories with most children, averaged over those prompts.
+is one of the 3 trajectories with most children, averaged over those prompts. consecutive_branch_share is the
+chain the penalty stops: the share of branches made at tool call k of a path that had also branched at call k-1
+(the path: the parent's calls up to the fork, its own lineage's branches included), over all branches.
 """
 
 from __future__ import annotations
@@ -23,6 +25,38 @@ def _stat(accums, estimator, window, vocab_size) -> np.ndarray:
       a[:, 0].astype(np.int32), a[:, 1], a[:, 2], estimator=estimator, window=window, vocab_size=vocab_size
     )
   )
+
+
+def _fork_step(record, by_index) -> int:
+  """The tool call (count along the path) after whose result `record` forked from its parent."""
+  parent = by_index.get(record.parent)
+  seg = next((s for s in parent.segments if s.result_end == record.fork_pos), None) if parent else None
+  return seg.calls_after if seg is not None else 0
+
+
+def consecutive_branches(records) -> tuple[int, int]:
+  """(branches made at tool call k of a path that also branched at call k-1, all branches)."""
+  by_index = {r.index: r for r in records}
+  step = {r.index: _fork_step(r, by_index) for r in records if r.kind == "branch" and r.parent in by_index}
+  made = collections.defaultdict(set)  # parent index -> tool calls at which it was branched
+  for i, k in step.items():
+    made[by_index[i].parent].add(k)
+
+  def branched_at(index: int, k: int, upto: int) -> bool:
+    """Whether the path of `index`, up to its tool call `upto`, branched at call k."""
+    while index in by_index:
+      if k <= upto and k in made[index]:
+        return True
+      if index not in step:
+        return False
+      if step[index] == k:  # this path itself was made by a branch at call k
+        return True
+      upto = min(upto, step[index])
+      index = by_index[index].parent
+    return False
+
+  hits = sum(1 for i, k in step.items() if k > 0 and branched_at(by_index[i].parent, k - 1, k - 1))
+  return hits, len(step)
 
 
 def _mean(x) -> float:
@@ -61,6 +95,7 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
   depths = [depth[r.index] for r in records]
   stops = collections.Counter(r.stop_reason for r in records)
   n = max(len(records), 1)
+  consecutive, branches = consecutive_branches(records)
   out = {
     "rollout/num_trajectories": float(len(records)),
     "rollout/branches_per_prompt": _mean(branches_p),
@@ -68,6 +103,7 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
     "rollout/tree_depth_max": float(max(depths, default=0)),
     "rollout/tree_depth_mean": _mean(depths),
     "rollout/top3_branch_share": _mean(shares),
+    "rollout/consecutive_branch_share": consecutive / branches if branches else 0.0,
     "rollout/tool_calls_per_traj": _mean([r.num_tool_calls for r in records]),
     "rollout/tool_failures": float(sum(r.tool_failures for r in records)),
     "rollout/entropy_initial": _mean(h_first),

@@ -1,0 +1,234 @@
+"""The report of bench/compare_algorithms.py: one record per finished RL run (results.json), the table with 95%
+bootstrap intervals over seeds (results.md) and the plots (plots/algorithms.png)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import numpy as np
+
+# record key -> metric of the run's metrics.jsonl (one value per RL step)
+SERIES = {
+  "reward": "reward/mean",
+  "tool_calls_per_traj": "rollout/tool_calls_per_traj",
+  "policy_entropy": "actor/entropy_mean",  # the update batch's entropy (the trained policy, every token)
+  "sampler_entropy": "rollout/sampler_entropy_mean",
+  "entropy_after_tool": "rollout/entropy_after_tool",
+  "entropy_initial": "rollout/entropy_initial",
+  "branches_per_prompt": "rollout/branches_per_prompt",
+  "top3_branch_share": "rollout/top3_branch_share",
+  "consecutive_branch_share": "rollout/consecutive_branch_share",
+  "tree_depth_mean": "rollout/tree_depth_mean",
+  "tree_depth_max": "rollout/tree_depth_max",
+  "response_len": "rollout/response_len_mean",
+  "step_s": "perf/step_s",
+}
+
+
+def _read_jsonl(path: str) -> list[dict]:
+  out = []
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        try:
+          out.append(json.loads(line))
+        except ValueError:  # a line cut by a kill
+          continue
+  return out
+
+
+def read_run(run: dict) -> dict:
+  """One run's record: its per-step series and evaluations (a step logged twice, before and after a resume, counts
+  once: the later line)."""
+  workdir = run["config"].workdir
+  train, evals = {}, {}
+  for rec in _read_jsonl(os.path.join(workdir, "metrics.jsonl")):
+    step = int(rec["step"])
+    if "eval/accuracy" in rec:
+      calls = [v for k, v in rec.items() if k.startswith("eval/") and k.endswith("/tool_calls") and "/tools/" not in k]
+      evals[step] = {
+        "step": step,
+        "accuracy": rec["eval/accuracy"],
+        "tool_calls": float(np.mean(calls)) if calls else None,
+      }
+    if "reward/mean" in rec:
+      train[step] = rec
+  steps = sorted(train)
+  with open(os.path.join(run["dir"], "summary.json")) as f:
+    summary = json.load(f)
+  ev = [evals[s] for s in sorted(evals)]
+  out = {
+    "algorithm": run["algorithm"],
+    "seed": run["seed"],
+    "before_accuracy": ev[0]["accuracy"] if ev and ev[0]["step"] == 0 else None,
+    "after_accuracy": ev[-1]["accuracy"] if ev and ev[-1]["step"] > 0 else None,
+    "before_tool_calls": ev[0]["tool_calls"] if ev and ev[0]["step"] == 0 else None,
+    "after_tool_calls": ev[-1]["tool_calls"] if ev and ev[-1]["step"] > 0 else None,
+    "evaluations": ev,
+    "steps": steps,
+    "wall_s": summary.get("wall_s"),
+    "kept_from_base": run["reverted"],
+  }
+  for name, key in SERIES.items():
+    out[name] = [train[s].get(key) for s in steps]
+  # Undefined, not zero: branch shares of a step without branches, the entropy after tool results without results.
+  for i, s in enumerate(steps):
+    if not train[s].get("rollout/branches_per_prompt"):
+      out["top3_branch_share"][i] = out["consecutive_branch_share"][i] = None
+    if not train[s].get("rollout/tool_calls_per_traj"):
+      out["entropy_after_tool"][i] = None
+  return out
+
+
+def _ci(values) -> tuple:
+  from aepo_jax.eval import bootstrap_ci
+
+  v = [x for x in values if x is not None]
+  if not v:
+    return (None, None, None)
+  lo, hi = bootstrap_ci(v, num_resamples=10000) if len(v) > 1 else (v[0], v[0])
+  return float(np.mean(v)), lo, hi
+
+
+def _fmt(m, lo, hi, digits=3) -> str:
+  if m is None:
+    return "n/a"
+  return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _mean_over_steps(rec, key, last=None):
+  v = [x for x in rec[key] if x is not None]
+  if last:
+    v = v[-last:]
+  return float(np.mean(v)) if v else None
+
+
+def table(records: list[dict]) -> str:
+  by = defaultdict(list)
+  for r in records:
+    by[r["algorithm"]].append(r)
+  head = (
+    "| algorithm | seeds | accuracy before RL | accuracy after RL | change | tool calls per answer (after) | "
+    "policy entropy, first -> last step | entropy after tool results / at the start | branches per prompt | "
+    "top-3 branch share | consecutive branch share | minutes per run |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+  )
+  rows = []
+  for algo, rs in by.items():
+    delta = [
+      r["after_accuracy"] - r["before_accuracy"]
+      for r in rs
+      if r["after_accuracy"] is not None and r["before_accuracy"] is not None
+    ]
+    first = np.mean([r["policy_entropy"][0] for r in rs if r["policy_entropy"] and r["policy_entropy"][0] is not None])
+    last = np.mean([r["policy_entropy"][-1] for r in rs if r["policy_entropy"] and r["policy_entropy"][-1] is not None])
+    after_tool = [_mean_over_steps(r, "entropy_after_tool") for r in rs]
+    initial = [_mean_over_steps(r, "entropy_initial") for r in rs]
+    after_tool, initial = [x for x in after_tool if x is not None], [x for x in initial if x is not None]
+    ratio = f"{np.mean(after_tool):.3f} / {np.mean(initial):.3f}" if after_tool and initial else "n/a"
+    rows.append(
+      "| "
+      + " | ".join(
+        [
+          algo,
+          str(len(rs)),
+          _fmt(*_ci([r["before_accuracy"] for r in rs])),
+          _fmt(*_ci([r["after_accuracy"] for r in rs])),
+          _fmt(*_ci(delta)),
+          _fmt(*_ci([r["after_tool_calls"] for r in rs]), digits=2),
+          f"{first:.3f} -> {last:.3f}",
+          ratio,
+          _fmt(*_ci([_mean_over_steps(r, "branches_per_prompt") for r in rs]), digits=2),
+          _fmt(*_ci([_mean_over_steps(r, "top3_branch_share") for r in rs]), digits=2),
+          _fmt(*_ci([_mean_over_steps(r, "consecutive_branch_share") for r in rs]), digits=2),
+          f"{np.mean([r['wall_s'] for r in rs]) / 60:.1f}",
+        ]
+      )
+      + " |"
+    )
+  return head + "\n".join(rows) + "\n"
+
+
+def _band(ax, records, key, color, label, x_of=None):
+  """Mean over seeds with the min-max range shaded, per step."""
+  steps = sorted({s for r in records for s in (x_of(r) if x_of else r["steps"])})
+  rows = []
+  for r in records:
+    xs = x_of(r) if x_of else r["steps"]
+    ys = [e["accuracy"] for e in r["evaluations"]] if x_of else r[key]
+    d = dict(zip(xs, ys))
+    rows.append([d.get(s) if d.get(s) is not None else np.nan for s in steps])
+  a = np.asarray(rows, np.float64)
+  if a.size == 0 or np.all(np.isnan(a)):
+    return
+  mean = np.nanmean(a, axis=0)
+  ax.plot(steps, mean, marker="o", ms=3, color=color, label=f"{label} (n={len(records)})")
+  ax.fill_between(steps, np.nanmin(a, axis=0), np.nanmax(a, axis=0), color=color, alpha=0.15, lw=0)
+
+
+def plot(records: list[dict], path: str) -> None:
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import MaxNLocator
+
+  by = defaultdict(list)
+  for r in records:
+    by[r["algorithm"]].append(r)
+  colors = dict(zip(by, ["tab:gray", "tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]))
+  fig = Figure(figsize=(15, 8.5), constrained_layout=True)
+  axes = fig.subplots(2, 3)
+  panels = [
+    (axes[0, 0], None, "held-out accuracy (greedy)"),
+    (axes[0, 1], "reward", "train reward"),
+    (axes[0, 2], "policy_entropy", "policy entropy of the update batch"),
+    (axes[1, 0], "tool_calls_per_traj", "tool calls per trajectory"),
+    (axes[1, 1], "entropy_after_tool", "sampler entropy right after tool results"),
+  ]
+  for ax, key, title in panels:
+    for algo, rs in by.items():
+      if key is None:
+        _band(ax, rs, None, colors[algo], algo, x_of=lambda r: [e["step"] for e in r["evaluations"]])
+      else:
+        _band(ax, rs, key, colors[algo], algo)
+    ax.set_title(title)
+    ax.set_xlabel("RL step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+  axes[0, 0].legend(loc="best", fontsize=8)
+  ax = axes[1, 2]
+  names = list(by)
+  x = np.arange(len(names))
+  for j, (key, label) in enumerate(
+    [("top3_branch_share", "top-3 share"), ("consecutive_branch_share", "consecutive share")]
+  ):
+    per_seed = [[v for v in (_mean_over_steps(r, key) for r in by[n]) if v is not None] or [0.0] for n in names]
+    means = [np.mean(v) for v in per_seed]
+    err = np.array([[m - min(v) for m, v in zip(means, per_seed)], [max(v) - m for m, v in zip(means, per_seed)]])
+    ax.bar(x + (j - 0.5) * 0.38, means, 0.38, yerr=err, capsize=3, label=label, color=["tab:olive", "tab:cyan"][j])
+  ax.set_xticks(x, names)
+  ax.set_ylim(0, 1.05)
+  ax.set_title("branch concentration (mean over steps; bars: seed range)")
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3, axis="y")
+  fig.savefig(path, dpi=110)
+
+
+def write(out: str, runs: list[dict], spec: dict) -> list[str]:
+  records = [read_run(r) for r in runs]
+  paths = []
+  path = os.path.join(out, "results.json")
+  with open(path, "w") as f:
+    json.dump({"sweep": {k: v for k, v in spec.items() if k != "out"}, "records": records}, f, indent=1)
+  paths.append(path)
+  md = os.path.join(out, "results.md")
+  with open(md, "w") as f:
+    f.write(table(records) if records else "no finished RL run yet\n")
+  paths.append(md)
+  if records:
+    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
+    png = os.path.join(out, "plots", "algorithms.png")
+    plot(records, png)
+    paths.append(png)
+  return paths

@@ -1,0 +1,152 @@
+"""bench/compare_algorithms.py: every algorithm gets the same budget, a sweep into another sweep's folder is refused,
+and a killed sweep continues where it stopped without redoing a finished run (tiny model, real SFT and RL)."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from absl import app
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "bench", "compare_algorithms.py")
+
+
+def _module():
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  spec = importlib.util.spec_from_file_location("compare_algorithms", SCRIPT)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+MOD = _module()
+
+
+def _spec(tmp_path, **kw):
+  spec = dict(
+    config=os.path.join(ROOT, "configs", "cpu_default.py"),
+    algorithms=["grpo", "arpo", "aepo", "dapo", "gspo"],
+    seeds=[0, 1],
+    steps=3,
+    eval_every=0,
+    set=[],
+    out=str(tmp_path),
+    keep_checkpoints=False,
+  )
+  spec.update(kw)
+  return spec
+
+
+def test_every_algorithm_gets_the_same_budget_and_its_own_objective(tmp_path):
+  from aepo_jax.train._config_checks import flatten
+
+  runs = MOD.plan(_spec(tmp_path))
+  assert [(r["kind"], r["algorithm"], r["seed"]) for r in runs[:6]] == [
+    ("sft", "sft", 0),
+    ("rl", "grpo", 0),
+    ("rl", "arpo", 0),
+    ("rl", "aepo", 0),
+    ("rl", "dapo", 0),
+    ("rl", "gspo", 0),
+  ]
+  rl = {r["algorithm"]: flatten(r["config"]) for r in runs if r["kind"] == "rl" and r["seed"] == 1}
+  for key in (
+    "rollout.n",
+    "data.prompts_per_step",
+    "rollout.max_response_len",
+    "optim.lr",
+    "train.steps",
+    "tools.retry_count",
+  ):
+    assert len({str(c[key]) for c in rl.values()}) == 1, key
+  assert rl["grpo"]["train.steps"] == 3
+  assert {a: c["rollout.policy"] for a, c in rl.items()} == {
+    "grpo": "none",
+    "arpo": "arpo",
+    "aepo": "aepo",
+    "dapo": "none",
+    "gspo": "none",
+  }
+  assert {a: c["algo.loss"] for a, c in rl.items()} == {
+    "grpo": "grpo",
+    "arpo": "arpo",
+    "aepo": "aepo",
+    "dapo": "dapo",
+    "gspo": "gspo",
+  }
+  assert rl["aepo"]["algo.entropy_advantage_coef"] == 0.2 and rl["arpo"]["algo.entropy_advantage_coef"] == 0.0
+  assert rl["aepo"]["rollout.enable_dynamic_rollouts"] and not rl["arpo"]["rollout.enable_dynamic_rollouts"]
+  arpo = next(r for r in runs if r["algorithm"] == "arpo")
+  assert arpo["reverted"] == ["tools.retry_count"]  # the preset's 3 retries put back to the base's 1
+  for r in runs:
+    c = r["config"]
+    assert (c.train.seed, c.sft.seed, c.data.seed) == (r["seed"],) * 3
+    if r["kind"] == "rl":  # RL starts from its seed's SFT checkpoint
+      assert c.mode == "rl" and c.model.init == "checkpoint"
+      assert c.model.name == os.path.join(str(tmp_path), "sft", f"seed{r['seed']}", "work", "checkpoints", "sft")
+
+
+def test_unknown_algorithm_and_another_sweeps_folder_are_refused(tmp_path):
+  with pytest.raises(app.UsageError, match="no preset 'ppo2'"):
+    MOD.preset("ppo2")
+  MOD.check_spec(_spec(tmp_path))
+  MOD.check_spec(_spec(tmp_path, seeds=[2], algorithms=["grpo"]))  # more seeds: added to the sweep
+  with open(tmp_path / "sweep.json") as f:
+    assert json.load(f)["seeds"] == [0, 1, 2]
+  with pytest.raises(app.UsageError, match="steps: 3 there, 5 now"):
+    MOD.check_spec(_spec(tmp_path, steps=5))
+
+
+def _sweep(out, tok_dir):
+  return [
+    sys.executable,
+    SCRIPT,
+    f"--config={os.path.join(ROOT, 'configs', 'testing', 'tiny_rl.py')}",
+    f"--set=model.tokenizer={tok_dir}",
+    "--set=sft.steps=1",
+    "--set=data.suite.n_heldout=2",
+    "--algorithms=grpo",
+    "--seeds=0",
+    "--steps=1",
+    f"--out={out}",
+  ]
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_continues_without_redoing_finished_runs(tmp_path):
+  from aepo_jax.testing import tiny_tokenizer
+
+  tok_dir = str(tmp_path / "tok")
+  tiny_tokenizer(tok_dir)
+  out = tmp_path / "sweep"
+  sft_done = out / "sft" / "seed0" / "summary.json"
+  proc = subprocess.Popen(
+    _sweep(out, tok_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+  )
+  deadline = time.time() + 240
+  while not sft_done.exists():  # killed once the first run (the seed's SFT) has finished
+    assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+    assert time.time() < deadline, "the SFT run did not finish in 240 s"
+    time.sleep(0.5)
+  os.killpg(proc.pid, signal.SIGKILL)
+  proc.wait()
+  stamp = sft_done.stat().st_mtime_ns
+  assert not (out / "rl" / "grpo" / "seed0" / "summary.json").exists()
+
+  done = subprocess.run(_sweep(out, tok_dir), capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "2 runs (1 done already)" in done.stdout
+  assert sft_done.stat().st_mtime_ns == stamp  # not redone
+  results = json.loads((out / "results.json").read_text())
+  (rec,) = results["records"]
+  assert (rec["algorithm"], rec["seed"], rec["steps"]) == ("grpo", 0, [1])
+  for key in ("before_accuracy", "after_accuracy", "reward", "top3_branch_share", "consecutive_branch_share"):
+    assert key in rec
+  assert (out / "plots" / "algorithms.png").stat().st_size > 10_000
+  assert "| grpo | 1 |" in (out / "results.md").read_text()
+  assert not (out / "rl" / "grpo" / "seed0" / "work" / "checkpoints").exists()  # removed once the run is done
