@@ -30,13 +30,15 @@ from aepo_jax.rollout._state import (
 
 # The one rollout face: every user of the engine (trainer, validation, eval.Evaluator, launch/compile.py) builds here:
 #   RolloutSettings(max_slots, max_prompt_len, max_response_len, sampling, policy, policy_config, ...)
-#   Rollouts(model_config, tokenizer, tools, settings, mesh=None).weights(params) / (weights, prompt_ids, seed)
+#   Rollouts(model_config, tokenizer, tools, settings, mesh=None).weights(params) / (weights, prompt_ids, seed,
+#     should_stop=None)
 #   build_engine(model_config, tokenizer, settings, tool_tags=(), mesh=None)   the Engine of the settings
 #   describe_engine(engine) -> dict                the settings an engine was built with (for comparisons)
 # Agent loop and rollout policies (docs/rollout.md):
 #   AgentLoop(engine, tokenizer, tools, AgentConfig(...)).rollout(params, prompts, policy, seed=0) -> Trajectories
+#     (should_stop=callable: asked between decode chunks; True raises RolloutInterrupted, e.g. on SIGTERM)
 #   rollout_policy('none' | 'arpo' | 'aepo', PolicyConfig(...), **overrides), register_rollout_policy(name)
-from aepo_jax.rollout._agent import AgentConfig, AgentLoop
+from aepo_jax.rollout._agent import AgentConfig, AgentLoop, RolloutInterrupted
 from aepo_jax.rollout._trajectories import Trajectories, TrajectoryRecord, concat_groups
 from aepo_jax.rollout.policies import PolicyConfig, RolloutPolicy, register_rollout_policy, rollout_policy
 from aepo_jax.rollout._generate import generate

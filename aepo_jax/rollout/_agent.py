@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -68,6 +68,11 @@ class AgentConfig:
       )
 
 
+class RolloutInterrupted(RuntimeError):
+  """`should_stop` answered True between two decode chunks or tool polls (e.g. SIGTERM on a preemptible VM): the
+  rollout was abandoned, its slots released; nothing of it is returned."""
+
+
 class AgentLoop(_Scheduling):
   """Runs rollouts of a policy over prompts with an Engine and a ToolSet (docs/rollout.md)."""
 
@@ -82,6 +87,7 @@ class AgentLoop(_Scheduling):
     cfg_pad = getattr(engine.config, "pad_token_id", None)
     self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else self.eos_id))
     self.last_run: Optional[_Run] = None
+    self._should_stop: Optional[Callable] = None  # set for the duration of a rollout call
     self.stop_checker = None
     self.tool_tags = _tool_tags(config, tools)
     self.result_tags = dict(getattr(tools, "result_tags", None) or {})
@@ -91,8 +97,19 @@ class AgentLoop(_Scheduling):
       self.stop_checker = StopStringChecker(tokenizer, [f"</{t}>" for t in self.tool_tags], engine.config.vocab_size)
 
   # ------------------------------------------------------------------------------------------------ API
-  def rollout(self, params, prompts: Sequence[Sequence[int]], policy, *, seed: int = 0) -> Trajectories:
-    """Exactly policy.config.n trajectories per prompt, rows prompt-major in creation order."""
+  def rollout(
+    self, params, prompts: Sequence[Sequence[int]], policy, *, seed: int = 0, should_stop: Optional[Callable] = None
+  ) -> Trajectories:
+    """Exactly policy.config.n trajectories per prompt, rows prompt-major in creation order. `should_stop()` is
+    asked between decode chunks and tool polls (the probe's included); True abandons the rollout with
+    RolloutInterrupted."""
+    self._should_stop = should_stop
+    try:
+      return self._rollout(params, prompts, policy, seed)
+    finally:
+      self._should_stop = None
+
+  def _rollout(self, params, prompts, policy, seed: int) -> Trajectories:
     if isinstance(policy, str):
       policy = rollout_policy(policy)
     prompts = [list(map(int, p)) for p in prompts]
@@ -213,6 +230,13 @@ class AgentLoop(_Scheduling):
   # ------------------------------------------------------------------------------------------------ driving
   def _drive(self, run: _Run, policy: RolloutPolicy) -> None:
     while True:
+      if self._should_stop is not None and self._should_stop():
+        self._release(run, list(run.slot_rec))
+        run.state = run.params = None
+        raise RolloutInterrupted(
+          f"rollout interrupted in round {run.round} after {run.decoded_tokens} sampled tokens "
+          f"({sum(r.done for r in run.records)} of {len(run.records)} trajectories finished)."
+        )
       run.page_blocked = False
       self._unstall(run)
       self._admit(run)

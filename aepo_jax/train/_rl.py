@@ -13,6 +13,7 @@ import numpy as np
 
 from aepo_jax import checkpoint as _checkpoint
 from aepo_jax import parallel
+from aepo_jax.rollout import RolloutInterrupted
 from aepo_jax.train import _batch, _inputs, _metrics, _objective, _optim, _step, _validation, _wiring
 from aepo_jax.train._phase import NothingToDo, Run, TrainState, check_finite, needs_reference, resume, save
 
@@ -80,16 +81,26 @@ def phase(run: Run, params):
   while step < total:
     ckpt.check()  # a failed async save stops the run here, naming its step
     # -- rollout ------------------------------------------------------------------------------------------
+    at_start = (rng, loader.get_state())  # what a checkpoint of this step's start holds (preemption mid-rollout)
     key = jax.random.wrap_key_data(rng)
     key, rollout_key = jax.random.split(key)
     rng = np.asarray(jax.random.key_data(key))
     # -- rollouts and rewards (DAPO dynamic sampling may generate several batches) --------------------------
     with timer("rollout"):
       weights = rollout.weights(params)  # the policy on this host's rollout devices (once per step)
-    traj, prompts, rewards_b, gen_metrics = generate(
-      config, loader, rollout, reward_fn, weights, rollout_key, pad_id, timer
-    )
+    try:  # SIGTERM is noticed between decode chunks and tool polls, not only at the end of the step
+      traj, prompts, rewards_b, gen_metrics = generate(
+        config, loader, rollout, reward_fn, weights, rollout_key, pad_id, timer, should_stop=run.preempt.is_requested
+      )
+      interrupted = False
+    except RolloutInterrupted as e:
+      log.warning("RL step %d: %s", step + 1, e)
+      interrupted = True
     del weights  # the rollout copy is not kept through the update
+    if parallel.any_host(interrupted):  # every host here once per step: a host that finished its rollout stops too
+      run.preempt.requested = True
+      _save_step_start(run, ckpt, TrainState(params, opt_state, at_start[0], step), at_start[1], nan_count, perf)
+      break
     with timer("reward"):
       # Each host's own rollout time and trajectories (a straggler's wait lands here, in the first gather).
       gen_metrics.update(host_rollout_metrics(timer.times.get("perf/rollout_s", 0.0), len(traj.group_id_b), step + 1))
@@ -180,6 +191,17 @@ def phase(run: Run, params):
   return params, summary
 
 
+def _save_step_start(run: Run, ckpt, state: TrainState, data_state, nan_count: int, perf) -> None:
+  """The state at the start of the interrupted step (its rng and data position: a resume redoes the step exactly),
+  unless that step is already saved or is the start of RL (nothing to keep)."""
+  if state.step == 0 or ckpt.latest_step() == state.step:
+    log.warning("preempted during the rollout of RL step %d; step %d is already saved.", state.step + 1, state.step)
+    return
+  log.warning("preempted during the rollout of RL step %d: saving step %d.", state.step + 1, state.step)
+  extra = {"phase": "rl", "nan_count": nan_count, "tokens_total": perf.tokens_total}
+  save(run, ckpt, state, data_state, extra, force=True)
+
+
 def host_rollout_metrics(rollout_s: float, trajectories: int, step: int) -> dict:
   """hosts/rollout_s_max|min and hosts/trajectories_max|min over the hosts (this host's own on one); with several
   hosts, process 0 also logs a per-host table, so a straggling host is named. Every host calls it at the same point
@@ -202,7 +224,7 @@ def host_rollout_metrics(rollout_s: float, trajectories: int, step: int) -> dict
   }
 
 
-def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):
+def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer, should_stop=None):
   """(trajectories, prompts by group id, rewards [N], metrics) for one RL step.
 
   Without algo.filter_groups: one batch of prompts, rolled out. With it (DAPO dynamic sampling, spec §3.2):
@@ -215,7 +237,7 @@ def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):
   if not a.filter_groups:
     prompts = next(loader)
     with timer("rollout"):
-      traj = rollout(weights, prompts, key)
+      traj = rollout(weights, prompts, key, should_stop=should_stop)
     with timer("reward"):
       rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
     return traj, prompts, rewards_b, {}
@@ -227,8 +249,9 @@ def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer):
   gen = 0
   while True:
     prompts = next(loader)
-    with timer("rollout"):
-      traj = rollout(weights, prompts, jax.random.fold_in(key, gen))
+    with timer("rollout"):  # hosts agree on more batches below: only one host may leave the loop early
+      stop = should_stop if jax.process_count() == 1 else None
+      traj = rollout(weights, prompts, jax.random.fold_in(key, gen), should_stop=stop)
     gen += 1
     with timer("reward"):
       rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)

@@ -3,7 +3,8 @@
 Everything goes to `config.workdir`: `config.json`, `metrics.jsonl`, `histograms.jsonl`, TensorBoard
 events, `checkpoints/{sft,rl}/<step>`. Rerunning the same command resumes from the latest committed
 checkpoint (params, optimizer state, data-iterator state, RNG), so a killed run continues bit-identically.
-SIGTERM (TPU preemption) saves a checkpoint at the end of the current step and exits.
+SIGTERM (TPU preemption) saves a checkpoint at the end of the current step and exits; during an RL rollout it is
+noticed between decode chunks and tool polls, and the state at the start of that step is saved instead.
 
 The phases: `_sft.phase` (cold-start SFT) and `_rl.phase` (the RL step, spec §1.5), each handed the run's fixed
 parts as one `_phase.Run`.
@@ -30,7 +31,8 @@ log = logging.getLogger("aepo_jax.train")
 
 
 class _Preemption:
-  """SIGTERM sets a flag; the loop saves at the end of the step and returns (spec: TPU preemption).
+  """SIGTERM sets a flag; the loop saves at the end of the step (or, in an RL rollout, which asks `is_requested`
+  between decode chunks, at the start of the step) and returns (spec: TPU preemption).
 
   On several hosts the hosts agree (`agreed(step)`, once per step on every host): JAX's preemption sync point
   (the coordination service's notice, when JAX's own handler sees the signal) or-ed with this host's flag
@@ -39,6 +41,10 @@ class _Preemption:
   def __init__(self):
     self.requested = False
     self._old = None
+
+  def is_requested(self) -> bool:
+    """This host's flag (no collective): the rollout asks it between decode chunks."""
+    return self.requested
 
   def agreed(self, step: int) -> bool:
     if jax.process_count() == 1:
@@ -60,7 +66,7 @@ class _Preemption:
     return self
 
   def _handle(self, signum, frame):
-    log.warning("SIGTERM: saving a checkpoint at the end of this step, then exiting.")
+    log.warning("SIGTERM: saving a checkpoint (this step's end, or in a rollout its start), then exiting.")
     self.requested = True
 
   def __exit__(self, *exc):

@@ -154,11 +154,12 @@ class Rollout:
     """The policy on this host's rollout devices (the same arrays when they already are; see to_host_local)."""
     return self.rollouts.weights(params)
 
-  def __call__(self, weights, prompts, key):
+  def __call__(self, weights, prompts, key, should_stop=None):
     if jax.process_count() > 1:  # hosts sample independently of each other
       key = jax.random.fold_in(key, jax.process_index())
     seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
-    return self.rollouts(weights, [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts], seed=seed)
+    ids = [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts]
+    return self.rollouts(weights, ids, seed=seed, should_stop=should_stop)
 
 
 def make_rollout(config, model_cfg, tokenizer, tools, **kw) -> Rollout:
