@@ -31,6 +31,7 @@ Flags are absl flags (--name=value or --name value); the older spellings --searc
 
 import os
 import sys
+from typing import Optional
 
 from absl import flags
 
@@ -68,7 +69,23 @@ _BENCHMARKS = flags.DEFINE_string(
 )
 _K = flags.DEFINE_string("k", "1,5", "Pass@k values, e.g. '1,5' or '5' (Pass@1 is always reported).", **_F)
 _N = flags.DEFINE_integer("n", None, "Samples per question (default: the largest k).", **_F)
-_LIMIT = flags.DEFINE_integer("limit", None, "First N questions of each benchmark.", **_F)
+_LIMIT = flags.DEFINE_integer(
+  "limit",
+  None,
+  "First N questions of each benchmark (0: all). Default: all; with --protocol=official 500, the official runs' cap "
+  "per set.",
+  **_F,
+)
+OFFICIAL_LIMIT = 500  # the official evaluation scripts evaluate at most 500 items of a set
+
+
+def question_limit(flag: Optional[int], protocol: str) -> Optional[int]:
+  """Questions per benchmark (None: all) from --limit and --protocol."""
+  if flag is None:
+    return OFFICIAL_LIMIT if protocol == "official" else None
+  return flag or None
+
+
 _OUTPUT = flags.DEFINE_string(
   "output",
   None,
@@ -343,8 +360,11 @@ def main(argv=None) -> int:
       raise eval_lib.EvalInputError(str(e)) from None
     name = _CHECKPOINT.value or _POLICY_MODEL.value
     output = _OUTPUT.value or os.path.join("eval_runs", os.path.basename(os.path.normpath(name)))
+    limit = question_limit(_LIMIT.value, _PROTOCOL.value)
+    if _LIMIT.value is None and limit:
+      print(f"--protocol=official: at most {limit} questions per benchmark (--limit=0 for all)", file=sys.stderr)
     summary = eval_lib.run_evaluation(
-      plan, output, settings=settings, ks=ks, limit=_LIMIT.value, show_progress=_PROGRESS.value
+      plan, output, settings=settings, ks=ks, limit=limit, show_progress=_PROGRESS.value
     )
   except (eval_lib.EvalInputError, eval_lib.CheckpointNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -113,3 +113,10 @@ def test_usage_errors(cli, capsys):
   assert "unexpected arguments ['stray']" in capsys.readouterr().err
   assert cli.main(["--n=two"]) == 2
   assert "--n" in capsys.readouterr().err
+
+
+def test_the_official_protocol_caps_each_set_at_500_questions_unless_told(cli):
+  assert cli.question_limit(None, "official") == 500  # the official runs' cap per set
+  assert cli.question_limit(None, "project") is None
+  assert cli.question_limit(0, "official") is None  # --limit=0: every question
+  assert cli.question_limit(20, "official") == 20
