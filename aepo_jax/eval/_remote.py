@@ -196,8 +196,9 @@ class RemoteRollouts:
       "tool_tags": list(self.tool_tags),
     }
 
-  def __call__(self, weights, prompt_ids: Sequence[Sequence[int]], seed: int = 0):
-    """policy_config.n trajectories per prompt, rows prompt-major; `weights` is ignored."""
+  def __call__(self, weights, prompt_ids: Sequence[Sequence[int]], seed: int = 0, on_finished=None):
+    """policy_config.n trajectories per prompt, rows prompt-major; `weights` is ignored; `on_finished()` is called
+    as each trajectory ends."""
     prompts = [[int(t) for t in p] for p in prompt_ids]
     if not prompts or not all(prompts):
       raise ValueError("RemoteRollouts: no prompts, or an empty one.")
@@ -211,6 +212,8 @@ class RemoteRollouts:
     try:
       for f in concurrent.futures.as_completed(futures):
         f.result()  # the first failure raises at once
+        if on_finished is not None:
+          on_finished()
     except BaseException:
       abort.set()
       pool.shutdown(wait=False, cancel_futures=True)

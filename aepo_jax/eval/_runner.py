@@ -244,13 +244,15 @@ class Evaluator:
     with open(path, "a") if path is not None else contextlib.nullcontext() as f:
       for b in range(0, len(todo), s.batch_size):
         batch = todo[b : b + s.batch_size]
-        for rec in self._run_batch(name, batch, seed=s.seed * 1_000_003 + len(unique) + b):
+        start = bar.n if bar is not None else 0
+        live = (lambda: bar.update(1)) if bar is not None else None  # the bar moves as answers finish
+        for rec in self._run_batch(name, batch, seed=s.seed * 1_000_003 + len(unique) + b, on_finished=live):
           if f is not None:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
           unique.append(rec)
-          if bar is not None:
-            bar.update(1)
+        if bar is not None:  # answers the rollout did not report (too-long prompts, a caller's rollouts)
+          bar.update(start + len(batch) - bar.n)
         if bar is not None:
           bar.set_postfix(acc=f"{_mean(r['score'] for r in unique):.3f}")
     if bar is not None:
@@ -268,7 +270,7 @@ class Evaluator:
       bar.set_postfix(acc=f"{_mean(r['score'] for r in records):.3f}")
     return bar
 
-  def _run_batch(self, name: str, batch, seed: int) -> list[dict]:
+  def _run_batch(self, name: str, batch, seed: int, on_finished=None) -> list[dict]:
     s = self.settings
     prompts, runnable, out = [], [], {}
     for i, (ex, k) in enumerate(batch):
@@ -280,7 +282,8 @@ class Evaluator:
         runnable.append(i)
     if prompts:
       t0 = time.monotonic()
-      traj = self.rollouts(self.policy.params, prompts, seed=seed)
+      kw = {"on_finished": on_finished} if on_finished is not None and _accepts(self.rollouts, "on_finished") else {}
+      traj = self.rollouts(self.policy.params, prompts, seed=seed, **kw)
       dt = (time.monotonic() - t0) / len(prompts)
       for row, i in enumerate(runnable):
         ex, k = batch[i]
@@ -316,3 +319,14 @@ class Evaluator:
 def _mean(xs) -> float:
   xs = list(xs)
   return sum(xs) / len(xs) if xs else 0.0
+
+
+def _accepts(fn, name: str) -> bool:
+  """Whether `fn` takes the keyword `name` (a caller's rollouts object may not)."""
+  import inspect
+
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+  return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -87,7 +87,8 @@ class AgentLoop(_Scheduling):
     cfg_pad = getattr(engine.config, "pad_token_id", None)
     self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else self.eos_id))
     self.last_run: Optional[_Run] = None
-    self._should_stop: Optional[Callable] = None  # set for the duration of a rollout call
+    self._should_stop: Optional[Callable] = None  # these two are set for the duration of a rollout call
+    self._on_finished: Optional[Callable] = None
     self.stop_checker = None
     self.tool_tags = _tool_tags(config, tools)
     self.result_tags = dict(getattr(tools, "result_tags", None) or {})
@@ -98,16 +99,23 @@ class AgentLoop(_Scheduling):
 
   # ------------------------------------------------------------------------------------------------ API
   def rollout(
-    self, params, prompts: Sequence[Sequence[int]], policy, *, seed: int = 0, should_stop: Optional[Callable] = None
+    self,
+    params,
+    prompts: Sequence[Sequence[int]],
+    policy,
+    *,
+    seed: int = 0,
+    should_stop: Optional[Callable] = None,
+    on_finished: Optional[Callable] = None,
   ) -> Trajectories:
     """Exactly policy.config.n trajectories per prompt, rows prompt-major in creation order. `should_stop()` is
     asked between decode chunks and tool polls (the probe's included); True abandons the rollout with
-    RolloutInterrupted."""
-    self._should_stop = should_stop
+    RolloutInterrupted. `on_finished()` is called as each trajectory ends (progress; not for the probe's)."""
+    self._should_stop, self._on_finished = should_stop, on_finished
     try:
       return self._rollout(params, prompts, policy, seed)
     finally:
-      self._should_stop = None
+      self._should_stop = self._on_finished = None
 
   def _rollout(self, params, prompts, policy, seed: int) -> Trajectories:
     if isinstance(policy, str):
@@ -218,6 +226,8 @@ class AgentLoop(_Scheduling):
   def _end(self, rec, reason: str) -> None:
     rec.done, rec.stop_reason = True, reason
     rec.end_round = rec.segments[-1].round if rec.segments else rec.first_round
+    if self._on_finished is not None and rec.kind != "probe":
+      self._on_finished()
 
   def _call_budget(self, rec) -> int:
     """Tokens the next generation call may sample: the trajectory's room, capped per call when configured."""

@@ -172,10 +172,11 @@ class Rollouts:
       self._shardings = param_shardings(self.config, self.mesh)
     return to_host_local(params, self._shardings, self.config.param_dtype)
 
-  def __call__(self, weights, prompt_ids: Sequence[Sequence[int]], seed: int = 0, should_stop=None):
+  def __call__(self, weights, prompt_ids: Sequence[Sequence[int]], seed: int = 0, should_stop=None, on_finished=None):
     """Trajectories of the prompts; `should_stop()` True between decode chunks abandons the rollout
-    (RolloutInterrupted)."""
-    return self.loop.rollout(weights, [list(p) for p in prompt_ids], self.policy, seed=seed, should_stop=should_stop)
+    (RolloutInterrupted); `on_finished()` is called as each trajectory ends."""
+    prompts = [list(p) for p in prompt_ids]
+    return self.loop.rollout(weights, prompts, self.policy, seed=seed, should_stop=should_stop, on_finished=on_finished)
 
   def describe(self) -> dict:
     """describe_engine(engine) plus the agent loop's and policy's settings."""
