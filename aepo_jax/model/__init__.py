@@ -1,5 +1,5 @@
-"""The policy model: config and presets, the Flax decoder (Llama / Qwen2 / Qwen3), HF / GGUF import and export,
-and the tokenizer.
+"""The policy model: config and presets, the Flax decoder (Llama / Qwen2 / Qwen3 / Qwen3-MoE), HF / GGUF import and
+export, and the tokenizer.
 
 Public API:
   ModelConfig, PRESETS, preset(name)            configuration (hashable, a static jit argument)
@@ -15,6 +15,8 @@ Public API:
   fill_cache_rows(config, params, tokens, positions, cache, rows, starts, attend_len)  a chunk's KV into cache rows
   resolve_attention_impl(config, mesh)          config with attention_impl 'auto' resolved ('cpu_kernel' on one CPU,
                                                 'splash' on TPU, else 'xla')
+  load_balancing_loss(router_logits_lne, top_k, mask_n=None)   the MoE router's Switch-style auxiliary loss
+                                                (transformers' formula; off for RL: ModelConfig.router_aux_loss_coef)
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
   param_shapes(config) / param_shardings(config, mesh, rules=None)   ShapeDtypeStructs / NamedShardings
   from_hf_config(dict) / to_hf_config(config)   HF config.json (transformers 4 and 5 forms) <-> ModelConfig
@@ -47,6 +49,7 @@ from aepo_jax.model._functional import (
 )
 from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
 from aepo_jax.model._hf_io import load_hf, read_hf_config, save_hf
+from aepo_jax.model._moe import load_balancing_loss
 from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir
 from aepo_jax.model._sharding import param_shapes, param_shardings
 from aepo_jax.model._tokenizer import TOKENIZER_FILES, Tokenizer, copy_tokenizer_files

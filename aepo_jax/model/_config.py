@@ -1,4 +1,4 @@
-"""Model configuration for the Llama / Qwen2 / Qwen3 decoder family, and presets for published sizes.
+"""Model configuration for the Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder family, and presets for published sizes.
 
 `ModelConfig` is a frozen (hashable) dataclass so it can be a static argument of `jax.jit`.
 """
@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_IMPLS = ("auto", "ragged", "dense")
 ATTENTION_IMPLS = ("auto", "xla", "cpu_kernel", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  family: str  # 'llama' | 'qwen2' | 'qwen3'
+  family: str  # 'llama' | 'qwen2' | 'qwen3' | 'qwen3_moe'
   vocab_size: int
   hidden_size: int
   intermediate_size: int
@@ -30,6 +31,29 @@ class ModelConfig:
   attention_bias: bool = False  # Qwen2: biases on q/k/v projections.
   qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE.
   max_position_embeddings: int = 32768
+  # Mixture of experts (Qwen3-MoE; num_experts=0: every layer dense). A sparse layer replaces the SwiGLU MLP by a
+  # softmax router over `num_experts` SwiGLU experts of width `moe_intermediate_size`, each token going to its
+  # top `num_experts_per_tok`, their probabilities renormalised to sum to 1 when `norm_topk_prob` (HF's switch).
+  # Layer i is sparse unless i is in `mlp_only_layers` or (i + 1) % decoder_sparse_step != 0 (HF's rule); dense
+  # layers keep the `intermediate_size` MLP.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple = ()
+  # Weight of the Switch-style load-balancing loss (`model.load_balancing_loss`). Off (0) for RL: the RL papers
+  # this project follows put no balancing term in their objectives (the balance was set in pre-training), and a term
+  # that moves the router shifts which experts the rollout's tokens went through between sampling and the update,
+  # the routing drift that GSPO (arXiv 2507.18071, §5.3) names as a source of instability for MoE policies.
+  # HF checkpoints carry 0.001 (pre-training's value): `from_hf_config` does not read it, `to_hf_config` writes it
+  # back. Nothing in training adds the loss yet.
+  router_aux_loss_coef: float = 0.0
+  # Expert computation: 'ragged' (tokens sorted by expert, `jax.lax.ragged_dot`: dropless, k of E experts' FLOPs),
+  # 'dense' (every expert on every token, combined by the gates: E / k times the FLOPs, no sort or gather), 'auto'
+  # ('dense' on CPU, where it measured faster at small shapes, docs/performance.md; 'ragged' elsewhere). Execution
+  # only: parameters are the same.
+  moe_impl: str = "auto"
   bos_token_id: Optional[int] = None
   eos_token_ids: tuple = ()
   pad_token_id: Optional[int] = None
@@ -54,6 +78,8 @@ class ModelConfig:
   def __post_init__(self):
     if self.family not in FAMILIES:
       raise ValueError(f"ModelConfig.family={self.family!r} is not supported; choose one of {FAMILIES}.")
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))  # hashable
+    self._check_moe()
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
         f"ModelConfig: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}."
@@ -73,21 +99,74 @@ class ModelConfig:
           "('float64' is a reference mode for numerics checks; it needs jax.enable_x64)."
         )
 
+  def _check_moe(self):
+    if self.moe_impl not in MOE_IMPLS:
+      raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}: use one of {MOE_IMPLS}.")
+    if self.num_experts < 0:
+      raise ValueError(f"ModelConfig.num_experts={self.num_experts}: must be >= 0 (0: no experts).")
+    if (self.family == "qwen3_moe") != (self.num_experts > 0):
+      raise ValueError(
+        f"ModelConfig: family={self.family!r} with num_experts={self.num_experts}; experts (num_experts > 0) "
+        "come with family 'qwen3_moe' and only with it."
+      )
+    if not self.num_experts:
+      return
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(
+        f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok}: must be in [1, num_experts={self.num_experts}]."
+      )
+    if self.moe_intermediate_size <= 0:
+      raise ValueError(f"ModelConfig.moe_intermediate_size={self.moe_intermediate_size}: must be > 0.")
+    if self.decoder_sparse_step < 1:
+      raise ValueError(f"ModelConfig.decoder_sparse_step={self.decoder_sparse_step}: must be >= 1.")
+    bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"ModelConfig.mlp_only_layers has {bad}, outside [0, num_layers={self.num_layers}).")
+
+  @property
+  def moe_layers(self) -> tuple:
+    """Per layer: True where the layer's MLP is the sparse expert block (HF's Qwen3MoeDecoderLayer rule)."""
+    return tuple(
+      self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+      for i in range(self.num_layers)
+    )
+
+  @property
+  def has_dense_mlp(self) -> bool:
+    """Some layer has the dense SwiGLU MLP (its parameters are stacked over every layer)."""
+    return not all(self.moe_layers)
+
+  @property
+  def has_experts(self) -> bool:
+    return any(self.moe_layers)
+
   @property
   def rope_scaling_dict(self) -> Optional[dict]:
     return dict(self.rope_scaling) if self.rope_scaling else None
 
   @property
   def num_params(self) -> int:
-    d, i, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+    """Parameters of the checkpoint (every expert counted)."""
+    return self._count(self.num_experts)
+
+  @property
+  def num_active_params(self) -> int:
+    """Parameters a token goes through (its top `num_experts_per_tok` experts; = num_params for a dense model)."""
+    return self._count(self.num_experts_per_tok)
+
+  def _count(self, experts: int) -> int:
+    d, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
     q = d * self.num_heads * self.head_dim
     kv = 2 * d * self.num_kv_heads * self.head_dim
     o = self.num_heads * self.head_dim * d
     bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
     norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0)
-    per_layer = q + kv + o + bias + 3 * d * i + norms
+    sparse = sum(self.moe_layers)
+    mlps = (self.num_layers - sparse) * 3 * d * i + sparse * (
+      d * self.num_experts + experts * 3 * d * self.moe_intermediate_size
+    )
     embed = v * d * (1 if self.tie_word_embeddings else 2)
-    return l * per_layer + embed + d
+    return self.num_layers * (q + kv + o + bias + norms) + mlps + embed + d
 
   def replace(self, **kw) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
@@ -315,6 +394,48 @@ PRESETS = {
     num_heads=40,
     num_kv_heads=8,
     head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  # Qwen3-MoE (Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json): 128 experts, top 8 renormalised, every
+  # layer sparse. Shapes for compile plans and memory estimates; 30.5B / 235.1B parameters, 3.3B / 22.1B active.
+  "qwen3-30b-a3b": ModelConfig(
+    family="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+    pad_token_id=151643,
+  ),
+  "qwen3-235b-a22b": ModelConfig(
+    family="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=94,
+    num_heads=64,
+    num_kv_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=1536,
+    norm_topk_prob=True,
     rope_theta=1000000.0,
     rms_norm_eps=1e-6,
     qk_norm=True,

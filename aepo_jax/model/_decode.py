@@ -1,9 +1,9 @@
 """The model's decode step: a one-token-per-row decoder forward over the KV cache, for the engine.
 
 It runs the layer definition the Flax modules run (`_layers.layer`: norms, projections with their biases, q/k norms,
-RoPE, grouped-query attention, SwiGLU, the head), so it is `aepo_jax.model.forward_cached` with T = 1 (tested
-equal, and equal to `forward` token by token: tests/model/test_decode_parity.py). What is its own is arranged for
-memory traffic, which is what bounds decode at small batch:
+RoPE, grouped-query attention, SwiGLU or the expert block, the head), so it is `aepo_jax.model.forward_cached` with
+T = 1 (tested equal, and equal to `forward` token by token: tests/model/test_decode_parity.py). What is its own is
+arranged for memory traffic, which is what bounds decode at small batch:
   * the KV cache rides in the carry of the layer scan and each layer writes its new entries with a scatter, so
     XLA updates the (donated) cache in place instead of stacking a new cache per step;
   * attention reads only the first `attend_len` cache entries (a static bucket >= every active row's length),
@@ -27,7 +27,8 @@ from aepo_jax.model import _cpu_decode, _layers
 def decode_weights(config, params) -> dict:
   """The projection weights re-laid out for `aepo_jax.model._cpu_decode` (one row per output column), float32:
   qkv [L, (H + 2K) * hd, D] (q, k, v fused), o [L, D, H * hd], gate_up [L, 2F, D] (gate, up fused),
-  down [L, D, F], and head [V, D] when the embeddings are untied (a tied head is the embedding itself)."""
+  down [L, D, F] (where some layer has the dense MLP), and head [V, D] when the embeddings are untied (a tied head
+  is the embedding itself)."""
   lay = params["layers"]
   a, m = lay["self_attn"], lay["mlp"]
   f32 = jnp.float32
@@ -40,11 +41,12 @@ def decode_weights(config, params) -> dict:
   out = {
     "qkv": jnp.concatenate([in_heads(a[n]["kernel"]) for n in ("q_proj", "k_proj", "v_proj")], axis=1),
     "o": jnp.swapaxes(o.reshape(o.shape[0], -1, o.shape[-1]), 1, 2).astype(f32),
-    "gate_up": jnp.concatenate(
-      [jnp.swapaxes(m[n]["kernel"], 1, 2).astype(f32) for n in ("gate_proj", "up_proj")], axis=1
-    ),
-    "down": jnp.swapaxes(m["down_proj"]["kernel"], 1, 2).astype(f32),
   }
+  if config.has_dense_mlp:  # the expert block of a sparse layer stays on XLA ops (`_layers.feed_forward`)
+    out["gate_up"] = jnp.concatenate(
+      [jnp.swapaxes(m[n]["kernel"], 1, 2).astype(f32) for n in ("gate_proj", "up_proj")], axis=1
+    )
+    out["down"] = jnp.swapaxes(m["down_proj"]["kernel"], 1, 2).astype(f32)
   if not config.tie_word_embeddings:
     out["head"] = params["lm_head"]["kernel"].T.astype(f32)
   return out
@@ -154,7 +156,8 @@ def decode_forward(
       "input_layernorm": lay["input_layernorm"],
       "post_attention_layernorm": lay["post_attention_layernorm"],
       "self_attn": {n: v for n, v in lay["self_attn"].items() if n in ("q_norm", "k_norm")},
-      "mlp": {},
+      # the expert block (router and experts) rides in the scan: it runs on XLA ops
+      "mlp": {n: v for n, v in lay["mlp"].items() if n in ("gate", "experts")},
     }
     if cfg.attention_bias:
       for n in ("q_proj", "k_proj", "v_proj"):
@@ -183,7 +186,7 @@ def decode_forward(
       return out.reshape(s, h_heads, d), {"k": ck, "v": cv}
 
     mm = _layers.Dots(dt) if weights_t is None else _KernelDots(cfg, weights_t, li)
-    return _layers.layer(cfg, p, x_sd, pos_s, attention, mm), None
+    return _layers.layer(cfg, p, x_sd, pos_s, attention, mm, layer_index=li), None
 
   if page_table is None:
     (x_sd, cache), _ = jax.lax.scan(layer, (x_sd, cache), (layer_xs, jnp.arange(cfg.num_layers, dtype=jnp.int32)))

@@ -1,4 +1,4 @@
-"""The Flax decoder for Llama / Qwen2 / Qwen3, with an explicit per-row KV cache.
+"""The Flax decoder for Llama / Qwen2 / Qwen3 / Qwen3-MoE, with an explicit per-row KV cache.
 
 The modules declare the parameters and run the layer definition of `_layers` (`layer_spec`, `layer`), the same
 definition the engine's decode step (`_decode`) runs; what is specific here is the full-sequence and cached
@@ -231,7 +231,7 @@ class Block(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, h_btd, layer_cache, positions_bt, mask_bts, write_index_b):
+  def __call__(self, h_btd, layer_cache, positions_bt, mask_bts, write_index_b, layer_index=None):
     cfg = self.config
     p = {name: _Params(spec, cfg.param_dtype, name=name)() for name, spec in _layers.layer_spec(cfg)}
 
@@ -239,7 +239,9 @@ class Block(nn.Module):
       return _attention(cfg, q_btnd, k_btkd, v_btkd, mask_bts, layer_cache, write_index_b)
 
     mm = _layers.Dots(cfg.dtype, shard=True)
-    h_btd, new_cache = _layers.layer(cfg, p, h_btd, positions_bt, attention, mm, mlp_fn=_train_mlp)
+    h_btd, new_cache = _layers.layer(
+      cfg, p, h_btd, positions_bt, attention, mm, mlp_fn=_train_mlp, layer_index=layer_index
+    )
     return constrain(h_btd, _BTD), new_cache
 
 
@@ -262,7 +264,7 @@ class Decoder(nn.Module):
       block,
       variable_axes={"params": 0},
       split_rngs={"params": True},
-      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, 0),
       out_axes=0,
       length=cfg.num_layers,
       unroll=min(cfg.scan_unroll, cfg.num_layers),
@@ -276,7 +278,8 @@ class Decoder(nn.Module):
     """Returns (final hidden states [B,T,D] after the last norm, new cache or None)."""
     h_btd = _layers.embed(self.embed_tokens.embedding, tokens_bt, _dtype(self.config.dtype))
     h_btd = constrain(h_btd, _BTD)
-    h_btd, new_cache = self.layers(h_btd, cache, positions_bt, mask_bts, write_index_b)
+    layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    h_btd, new_cache = self.layers(h_btd, cache, positions_bt, mask_bts, write_index_b, layer_index)
     return self.norm(h_btd), new_cache
 
   def unembed(self, h_btd):

@@ -269,7 +269,7 @@ def fill_cache_rows(
     h_ntd, cache = carry
     layer_params, li = xs
     rows = {name: gather(c, li) for name, c in cache.items()}
-    h_ntd, new_rows = block.apply({"params": layer_params}, h_ntd, rows, positions_nt, mask_nts, start_n)
+    h_ntd, new_rows = block.apply({"params": layer_params}, h_ntd, rows, positions_nt, mask_nts, start_n, li)
     cache = {name: scatter(c, li, window(new_rows[name], start_n)) for name, c in cache.items()}
     return (h_ntd, cache), None
 
@@ -280,7 +280,7 @@ def fill_cache_rows(
     return cache
   new = {"k": [], "v": []}  # per-layer pools, layers unrolled: every write in place (aepo_jax/rollout/_pages.py)
   for li in range(config.num_layers):
-    xs = (jax.tree.map(lambda x: x[li], params["layers"]), li)
+    xs = (jax.tree.map(lambda x: x[li], params["layers"]), jnp.int32(li))
     (h_ntd, c), _ = layer((h_ntd, {"k": cache["k"][li], "v": cache["v"][li]}), xs)
     new["k"].append(c["k"])
     new["v"].append(c["v"])

@@ -16,6 +16,7 @@ ARCHITECTURES = {
   "LlamaForCausalLM": ("llama", "llama"),
   "Qwen2ForCausalLM": ("qwen2", "qwen2"),
   "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+  "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe"),
 }
 _MODEL_TYPES = {model_type: arch for arch, (_, model_type) in ARCHITECTURES.items()}
 _FAMILY_ARCH = {family: arch for arch, (family, _) in ARCHITECTURES.items()}
@@ -50,6 +51,18 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, Optional[tuple]]:
   return float(theta), tuple(sorted(params.items()))
 
 
+def _moe_fields(hf: Mapping[str, Any]) -> dict:
+  """The expert fields of a Qwen3-MoE config.json (transformers 5 also writes `num_experts` as `num_local_experts`)."""
+  return dict(
+    num_experts=int(hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]),
+    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+    moe_intermediate_size=int(hf["moe_intermediate_size"]),
+    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+    mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+  )
+
+
 def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32", source: str = "config.json") -> ModelConfig:
   """A `ModelConfig` from the dict of an HF `config.json` (`source` names the file in errors)."""
   arch = _architecture(hf, source)
@@ -71,7 +84,7 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32", source: str
     theta, scaling = _rope(hf)
     eos = hf.get("eos_token_id")
     eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    default_head_dim = 128 if family == "qwen3" else hidden // heads  # Qwen3Config's default is 128
+    default_head_dim = hidden // heads if family in ("llama", "qwen2") else 128  # Qwen3(Moe)Config's default: 128
     return ModelConfig(
       family=family,
       vocab_size=int(hf["vocab_size"]),
@@ -86,7 +99,8 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str = "float32", source: str
       rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
       attention_bias=family == "qwen2",
-      qk_norm=family == "qwen3",
+      qk_norm=family in ("qwen3", "qwen3_moe"),
+      **(_moe_fields(hf) if family == "qwen3_moe" else {}),
       max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
       bos_token_id=hf.get("bos_token_id"),
       eos_token_ids=eos,
@@ -130,4 +144,16 @@ def to_hf_config(config: ModelConfig, *, torch_dtype: Optional[str] = None) -> d
     hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
   else:
     hf.update(attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+  if config.family == "qwen3_moe":
+    hf.update(
+      num_experts=config.num_experts,
+      num_experts_per_tok=config.num_experts_per_tok,
+      moe_intermediate_size=config.moe_intermediate_size,
+      norm_topk_prob=config.norm_topk_prob,
+      decoder_sparse_step=config.decoder_sparse_step,
+      mlp_only_layers=list(config.mlp_only_layers),
+      # the checkpoint's pre-training value is not kept (ModelConfig.router_aux_loss_coef); HF's default
+      router_aux_loss_coef=0.001,
+      output_router_logits=False,
+    )
   return hf

@@ -6,6 +6,10 @@ Our layout (flax DenseGeneral) vs HF (torch Linear, weight [out, in]):
   q/k/v kernel [L, D, N, hd] <- weight [N*hd, D] transposed;   o kernel [L, H, hd, D] <- weight [D, H*hd].T
   q/k/v bias   [L, N, hd]    <- bias [N*hd];                   mlp kernels [L, in, out] <- weight.T
   lm_head kernel [D, V] <- lm_head.weight.T;  embedding [V, D] and norm scales as they are.
+Qwen3-MoE (sparse layers; the published per-expert names, which transformers 5 and vLLM read and write):
+  router kernel [L, D, E] <- mlp.gate.weight [E, D].T;  expert kernels [L, E, in, out] <- mlp.experts.{e}.*.weight.T
+A model with dense and sparse layers stores both blocks in every layer: the tensors a layer's kind lacks in the
+checkpoint are read as zeros and not written.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ _LAYER = {
   ("mlp", "gate_proj", "kernel"): ("model.layers.{i}.mlp.gate_proj.weight", "transpose"),
   ("mlp", "up_proj", "kernel"): ("model.layers.{i}.mlp.up_proj.weight", "transpose"),
   ("mlp", "down_proj", "kernel"): ("model.layers.{i}.mlp.down_proj.weight", "transpose"),
+  ("mlp", "gate", "kernel"): ("model.layers.{i}.mlp.gate.weight", "transpose"),
+  ("mlp", "experts", "gate_proj", "kernel"): ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "transpose"),
+  ("mlp", "experts", "up_proj", "kernel"): ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "transpose"),
+  ("mlp", "experts", "down_proj", "kernel"): ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "transpose"),
   ("input_layernorm", "scale"): ("model.layers.{i}.input_layernorm.weight", "same"),
   ("post_attention_layernorm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", "same"),
 }
@@ -78,16 +86,25 @@ def _hf_shape(kind: str, shape: tuple) -> tuple:
 
 
 def _entries(config: ModelConfig, shapes):
-  """(our path, [HF names per layer or one], kind, our per-layer shape) for every parameter."""
+  """(our path, [(index into our leaf, HF name)], kind, our shape of one HF tensor) for every parameter: the
+  index is () for a top-level leaf, (layer,) for a stacked one, (layer, expert) for an expert kernel. Layers whose
+  kind lacks the tensor (dense MLP in a sparse layer, router or experts in a dense one) have no entry."""
   out = []
+  sparse = config.moe_layers
   for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
     keys = tuple(k.key for k in path)
-    if keys[0] == "layers":
-      name, kind = _LAYER[keys[1:]]
-      out.append((keys, [name.format(i=i) for i in range(config.num_layers)], kind, tuple(leaf.shape[1:])))
-    else:
+    if keys[0] != "layers":
       name, kind = _TOP[keys]
-      out.append((keys, [name], kind, tuple(leaf.shape)))
+      out.append((keys, [((), name)], kind, tuple(leaf.shape)))
+      continue
+    name, kind = _LAYER[keys[1:]]
+    moe_leaf = keys[2] in ("gate", "experts")
+    layers = [i for i in range(config.num_layers) if keys[1] != "mlp" or sparse[i] == moe_leaf]
+    if keys[2] == "experts":
+      items = [((i, e), name.format(i=i, e=e)) for i in layers for e in range(config.num_experts)]
+      out.append((keys, items, kind, tuple(leaf.shape[2:])))
+    else:
+      out.append((keys, [((i,), name.format(i=i)) for i in layers], kind, tuple(leaf.shape[1:])))
   return out
 
 
@@ -194,7 +211,7 @@ class _Reader:
 
 
 def load_hf(path: str, dtype: str = "float32", mesh=None, rules=None):
-  """(config, params) from a local Hugging Face directory of a Llama / Qwen2 / Qwen3 checkpoint.
+  """(config, params) from a local Hugging Face directory of a Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint.
 
   `dtype` sets both parameter and compute dtype of the returned config. With `mesh`, each parameter lands on
   the NamedSharding that `param_logical_axes` + `rules` (default `DEFAULT_RULES`) give it.
@@ -208,54 +225,54 @@ def load_hf(path: str, dtype: str = "float32", mesh=None, rules=None):
 
 
 def _read_params(config: ModelConfig, reader: _Reader, dtype: str, mesh, rules) -> dict:
-  entries = _entries(config, param_shapes(config))
-  for _, names, kind, shape in entries:  # fail on any missing tensor or shape mismatch before reading data
-    for name in names:
+  shapes = param_shapes(config)
+  entries = _entries(config, shapes)
+  for _, items, kind, shape in entries:  # fail on any missing tensor or shape mismatch before reading data
+    for _, name in items:
       reader.check_shape(name, _hf_shape(kind, shape))
+  flat_shapes = {tuple(k.key for k in p): tuple(s.shape) for p, s in jax.tree_util.tree_flatten_with_path(shapes)[0]}
   flat_shardings = None
   if mesh is not None:
     shardings = param_shardings(config, mesh, rules)
     flat_shardings = {tuple(k.key for k in p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
   np_dtype = jnp.dtype(dtype)
   params = {}
-  for keys, names, kind, shape in entries:
-    stacked = keys[0] == "layers"
-    full_shape = (len(names),) + shape if stacked else shape
+  for keys, items, kind, shape in entries:
+    full_shape = flat_shapes[keys]
 
-    def tensors(names=names, kind=kind, shape=shape):
-      for i, name in enumerate(names):
-        yield i, _to_ours(reader.get(name), kind, shape).astype(np_dtype)
+    def tensors(items=items, kind=kind, shape=shape):
+      for index, name in items:
+        yield index, _to_ours(reader.get(name), kind, shape).astype(np_dtype)
 
     if flat_shardings is None:
-      value = np.empty(full_shape, np_dtype)
-      for i, w in tensors():
-        if stacked:
-          value[i] = w
-        else:
-          value[...] = w
+      value = np.zeros(full_shape, np_dtype)  # zeros: the tensors a layer's kind lacks
+      for index, w in tensors():
+        value[index] = w
       _set(params, keys, jnp.asarray(value))
     else:
-      _set(params, keys, _place(tensors(), full_shape, stacked, np_dtype, flat_shardings[keys]))
+      _set(params, keys, _place(tensors(), full_shape, np_dtype, flat_shardings[keys]))
   return params
 
 
-def _place(tensors, full_shape, stacked, np_dtype, sharding):
-  """Fill only this host's (unique) shards, one HF tensor at a time, then build the global array."""
+def _place(tensors, full_shape, np_dtype, sharding):
+  """Fill only this host's (unique) shards, one HF tensor at a time, then build the global array. `tensors` yields
+  (index of the leading axes of our leaf, value of the remaining axes)."""
   index_map = sharding.addressable_devices_indices_map(full_shape)
   buffers = {}
   for index in index_map.values():
     key = tuple((s.start, s.stop) for s in index)
     if key not in buffers:
-      buffers[key] = (index, np.empty(_slice_shape(full_shape, index), np_dtype))
-  for i, w in tensors:
+      buffers[key] = (index, np.zeros(_slice_shape(full_shape, index), np_dtype))
+  for lead, w in tensors:
     for index, buf in buffers.values():
-      if stacked:
-        lo = index[0].start or 0
-        hi = full_shape[0] if index[0].stop is None else index[0].stop
-        if lo <= i < hi:
-          buf[i - lo] = w[index[1:]]
+      local = []
+      for i, s, n in zip(lead, index, full_shape):
+        lo, hi = s.start or 0, n if s.stop is None else s.stop
+        if not lo <= i < hi:
+          break
+        local.append(i - lo)
       else:
-        buf[...] = w[index]
+        buf[tuple(local)] = w[index[len(lead) :]]
   return jax.make_array_from_callback(
     full_shape, sharding, lambda index: buffers[tuple((s.start, s.stop) for s in index)][1]
   )
@@ -272,16 +289,16 @@ SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _shard_plan(config: ModelConfig, shapes, itemsize: int, max_shard_bytes: int) -> list:
-  """Shards of [(HF name, our path, layer index or None, kind)], cut from the shapes alone (so the file names,
+  """Shards of [(HF name, our path, index into our leaf, kind)], cut from the shapes alone (so the file names,
   which carry the shard count, are known before any tensor is materialised)."""
   shards, current, size = [], [], 0
-  for keys, names, kind, shape in _entries(config, shapes):
+  for keys, items, kind, shape in _entries(config, shapes):
     nbytes = math.prod(shape) * itemsize
-    for i, name in enumerate(names):
+    for index, name in items:
       if current and size + nbytes > max_shard_bytes:
         shards.append(current)
         current, size = [], 0
-      current.append((name, keys, i if keys[0] == "layers" else None, kind))
+      current.append((name, keys, index, kind))
       size += nbytes
   shards.append(current)
   return shards
@@ -331,10 +348,10 @@ def save_hf(
   with tempfile.TemporaryDirectory(prefix="aepo_jax_export_") as staging:
     for n, plan in enumerate(shards):
       tensors = {}
-      for name, keys, layer, kind in plan:
+      for name, keys, index, kind in plan:
         if cached[0] != keys:  # one of our (stacked) leaves at a time, as a host array of the stored dtype
           cached = (keys, np.asarray(jax.device_get(leaves[keys])).astype(out_dtype))
-        x = cached[1] if layer is None else cached[1][layer]
+        x = cached[1][index]
         tensors[name] = np.ascontiguousarray(_to_hf(x, kind))
       fname = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
       local = os.path.join(staging if remote else os.fspath(out), fname)

@@ -1,4 +1,5 @@
-"""The decoder's layer definition (Llama / Qwen2 / Qwen3): its parameter layout and its math as pure functions.
+"""The decoder's layer definition (Llama / Qwen2 / Qwen3 / Qwen3-MoE): its parameter layout and its math as pure
+functions.
 
 One definition serves every caller: the Flax modules of `_decoder` (training, scoring, prefill into the KV cache)
 declare their parameters from `layer_spec` and run `layer`, and the engine's decode step (`_decode`) runs the same
@@ -11,6 +12,11 @@ declare their parameters from `layer_spec` and run `layer`, and the engine's dec
     `gate_up(p_mlp, x)`, `down(p_mlp, h)`.
 Activations have any leading axes ([B, T, ...] in the modules, [S, ...] in decode); heads are the axis before the
 last. Parameters are the stored nested dicts (`self_attn`, `mlp`, the norms), stacked layers sliced to one.
+
+Qwen3-MoE: a sparse layer's `mlp` is the expert block of `_moe` (router `gate`, stacked `experts`), run on XLA ops
+whatever the matmul backend. Layers are stacked, so a model with both kinds (`mlp_only_layers`,
+`decoder_sparse_step`) stores both blocks in every layer (what a checkpoint lacks is read as zeros) and `layer`
+runs the one its index names.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from aepo_jax.model import _moe
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.parallel import constrain
 
@@ -59,11 +66,15 @@ def layer_spec(config: ModelConfig) -> tuple:
   )
   if config.qk_norm:  # Qwen3
     attn += (("q_norm", norm(hd, "head_dim")), ("k_norm", norm(hd, "head_dim")))
-  mlp = (
-    ("gate_proj", (("kernel", (d, f), ("embed", "mlp"), "normal"),)),
-    ("up_proj", (("kernel", (d, f), ("embed", "mlp"), "normal"),)),
-    ("down_proj", (("kernel", (f, d), ("mlp", "embed"), "normal"),)),
-  )
+  mlp = ()
+  if config.has_dense_mlp:
+    mlp += (
+      ("gate_proj", (("kernel", (d, f), ("embed", "mlp"), "normal"),)),
+      ("up_proj", (("kernel", (d, f), ("embed", "mlp"), "normal"),)),
+      ("down_proj", (("kernel", (f, d), ("mlp", "embed"), "normal"),)),
+    )
+  if config.has_experts:  # Qwen3-MoE
+    mlp += _moe.moe_spec(config)
   return (
     ("input_layernorm", norm(d, "embed")),
     ("self_attn", attn),
@@ -205,18 +216,33 @@ def mlp(p, x, mm):
   return mm.down(p, swiglu(*mm.gate_up(p, x)))
 
 
-def layer(config: ModelConfig, p, x, positions, attention, mm, mlp_fn=mlp):
+def feed_forward(config: ModelConfig, p, x, mm, mlp_fn=mlp, layer_index=None):
+  """The layer's MLP on the normed x: the dense `mlp_fn`, the sparse expert block (`_moe.moe`), or, in a model
+  with both kinds, the one `config.moe_layers[layer_index]` names (`layer_index` a traced int32)."""
+  if not config.has_experts:
+    return mlp_fn(p, x, mm)
+  if not config.has_dense_mlp:
+    return _moe.moe(config, p, x)
+  if layer_index is None:
+    raise ValueError("feed_forward: a model with dense and sparse layers needs the layer index.")
+  sparse = jnp.asarray(config.moe_layers)[layer_index]
+  return jax.lax.cond(sparse, lambda: _moe.moe(config, p, x), lambda: mlp_fn(p, x, mm))
+
+
+def layer(config: ModelConfig, p, x, positions, attention, mm, mlp_fn=mlp, layer_index=None):
   """One pre-norm decoder layer on x [..., D]: x + o(attention(q, k, v)) of the normed x, then x + mlp(norm(x)).
 
   attention(q [..., H, hd], k, v [..., K, hd]) -> (out [..., H, hd], aux): the caller's attention and KV cache;
-  mlp_fn(p_mlp, x, mm) (default `mlp`; the modules pass the same forward with a backward rule for training).
+  mlp_fn(p_mlp, x, mm) (default `mlp`; the modules pass the same forward with a backward rule for training);
+  layer_index: this layer's index (needed only by a model with both dense and sparse layers, `feed_forward`).
   Returns (x, aux)."""
   eps, dt = config.rms_norm_eps, jnp.dtype(config.dtype)
   a = p["self_attn"]
   q, k, v = attention_inputs(config, a, rms_norm(x, p["input_layernorm"]["scale"], eps, dt), positions, mm)
   out, aux = attention(q, k, v)
   x = x + mm.out(a, out)
-  x = x + mlp_fn(p["mlp"], rms_norm(x, p["post_attention_layernorm"]["scale"], eps, dt), mm)
+  h = rms_norm(x, p["post_attention_layernorm"]["scale"], eps, dt)
+  x = x + feed_forward(config, p["mlp"], h, mm, mlp_fn, layer_index)
   return x, aux
 
 

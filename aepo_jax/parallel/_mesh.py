@@ -32,6 +32,7 @@ DEFAULT_RULES = (
   ("kv_heads", "tensor"),
   ("head_dim", None),
   ("layers", None),
+  ("expert", None),  # Qwen3-MoE's stacked experts: no expert-parallel mesh axis yet (replicated, F over tensor)
   ("cache_batch", ("data", "fsdp")),
   ("cache_length", None),
   ("cache_kv_heads", "tensor"),

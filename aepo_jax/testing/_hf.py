@@ -22,6 +22,7 @@ _BASE = dict(
 )
 
 FAMILIES = ("llama", "llama_rope", "qwen2", "qwen3")
+MOE_FAMILIES = ("qwen3_moe",)  # tiny_hf_config / tiny_hf_model / tiny_hf_checkpoint build them too
 
 _FAMILY = {
   "llama": ("LlamaForCausalLM", "llama", dict(rope_theta=10000.0)),
@@ -38,13 +39,28 @@ _FAMILY = {
   ),
   "qwen2": ("Qwen2ForCausalLM", "qwen2", dict(rope_theta=1000000.0)),  # q/k/v biases are built in
   "qwen3": ("Qwen3ForCausalLM", "qwen3", dict(rope_theta=1000000.0)),  # q/k RMSNorm
+  # 3 layers, the middle one dense (mlp_only_layers); 8 experts of width 32, top 2 renormalised.
+  "qwen3_moe": (
+    "Qwen3MoeForCausalLM",
+    "qwen3_moe",
+    dict(
+      rope_theta=1000000.0,
+      num_hidden_layers=3,
+      num_experts=8,
+      num_experts_per_tok=2,
+      moe_intermediate_size=32,
+      norm_topk_prob=True,
+      decoder_sparse_step=1,
+      mlp_only_layers=[1],
+    ),
+  ),
 }
 
 
 def tiny_hf_config(family: str, **overrides) -> dict:
   """A transformers-4 style config.json dict (`rope_theta`/`rope_scaling` at the top level)."""
   if family not in _FAMILY:
-    raise ValueError(f"tiny_hf_config: unknown family {family!r}; choose one of {FAMILIES}.")
+    raise ValueError(f"tiny_hf_config: unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES}.")
   arch, model_type, extra = _FAMILY[family]
   return {"architectures": [arch], "model_type": model_type, **_BASE, **extra, **overrides}
 

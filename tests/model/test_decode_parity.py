@@ -1,9 +1,9 @@
 """The engine's decode step (`decode_forward`) stepped token by token against the full-sequence `forward`, on tiny
 random transformers checkpoints of each family: Llama (with Llama-3 rope scaling), Qwen2 (q/k/v biases), Qwen3
-(q/k norms) and a SmolLM2-shaped Llama (tied embeddings), through every decode path reachable on CPU: XLA dots and
-the CPU kernels (`decode_weights`), each over the dense and the paged KV cache. Both run one layer definition
-(`_layers.layer`); decoding from an empty cache and after a prefill by `fill_cache_rows` (the Flax block) must give
-`forward`'s logits at every position.
+(q/k norms), Qwen3-MoE (expert layers and a dense one) and a SmolLM2-shaped Llama (tied embeddings), through every
+decode path reachable on CPU: XLA dots and the CPU kernels (`decode_weights`), each over the dense and the paged KV
+cache. Both run one layer definition (`_layers.layer`); decoding from an empty cache and after a prefill by
+`fill_cache_rows` (the Flax block) must give `forward`'s logits at every position.
 
 Tolerance (float32): max |Δ| <= REL * max |logits| of the row's position. Measured: <= 1.1e-6 on every path."""
 
@@ -23,6 +23,7 @@ CASES = {  # tiny_checkpoint(family, tie)
   "qwen2": ("qwen2", False),
   "qwen3": ("qwen3", False),
   "smollm2_shaped": ("llama", True),
+  "qwen3_moe": ("qwen3_moe", False),  # sparse layers around a dense one (mlp_only_layers); CPU: dense experts
 }
 PATHS = ("xla_dense", "xla_paged", "kernel_dense", "kernel_paged")
 B, T, PREFILL, PAGE = 3, 12, 4, 4
@@ -104,3 +105,11 @@ def test_decode_steps_equal_the_full_forward(tiny_checkpoint, case, path):
   errors = decode_errors(*model.load_hf(tiny_checkpoint(*CASES[case])), path)
   worst = np.nanmax(errors)
   assert worst <= REL, f"{case} {path}: max |Δ| / max |logits| {worst:.3g} > {REL} (per position: {errors})"
+
+
+def test_decode_with_ragged_dot_experts(tiny_checkpoint):
+  """Qwen3-MoE with the `jax.lax.ragged_dot` expert computation (CPU's default is the dense one) through the decode
+  step, on one cache path: the expert block does not depend on the cache."""
+  config, params = model.load_hf(tiny_checkpoint(*CASES["qwen3_moe"]))
+  worst = np.nanmax(decode_errors(config.replace(moe_impl="ragged"), params, "xla_dense"))
+  assert worst <= REL, f"max |Δ| / max |logits| {worst:.3g} > {REL}"

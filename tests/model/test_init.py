@@ -14,9 +14,18 @@ SMALL = dict(
 )
 
 
-# qwen2: q/k/v biases and an untied LM head; qwen3: q/k norms, tied, bfloat16 parameters.
+# qwen2: q/k/v biases and an untied LM head; qwen3: q/k norms, tied, bfloat16 parameters; qwen3-moe: router and
+# stacked experts beside a dense MLP (a dense layer among sparse ones).
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": (1,)}
+
+
 @pytest.mark.parametrize(
-  "name,extra", [("qwen2.5-0.5b", {"tie_word_embeddings": False}), ("qwen3-4b", {"param_dtype": "bfloat16"})]
+  "name,extra",
+  [
+    ("qwen2.5-0.5b", {"tie_word_embeddings": False}),
+    ("qwen3-4b", {"param_dtype": "bfloat16"}),
+    ("qwen3-30b-a3b", MOE),
+  ],
 )
 def test_init_params_follows_the_modules_initializers(name, extra):
   cfg = model.preset(name, **SMALL, **extra)

@@ -201,6 +201,50 @@ PUBLISHED = {
     max_position_embeddings=40960,
     attention_bias=False,
   ),
+  "qwen3-30b-a3b": dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.001,
+    rope_theta=1000000,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=40960,
+    attention_bias=False,
+  ),
+  "qwen3-235b-a22b": dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=0.001,
+    rope_theta=1000000,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    max_position_embeddings=40960,
+    attention_bias=False,
+  ),
 }
 # Parameter counts as the model cards state them (billions, rounded as published).
 PUBLISHED_PARAMS = {
@@ -219,6 +263,8 @@ PUBLISHED_PARAMS = {
   # The QwQ-32B card says 32.5B, which its config.json does not give (31.2B non-embedding + 1.56B
   # in the untied embeddings); the count from the published shapes is checked instead.
   "qwq-32b": (32.76, 2),
+  "qwen3-30b-a3b": (30.5, 1),  # 3.3B active (tests/model/test_moe.py)
+  "qwen3-235b-a22b": (235, 0),  # 22B active
 }
 
 

@@ -10,7 +10,7 @@ from aepo_jax.model import ModelConfig, init_params, load_hf
 from aepo_jax.rollout import StopStringChecker, generate, stop_sequences_from_strings
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_greedy_matches_transformers_generate(family, tmp_path):
   import torch
   from aepo_jax.testing import tiny_hf_checkpoint, tiny_hf_model
