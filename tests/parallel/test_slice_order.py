@@ -259,7 +259,14 @@ def _launch_emulated(tmp_path, workdir, *overrides):
   from aepo_jax.testing import tiny_tokenizer
 
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  # The rerun takes its programs from the first run's compilation cache (written by process 0, read by both):
+  # what it checks is the restore onto the slice-ordered mesh, not a second compile of the same programs.
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
   env.pop("XLA_FLAGS", None)  # the launcher gives each process the slice's 4 devices per host
   env.pop(parallel.EMULATE_TOPOLOGY_ENV, None)
   port = _free_port()

@@ -229,8 +229,10 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _train(workdir, steps, *overrides):
+def _train(workdir, steps, *overrides, cache_dir=None):
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  if cache_dir is not None:  # a persistent compilation cache: the rerun loads the first run's programs
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   return subprocess.run(
     [sys.executable, "-c", DRIVER, str(workdir), str(steps), *overrides],
     cwd=ROOT,
@@ -249,10 +251,17 @@ def _nll(workdir):
   return out
 
 
+def _cache(six_steps):
+  """The compilation cache six_steps wrote. Reruns whose steps are compared bit for bit with six_steps' compile
+  their own programs instead (a cached executable once differed from a fresh compile by 1 ulp: see
+  tests/train/test_resume.py)."""
+  return six_steps.parent / "jax_cache"
+
+
 @pytest.fixture(scope="module")
 def six_steps(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("integrity") / "six"
-  out = _train(workdir, 6)
+  out = _train(workdir, 6, cache_dir=_cache(workdir))
   assert out.returncode == 0, out.stderr[-3000:]
   assert sorted(os.listdir(workdir / "checkpoints" / "sft")) == ["3", "6"]
   return workdir
@@ -285,7 +294,7 @@ def test_trainer_stops_on_request_naming_the_file_and_the_intact_step(six_steps,
   workdir, ckpts = _copy(six_steps, tmp_path)
   victim = _largest_file(ckpts / "6")
   flip(victim)
-  out = _train(workdir, 9, "checkpoint.on_corrupt=stop")
+  out = _train(workdir, 9, "checkpoint.on_corrupt=stop", cache_dir=_cache(six_steps))
   assert out.returncode != 0
   last = out.stderr.strip().splitlines()[-1]
   assert os.path.relpath(victim, ckpts / "6") in last and "Step 3 is intact" in last, out.stderr[-3000:]
@@ -305,7 +314,7 @@ def test_trainer_falls_back_from_truncated_or_missing_parts(six_steps, tmp_path,
     with open(victim, "r+b") as f:
       f.truncate(os.path.getsize(victim) // 2)
     needle = "checkpoints/sft/6 is damaged: state/ cannot be read ("
-  out = _train(workdir, 9)
+  out = _train(workdir, 9, cache_dir=_cache(six_steps))
   assert out.returncode == 0, out.stderr[-3000:]
   assert needle in out.stderr and f"resuming from step 3, the newest intact checkpoint in {ckpts}" in out.stderr
   assert "does not match" not in out.stderr and "Event loop is closed" not in out.stderr
