@@ -206,6 +206,7 @@ def plot(records: list[dict], path: str) -> None:
     per_seed = [[v for v in (_mean_over_steps(r, key) for r in by[n]) if v is not None] or [0.0] for n in names]
     means = [np.mean(v) for v in per_seed]
     err = np.array([[m - min(v) for m, v in zip(means, per_seed)], [max(v) - m for m, v in zip(means, per_seed)]])
+    err = np.maximum(err, 0.0)  # a mean of equal values may round past them
     ax.bar(x + (j - 0.5) * 0.38, means, 0.38, yerr=err, capsize=3, label=label, color=["tab:olive", "tab:cyan"][j])
   ax.set_xticks(x, names)
   ax.set_ylim(0, 1.05)
