@@ -41,17 +41,6 @@ import _compare_report as report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_CONFIG = flags.DEFINE_string("config", "configs/cpu_default.py", "Base experiment config (configs/*.py[:arg]).")
-_ALGOS = flags.DEFINE_list("algorithms", ["grpo", "arpo", "aepo"], "Algorithm presets to compare.")
-_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (train.seed = sft.seed = data.seed).")
-_STEPS = flags.DEFINE_integer("steps", 0, "RL steps per run (0 = the config's train.steps).")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Held-out evaluation every N RL steps (0: before and after).")
-_SET = flags.DEFINE_multi_string("set", [], "Base config override KEY=VALUE (JSON value or string), repeatable.")
-_OUT = flags.DEFINE_string("out", None, "Output folder (local).")
-_KEEP = flags.DEFINE_bool("keep_checkpoints", False, "Keep each finished RL run's checkpoints (about 3 GB each).")
-_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only re-read the finished runs and rewrite the report.")
-_CHILD = flags.DEFINE_string("child", None, "Internal: run the config in this run folder.")
-
 # Keys an algorithm preset owns; anything else it changes is put back to the base config's value.
 OWNED = (
   "algo",
@@ -282,31 +271,46 @@ def sweep(spec: dict) -> None:
   bar.close()
 
 
+def define_flags() -> None:
+  """The command's flags (defined only when run as a command: importing this module defines none)."""
+  flags.DEFINE_string("config", "configs/cpu_default.py", "Base experiment config (configs/*.py[:arg]).")
+  flags.DEFINE_list("algorithms", ["grpo", "arpo", "aepo"], "Algorithm presets to compare.")
+  flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (train.seed = sft.seed = data.seed).")
+  flags.DEFINE_integer("steps", 0, "RL steps per run (0 = the config's train.steps).")
+  flags.DEFINE_integer("eval_every", 0, "Held-out evaluation every N RL steps (0: before and after).")
+  flags.DEFINE_multi_string("set", [], "Base config override KEY=VALUE (JSON value or string), repeatable.")
+  flags.DEFINE_string("out", None, "Output folder (local).")
+  flags.DEFINE_bool("keep_checkpoints", False, "Keep each finished RL run's checkpoints (about 3 GB each).")
+  flags.DEFINE_bool("report_only", False, "Only re-read the finished runs and rewrite the report.")
+  flags.DEFINE_string("child", None, "Internal: run the config in this run folder.")
+
+
 def main(argv):
   del argv
-  if _CHILD.value:
-    child(_CHILD.value)
+  F = flags.FLAGS
+  if F.child:
+    child(F.child)
     return
-  if not _OUT.value:
+  if not F.out:
     raise app.UsageError("--out=DIR is required.")
-  out = os.path.abspath(_OUT.value)
-  if _REPORT_ONLY.value:
+  out = os.path.abspath(F.out)
+  if F.report_only:
     with open(os.path.join(out, "sweep.json")) as f:
       spec = json.load(f)
   else:
     spec = dict(
-      config=_CONFIG.value,
-      algorithms=list(_ALGOS.value),
-      seeds=[int(s) for s in _SEEDS.value],
-      steps=_STEPS.value,
-      eval_every=_EVAL_EVERY.value,
-      set=list(_SET.value),
+      config=F.config,
+      algorithms=list(F.algorithms),
+      seeds=[int(s) for s in F.seeds],
+      steps=F.steps,
+      eval_every=F.eval_every,
+      set=list(F.set),
       out=out,
-      keep_checkpoints=_KEEP.value,
+      keep_checkpoints=F.keep_checkpoints,
     )
     check_spec(spec)
     with open(os.path.join(out, "sweep.json")) as f:
-      spec = {**json.load(f), "keep_checkpoints": _KEEP.value}
+      spec = {**json.load(f), "keep_checkpoints": F.keep_checkpoints}
     for name in spec["algorithms"]:
       preset(name)  # a wrong name fails before any run
     sweep(spec)
@@ -316,4 +320,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

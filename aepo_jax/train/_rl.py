@@ -191,6 +191,11 @@ def phase(run: Run, params):
   return params, summary
 
 
+def _stop_kw(should_stop) -> dict:
+  """The rollout's keyword for `should_stop`, none without one (a caller's rollout function need not take it)."""
+  return {} if should_stop is None else {"should_stop": should_stop}
+
+
 def _save_step_start(run: Run, ckpt, state: TrainState, data_state, nan_count: int, perf) -> None:
   """The state at the start of the interrupted step (its rng and data position: a resume redoes the step exactly),
   unless that step is already saved or is the start of RL (nothing to keep)."""
@@ -237,7 +242,7 @@ def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer, sh
   if not a.filter_groups:
     prompts = next(loader)
     with timer("rollout"):
-      traj = rollout(weights, prompts, key, should_stop=should_stop)
+      traj = rollout(weights, prompts, key, **_stop_kw(should_stop))
     with timer("reward"):
       rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
     return traj, prompts, rewards_b, {}
@@ -251,7 +256,7 @@ def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer, sh
     prompts = next(loader)
     with timer("rollout"):  # hosts agree on more batches below: only one host may leave the loop early
       stop = should_stop if jax.process_count() == 1 else None
-      traj = rollout(weights, prompts, jax.random.fold_in(key, gen), should_stop=stop)
+      traj = rollout(weights, prompts, jax.random.fold_in(key, gen), **_stop_kw(stop))
     gen += 1
     with timer("reward"):
       rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
