@@ -76,10 +76,9 @@ def preset(name: str):
 def algorithm_config(base, name: str):
   """(config, the keys put back to the base's value) of algorithm `name` on `base`."""
   from aepo_jax import train
-  from aepo_jax.train._config_checks import flatten
 
   c = preset(name)(copy.deepcopy(base))
-  before, after = flatten(base), flatten(c)
+  before, after = train.flatten(base), train.flatten(c)
   reverted = []
   for key in sorted(set(before) | set(after)):
     if before.get(key) != after.get(key) and not _owned(key):
@@ -213,14 +212,13 @@ def child(run_dir: str) -> None:
   parallel.use_cpu_xla_flags()
   logs.setup()
   from aepo_jax import train
-  from aepo_jax.train._phase import NothingToDo
 
   with open(os.path.join(run_dir, "config.json")) as f:
     config = train.from_json(f.read())
   t0 = time.time()
   try:
     summary = {k: v for k, v in train.run(config).items() if k != "params"}
-  except NothingToDo:  # finished before an interruption kept summary.json from being written
+  except train.NothingToDo:  # finished before an interruption kept summary.json from being written
     summary = {}
   summary["wall_s"] = time.time() - t0
   path = os.path.join(run_dir, "summary.json")

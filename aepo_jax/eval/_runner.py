@@ -253,7 +253,6 @@ class Evaluator:
           unique.append(rec)
         if bar is not None:  # answers the rollout did not report (too-long prompts, a caller's rollouts)
           bar.update(start + len(batch) - bar.n)
-        if bar is not None:
           bar.set_postfix(acc=f"{_mean(r['score'] for r in unique):.3f}")
     if bar is not None:
       bar.close()

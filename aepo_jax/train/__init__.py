@@ -25,6 +25,7 @@ from aepo_jax.train._config import (
   apply_model_overrides,
   base_config,
   find_config,
+  flatten,
   from_json,
   load_config,
   load_sibling,
@@ -49,7 +50,7 @@ from aepo_jax.train._metrics import (
 )
 from aepo_jax.train._preflight import PreflightError, format_checklist
 from aepo_jax.train._preflight import checklist as preflight_checklist
-from aepo_jax.train._trainer import TrainingError, run
+from aepo_jax.train._trainer import NothingToDo, TrainingError, run
 
 __all__ = [
   "ConfigError",
@@ -65,6 +66,7 @@ __all__ = [
   "apply_model_overrides",
   "resolve_config_flag",
   "find_config",
+  "flatten",
   "unknown_key_hint",
   "preflight_checklist",
   "format_checklist",
@@ -72,6 +74,7 @@ __all__ = [
   "compile_check",
   "run",
   "TrainingError",
+  "NothingToDo",
   "Checkpointer",
   "CheckpointError",
   "CheckpointCorruptError",

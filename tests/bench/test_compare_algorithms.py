@@ -43,7 +43,7 @@ def _spec(tmp_path, **kw):
 
 
 def test_every_algorithm_gets_the_same_budget_and_its_own_objective(tmp_path):
-  from aepo_jax.train._config_checks import flatten
+  from aepo_jax.train import flatten
 
   runs = MOD.plan(_spec(tmp_path))
   assert [(r["kind"], r["algorithm"], r["seed"]) for r in runs[:6]] == [
