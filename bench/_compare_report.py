@@ -24,6 +24,10 @@ SERIES = {
   "tree_depth_max": "rollout/tree_depth_max",
   "response_len": "rollout/response_len_mean",
   "step_s": "perf/step_s",
+  "rollout_s": "perf/rollout_s",
+  "trajectories": "rollout/trajectories",
+  "slot_occupancy": "rollout/slot_occupancy",
+  "staleness_mean": "rollout/staleness_mean",
 }
 
 
@@ -152,6 +156,39 @@ def table(records: list[dict]) -> str:
   return head + "\n".join(rows) + "\n"
 
 
+def trajectories_per_rollout_s(rec: dict, skip_first: bool = True) -> float | None:
+  """Completed trajectories per second of rollout time over a run's steps (the first step, which compiles the
+  engine, left out when there are others)."""
+  pairs = [(t, s) for t, s in zip(rec["trajectories"], rec["rollout_s"]) if t is not None and s]
+  if skip_first and len(pairs) > 1:
+    pairs = pairs[1:]
+  return sum(t for t, _ in pairs) / sum(s for _, s in pairs) if pairs else None
+
+
+def throughput_table(records: list[dict]) -> str:
+  """Rollout throughput per algorithm, and its ratio to the first algorithm's on the same seeds."""
+  by = defaultdict(dict)
+  for r in records:
+    by[r["algorithm"]][r["seed"]] = r
+  names = list(by)
+  base = by[names[0]]
+  out = (
+    f"| algorithm | seeds | trajectories per rollout second (steps 2..) | ratio to {names[0]} (same seeds) | "
+    "slot occupancy | staleness (tokens, mean) |\n|---|---|---|---|---|---|\n"
+  )
+  for name in names:
+    rs = by[name]
+    tps = {s: trajectories_per_rollout_s(r) for s, r in rs.items()}
+    ratio = [tps[s] / trajectories_per_rollout_s(base[s]) for s in rs if s in base and tps[s] and base[s]["rollout_s"]]
+    occ = [_mean_over_steps(r, "slot_occupancy") for r in rs.values()]
+    stale = [_mean_over_steps(r, "staleness_mean") for r in rs.values()]
+    out += (
+      f"| {name} | {len(rs)} | {_fmt(*_ci(list(tps.values())))} | {_fmt(*_ci(ratio), digits=2)} | "
+      f"{_fmt(*_ci(occ), digits=2)} | {_fmt(*_ci(stale), digits=2)} |\n"
+    )
+  return out
+
+
 def _band(ax, records, key, color, label, x_of=None):
   """Mean over seeds with the min-max range shaded, per step."""
   steps = sorted({s for r in records for s in (x_of(r) if x_of else r["steps"])})
@@ -226,7 +263,7 @@ def write(out: str, runs: list[dict], spec: dict) -> list[str]:
   paths.append(path)
   md = os.path.join(out, "results.md")
   with open(md, "w") as f:
-    f.write(table(records) if records else "no finished RL run yet\n")
+    f.write(table(records) + "\n" + throughput_table(records) if records else "no finished RL run yet\n")
   paths.append(md)
   if records:
     os.makedirs(os.path.join(out, "plots"), exist_ok=True)

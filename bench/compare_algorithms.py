@@ -17,6 +17,10 @@ penalize_refills); everything else it changes (e.g. arpo's tools.retry_count) is
 and listed in the run's record, so every algorithm has the same prompts per step, samples per prompt (rollout.n),
 response length, tools, learning rate and steps. Seeds: train.seed = sft.seed = data.seed = the seed.
 
+Variants: `NAME+KEY=VALUE[+KEY=VALUE...]` is preset NAME with those keys set after it (any key: they are what the
+variant is about), e.g. `--algorithms=aepo,aepo+train.max_staleness=1+algo.off_policy=decoupled` compares the
+synchronous step with partial rollouts (docs/rollout.md) at the same budget.
+
 Per run and RL step it records reward, tool calls per trajectory, the update batch's policy entropy, the sampler's
 entropy right after tool results and at the start, branch statistics (branches per prompt, top-3 share, consecutive
 share, tree depth), response length and step time; held-out accuracy (greedy) before and after RL and at
@@ -73,10 +77,24 @@ def preset(name: str):
   return fn
 
 
-def algorithm_config(base, name: str):
-  """(config, the keys put back to the base's value) of algorithm `name` on `base`."""
+def parse_label(label: str) -> tuple:
+  """'aepo+train.max_staleness=1' -> ('aepo', {'train.max_staleness': 1})."""
+  name, *sets = label.split("+")
+  extra = {}
+  for item in sets:
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+      raise app.UsageError(f"--algorithms: {label!r}: each '+' part must be KEY=VALUE (got {item!r}).")
+    extra[key] = _parse_value(value)
+  return name, extra
+
+
+def algorithm_config(base, label: str):
+  """(config, the keys put back to the base's value) of algorithm `label` (a preset, or a variant of one) on
+  `base`."""
   from aepo_jax import train
 
+  name, extra = parse_label(label)
   c = preset(name)(copy.deepcopy(base))
   before, after = train.flatten(base), train.flatten(c)
   reverted = []
@@ -84,6 +102,10 @@ def algorithm_config(base, name: str):
     if before.get(key) != after.get(key) and not _owned(key):
       train.set_key(c, key, before[key])
       reverted.append(key)
+  for key, value in extra.items():
+    if key not in before:
+      raise app.UsageError(f"--algorithms: {label!r}: no config key {key!r}.")
+    train.set_key(c, key, value)
   return c, reverted
 
 

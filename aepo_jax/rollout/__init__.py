@@ -38,7 +38,10 @@ from aepo_jax.rollout._state import (
 #   AgentLoop(engine, tokenizer, tools, AgentConfig(...)).rollout(params, prompts, policy, seed=0) -> Trajectories
 #     (should_stop=callable: asked between decode chunks; True raises RolloutInterrupted, e.g. on SIGTERM)
 #   rollout_policy('none' | 'arpo' | 'aepo', PolicyConfig(...), **overrides), register_rollout_policy(name)
+#   PartialRollouts(loop, policy, groups_per_call, max_staleness)(params, prompt_ids, payloads, version=, seed=)
+#     -> (Trajectories, payloads, metrics): unfinished groups carry over to the next call (train.max_staleness)
 from aepo_jax.rollout._agent import AgentConfig, AgentLoop, RolloutInterrupted
+from aepo_jax.rollout._partial import PartialRollouts
 from aepo_jax.rollout._trajectories import Trajectories, TrajectoryRecord, concat_groups
 from aepo_jax.rollout.policies import PolicyConfig, RolloutPolicy, register_rollout_policy, rollout_policy
 from aepo_jax.rollout._generate import generate

@@ -201,7 +201,7 @@ class AgentLoop(_Scheduling):
 
   def _new_record(self, run, p, kind, prompt, first_round, *, max_len=None, max_calls=None):
     rec = TrajectoryRecord(
-      index=len(run.records),
+      index=run.records.next_index,
       prompt=p,
       kind=kind,
       prompt_tokens=prompt,
@@ -210,6 +210,7 @@ class AgentLoop(_Scheduling):
       max_tool_calls=self.config.max_tool_calls if max_calls is None else max_calls,
       seed=0,
       call_state=self._new_call_state(),
+      version_marks=[(0, run.version)],
     )
     rec.seed = self._seed(run, rec.index)
     run.records.append(rec)
@@ -238,7 +239,9 @@ class AgentLoop(_Scheduling):
     rec.segments.append(Segment(round=rec.first_round + len(rec.segments), start=rec.response_len))
 
   # ------------------------------------------------------------------------------------------------ driving
-  def _drive(self, run: _Run, policy: RolloutPolicy) -> None:
+  def _drive(self, run: _Run, policy: RolloutPolicy, until: Optional[Callable] = None) -> None:
+    """Decode, run tools and close rounds until every trajectory is finished, or until `until(run)` holds
+    (partial rollouts: the slots and the KV cache are then kept, to go on in the next call)."""
     while True:
       if self._should_stop is not None and self._should_stop():
         self._release(run, list(run.slot_rec))
@@ -264,6 +267,8 @@ class AgentLoop(_Scheduling):
         if not self._end_round(run, policy):
           self._release(run, list(run.slot_rec))
           return
+      if until is not None and until(run):
+        return
       if not run.decoding and not run.futures and (run.stalled or run.page_blocked):
         self._preempt(run)  # every slot waits for pages that only a preempted trajectory can free
       elif not run.decoding and not run.futures and not self._progress_possible(run):
@@ -360,6 +365,7 @@ class AgentLoop(_Scheduling):
     tok, lp, ent, valid = jax.device_get((out.token, out.logprob, out.entropy, out.valid))
     info = self.engine.host_info(run.state)
     run.decoded_tokens += int(valid.sum())
+    run.slot_steps += int(valid.shape[0]) * int(valid.shape[1])
     stopped, cuts = [], []
     for s in sorted(run.decoding):
       rec = run.records[run.slot_rec[s]]
@@ -378,7 +384,7 @@ class AgentLoop(_Scheduling):
       info = self.engine.host_info(run.state)
       for s, c in cuts:
         rec = run.records[run.slot_rec[s]]
-        del rec.tokens[c:], rec.loss_mask[c:], rec.logprob[c:], rec.entropy[c:]
+        rec.truncate(c)
         rec.device_len = c
         stopped.append((s, st.STOP_SEQUENCE))
     for s, reason in stopped:
@@ -483,6 +489,7 @@ class AgentLoop(_Scheduling):
     )
     out["rollout/rounds"] = float(run.round)
     out["rollout/decode_tokens"] = float(run.decoded_tokens)
+    out["rollout/slot_occupancy"] = run.decoded_tokens / max(run.slot_steps, 1)
     if self._paged():
       out["rollout/preemptions"] = float(run.preemptions)
     if run.tool_overlap:

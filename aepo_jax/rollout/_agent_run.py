@@ -26,13 +26,43 @@ def _tool_tags(config, tools) -> tuple:
   return tuple(dict.fromkeys(c for c, _ in all_call_tags()))
 
 
+class _Records:
+  """A run's records by creation index, in creation order. Partial rollouts (_partial.py) `retire` the records of
+  the prompt groups they hand back; indices are never reused, so slots, queue and futures keep pointing right."""
+
+  def __init__(self):
+    self._by_index: dict = {}
+    self.next_index = 0
+
+  def append(self, rec) -> None:
+    if rec.index != self.next_index:
+      raise ValueError(f"record index {rec.index} appended where {self.next_index} was due")
+    self._by_index[rec.index] = rec
+    self.next_index += 1
+
+  def retire(self, indices) -> None:
+    for i in indices:
+      del self._by_index[i]
+
+  def __getitem__(self, index: int):
+    return self._by_index[index]
+
+  def __iter__(self):
+    return iter(list(self._by_index.values()))
+
+  def __len__(self) -> int:
+    return len(self._by_index)
+
+
 class _Run:
-  """Mutable state of one rollout call."""
+  """Mutable state of one rollout call (of several, when partial rollouts carry it over: `version` is then the
+  policy version of the weights in `params`)."""
 
   def __init__(self, engine, params, num_prompts: int, seed: int):
     self.engine, self.params = engine, params
     self.state = engine.init_decode_state()
-    self.records: list = []
+    self.records = _Records()
+    self.version = 0
     self.queue: collections.deque = collections.deque()
     self.slot_rec: dict = {}
     self.free = list(range(engine.max_slots))
@@ -43,6 +73,7 @@ class _Run:
     self.seed = int(seed)
     self.key = jax.random.PRNGKey(self.seed)
     self.decoded_tokens = 0  # tokens sampled by all slots so far
+    self.slot_steps = 0  # decode steps x engine slots so far (slot occupancy = decoded_tokens / slot_steps)
     self.tool_overlap: list = []  # tokens decoded by other slots while each tool ran
     self.decisions: list = []
     self.restarts: dict = collections.Counter()
@@ -84,7 +115,8 @@ class _Scheduling:
       run.decisions.append({"round": rnd, **{k: np.asarray(v) for k, v in plan.decisions.items()}})
     forks = []
     for parent, fork_pos, dst in plan.children:
-      child = parent.fork(len(run.records), fork_pos, 0, rnd + 1, lambda s: s.copy() if s is not None else None)
+      child = parent.fork(run.records.next_index, fork_pos, 0, rnd + 1, lambda s: s.copy() if s is not None else None)
+      child.version_marks.append((fork_pos, run.version))  # its own tokens come from the weights of now
       run.records.append(child)
       run.counts_p[child.prompt] += 1
       child.seed = self._seed(run, child.index)
@@ -212,9 +244,10 @@ class _Scheduling:
     run.restarts[idx] += 1
     run.preemptions += 1
     run.queue.append(idx)
-    if run.preemptions > 8 * len(run.records) + 16:  # never loop for ever: each preemption re-prefills a trajectory
+    # Never loop for ever: each preemption re-prefills a trajectory.
+    if run.preemptions > 8 * run.records.next_index + 16:
       raise RuntimeError(
-        f"AgentLoop: {run.preemptions} preemptions for {len(run.records)} trajectories: the KV page pool "
+        f"AgentLoop: {run.preemptions} preemptions for {run.records.next_index} trajectories: the KV page pool "
         f"({self.engine.num_pages - 1} pages of {self.engine.page_size} tokens) is too small for this many slots at "
         "these lengths; raise rollout.kv_tokens or lower rollout.max_slots."
       )

@@ -62,6 +62,9 @@ class TrajectoryRecord:
   device_len: int = 0  # response tokens present in that slot
   initial_accum: Optional[tuple] = None  # corrected mode: accumulators of the lineage's first segment
   forked_on_device: bool = False
+  # (response offset, policy version): the tokens from each offset on were sampled by that version of the weights
+  # (one mark per weight update a trajectory lives through; partial rollouts, aepo_jax.rollout.PartialRollouts).
+  version_marks: list = dataclasses.field(default_factory=list)
 
   @property
   def response_len(self) -> int:
@@ -81,6 +84,21 @@ class TrajectoryRecord:
     self.loss_mask.extend([mask] * n)
     self.logprob.extend([0.0] * n if logprob is None else [float(x) for x in logprob])
     self.entropy.extend([0.0] * n if entropy is None else [float(x) for x in entropy])
+
+  def truncate(self, length: int) -> None:
+    """Drops the response from `length` on (a rewind); the tokens sampled again come from the current version."""
+    current = self.version_marks[-1][1] if self.version_marks else 0
+    del self.tokens[length:], self.loss_mask[length:], self.logprob[length:], self.entropy[length:]
+    self.version_marks = [m for m in self.version_marks if m[0] < length] or [(0, current)]
+    if self.version_marks[-1][1] != current:
+      self.version_marks.append((length, current))
+
+  def token_versions(self) -> np.ndarray:
+    """The policy version that sampled each response token (tool-result tokens get the version of their turn)."""
+    out = np.zeros((len(self.tokens),), np.int64)
+    for offset, version in self.version_marks:
+      out[offset:] = version
+    return out
 
   def fork(self, index: int, fork_pos: int, seed: int, first_round: int, copy_state: Callable) -> "TrajectoryRecord":
     """A child sharing this record's prompt and response[:fork_pos] (spec §1.2 2.6: a full copy of the state)."""
@@ -105,6 +123,7 @@ class TrajectoryRecord:
       call_state=copy_state(state),
       num_tool_calls=calls,
       initial_accum=self.initial_accum,
+      version_marks=[m for m in self.version_marks if m[0] < fork_pos],
     )
     return child
 

@@ -255,6 +255,15 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     f"algo.off_policy_cap={a.off_policy_cap}: a cap on pi_old/pi_sampler must be "
     f"{'>= 1' if a.off_policy == 'tis' else '> 1'}, or 0 for the method's default.",
   )
+  need(
+    isinstance(t.max_staleness, int) and t.max_staleness >= 0,
+    f"train.max_staleness={t.max_staleness!r}: an integer >= 0 (0 = synchronous steps).",
+  )
+  need(
+    not (t.max_staleness and a.filter_groups),
+    f"train.max_staleness={t.max_staleness} with algo.filter_groups=True: DAPO's dynamic sampling is not supported "
+    "with partial rollouts; set one of them off.",
+  )
   need(a.filter_metric in ("acc", "reward"), f"algo.filter_metric={a.filter_metric!r}: use 'acc' or 'reward'.")
   need(a.max_num_gen_batches >= 0, f"algo.max_num_gen_batches={a.max_num_gen_batches}: must be >= 0 (0 = no limit).")
   need(

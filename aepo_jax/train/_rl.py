@@ -56,6 +56,13 @@ def phase(run: Run, params):
   if meta.get("data_state") is not None:
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   nan_count = int(meta.get("nan_count", 0))
+  if start and t.max_staleness:
+    log.info(
+      "partial rollouts (train.max_staleness=%d): the groups carried over at step %d were dropped at the restart "
+      "(they are not checkpointed); this run starts with none carried.",
+      t.max_staleness,
+      start,
+    )
 
   tools = _wiring.make_toolset(config)
   rollout = _wiring.make_rollout(config, model_cfg, tokenizer, tools)  # on this host's own devices
@@ -90,7 +97,16 @@ def phase(run: Run, params):
       weights = rollout.weights(params)  # the policy on this host's rollout devices (once per step)
     try:  # SIGTERM is noticed between decode chunks and tool polls, not only at the end of the step
       traj, prompts, rewards_b, gen_metrics = generate(
-        config, loader, rollout, reward_fn, weights, rollout_key, pad_id, timer, should_stop=run.preempt.is_requested
+        config,
+        loader,
+        rollout,
+        reward_fn,
+        weights,
+        rollout_key,
+        pad_id,
+        timer,
+        should_stop=run.preempt.is_requested,
+        version=step,
       )
       interrupted = False
     except RolloutInterrupted as e:
@@ -229,8 +245,12 @@ def host_rollout_metrics(rollout_s: float, trajectories: int, step: int) -> dict
   }
 
 
-def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer, should_stop=None):
+def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer, should_stop=None, version=0):
   """(trajectories, prompts by group id, rewards [N], metrics) for one RL step.
+
+  With train.max_staleness > 0 (partial rollouts): the step's prompts join the groups carried over from earlier
+  steps (`version` = the step, the policy version of `weights`) and as many complete groups come back, the oldest
+  first; the rest carry over.
 
   Without algo.filter_groups: one batch of prompts, rolled out. With it (DAPO dynamic sampling, spec §3.2):
   groups whose filter metric is equal across the group are dropped and further batches are generated until
@@ -239,6 +259,12 @@ def generate(config, loader, rollout, reward_fn, weights, key, pad_id, timer, sh
   filling the rest (verl raises instead) and says so in `rollout/filter_underfilled`.
   """
   a = config.algo
+  if config.train.max_staleness:
+    with timer("rollout"):
+      traj, prompts, _ = rollout.carry_over(weights, loader, key, version=version, should_stop=should_stop)
+    with timer("reward"):
+      rewards_b = np.asarray(reward_fn(traj, prompts), np.float32)
+    return traj, prompts, rewards_b, {}
   if not a.filter_groups:
     prompts = next(loader)
     with timer("rollout"):

@@ -149,17 +149,40 @@ class Rollout:
       model_cfg, tokenizer, tools, self.settings, mesh=mesh, pad_id=pad_id(model_cfg, tokenizer)
     )
     self.engine, self.loop, self.policy = self.rollouts.engine, self.rollouts.loop, self.rollouts.policy
+    self.partial = None  # PartialRollouts, made on the first carry_over call
 
   def weights(self, params):
     """The policy on this host's rollout devices (the same arrays when they already are; see to_host_local)."""
     return self.rollouts.weights(params)
 
   def __call__(self, weights, prompts, key, should_stop=None):
+    ids = [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts]
+    return self.rollouts(weights, ids, seed=self._seed(key), should_stop=should_stop)
+
+  def _seed(self, key) -> int:
     if jax.process_count() > 1:  # hosts sample independently of each other
       key = jax.random.fold_in(key, jax.process_index())
-    seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
+    return int(jax.random.randint(key, (), 0, 2**31 - 1))
+
+  def carry_over(self, weights, loader, key, *, version: int, should_stop=None):
+    """Partial rollouts (train.max_staleness > 0): batches from `loader` (this host's share of a step's prompts
+    each) fill the carried-over run up to max_staleness + 1 steps' groups (all of them at the first call, one batch
+    after); returns (trajectories, the examples of their groups, metrics) for one batch's worth of complete groups,
+    the oldest first. `drop_carry()` forgets what is carried."""
+    from aepo_jax import rollout as rollout_lib
+
+    if self.partial is None:
+      self.partial = rollout_lib.PartialRollouts(
+        self.loop, self.policy, groups_per_call=self.prompts_per_call, max_staleness=self.config.train.max_staleness
+      )
+    prompts = []
+    while len(prompts) < self.partial.wanted():
+      prompts += list(next(loader))
     ids = [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts]
-    return self.rollouts(weights, ids, seed=seed, should_stop=should_stop)
+    return self.partial(weights, ids, list(prompts), version=version, seed=self._seed(key), should_stop=should_stop)
+
+  def drop_carry(self) -> int:
+    return self.partial.drop() if self.partial is not None else 0
 
 
 def make_rollout(config, model_cfg, tokenizer, tools, **kw) -> Rollout:

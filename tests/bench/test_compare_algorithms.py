@@ -102,6 +102,43 @@ def test_unknown_algorithm_and_another_sweeps_folder_are_refused(tmp_path):
     MOD.check_spec(_spec(tmp_path, steps=5))
 
 
+def test_a_variant_is_its_preset_with_its_own_keys(tmp_path):
+  from aepo_jax.train import flatten
+
+  label = "aepo+train.max_staleness=1+algo.off_policy=decoupled"
+  runs = MOD.plan(_spec(tmp_path, algorithms=["aepo", label], seeds=[0]))
+  plain, variant = (flatten(r["config"]) for r in runs[1:])
+  diff = {k for k in plain if plain[k] != variant[k]}
+  assert diff == {"train.max_staleness", "algo.off_policy", "workdir"}, diff
+  assert variant["train.max_staleness"] == 1 and variant["algo.off_policy"] == "decoupled"
+  assert runs[2]["dir"].endswith(os.path.join("rl", label, "seed0"))
+  with pytest.raises(app.UsageError, match="no config key 'train.max_stale'"):
+    MOD.plan(_spec(tmp_path, algorithms=["aepo+train.max_stale=1"], seeds=[0]))
+  with pytest.raises(app.UsageError, match="KEY=VALUE"):
+    MOD.parse_label("aepo+train.max_staleness")
+
+
+def test_throughput_table_gives_ratios_on_the_same_seeds():
+  import _compare_report as report
+
+  def rec(algo, seed, traj, secs):
+    n = len(traj)
+    return dict(
+      algorithm=algo, seed=seed, trajectories=traj, rollout_s=secs, slot_occupancy=[0.5] * n, staleness_mean=[0.0] * n
+    )
+
+  records = [
+    rec("sync", 0, [16, 16, 16], [60.0, 20.0, 20.0]),  # the first step (compilation) is left out: 0.8/s
+    rec("sync", 1, [16, 16], [50.0, 16.0]),  # 1.0/s
+    rec("partial", 0, [16, 16, 16], [60.0, 10.0, 10.0]),  # 1.6/s: 2x
+    rec("partial", 1, [16, 16], [50.0, 8.0]),  # 2.0/s: 2x
+  ]
+  assert report.trajectories_per_rollout_s(records[0]) == 0.8
+  table = report.throughput_table(records)
+  assert "| partial | 2 | 1.800 [1.600, 2.000] | 2.00 [2.00, 2.00] |" in table, table
+  assert "| sync | 2 | 0.900 [0.800, 1.000] | 1.00 [1.00, 1.00] |" in table, table
+
+
 def _sweep(out, tok_dir):
   return [
     sys.executable,

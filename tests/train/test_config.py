@@ -200,3 +200,13 @@ def test_cli_overrides_and_errors():
   bad = _cli("--config=configs/aepo_gaia.py", "--config.rollout.policy=apeo")
   assert "rollout.policy='apeo' is not registered; did you mean 'aepo'?" in bad.stderr, bad.stderr[-2000:]
   assert "Traceback" not in bad.stderr
+
+
+def test_partial_rollout_settings_are_checked():
+  c = base_config()
+  c.train.max_staleness = -1
+  assert "train.max_staleness=-1" in _error(c, num_devices=8)
+  c.train.max_staleness, c.algo.filter_groups = 1, True
+  assert "not supported with partial rollouts" in _error(c, num_devices=8)
+  c.algo.filter_groups = False
+  validate(c, num_devices=8)

@@ -127,6 +127,9 @@ _SUMMED = (
   "rollout/prefill_tokens_saved_by_fork",
   "rollout/forks_on_device",
   "rollout/decode_tokens",
+  "rollout/carried_groups",  # partial rollouts (rollout/_partial.py): every host carries its own
+  "rollout/carried_trajectories",
+  "rollout/dropped_stale",
 )
 _MAXED = ("rollout/rounds",)
 

@@ -1,0 +1,101 @@
+"""Partial rollouts (train.max_staleness > 0) on the REAL engine with a tiny random Llama: groups carried over between
+calls come back complete, with exact sampling log-probs, at most max_staleness versions old, oldest first."""
+
+import jax
+import numpy as np
+import pytest
+from test_agent_engine import PROMPTS, _loop, _paged_loop, check_trajectories, params  # noqa: F401 (fixture)
+
+from aepo_jax.rollout import PartialRollouts, RolloutInterrupted, TrajectoryRecord
+from aepo_jax.rollout.policies import rollout_policy
+
+
+def _calls(partial, params, versions):
+  out = []
+  for v in versions:
+    k = partial.wanted()
+    assert k == (partial.capacity if v == versions[0] else partial.groups_per_call)
+    payloads = [(v, i) for i in range(k)]  # (version it was given at, position)
+    out.append((v, *partial(params, (PROMPTS * k)[:k], payloads, version=v, seed=11 + v)))
+  return out
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_carried_groups_come_back_complete_exact_and_within_the_bound(params, layout):  # noqa: F811
+  loop = _loop() if layout == "dense" else _paged_loop(num_pages=8 * 12 + 1)
+  policy = rollout_policy("arpo", n=4, initial_rollouts=2, mode="corrected")
+  partial = PartialRollouts(loop, policy, groups_per_call=len(PROMPTS), max_staleness=1)
+  seen, carried, stale = [], 0, 0.0
+  for v, tr, payloads, m in _calls(partial, params, range(5)):
+    # Every group complete (n rows, tool results, forks), and the log-probs of carried trajectories equal a
+    # teacher-forced forward: their KV cache survived the calls (the weights are the same here).
+    check_trajectories(params, tr)
+    assert [g for g, _ in payloads] == sorted(g for g, _ in payloads)  # oldest first
+    assert all(v - g <= 1 for g, _ in payloads), (v, payloads)  # bounded staleness, by finishing first
+    assert m["rollout/staleness_max"] <= 1 and m["rollout/group_age_max"] <= 1
+    assert m["rollout/dropped_stale"] == 0 and 0 < m["rollout/slot_occupancy"] <= 1
+    seen += payloads
+    carried = max(carried, m["rollout/carried_groups"])
+    stale = max(stale, m["rollout/stale_token_fraction"])
+  assert len(set(seen)) == len(seen) == 5 * len(PROMPTS)  # none handed back twice
+  assert carried == len(PROMPTS) and stale > 0  # the calls really overlapped (tokens from an older version)
+  assert partial.carried()[0] == len(PROMPTS) and partial.wanted() == len(PROMPTS)
+
+
+def test_versions_follow_the_weights(params):  # noqa: F811
+  """Tokens carry the version of the weights that sampled them: with new weights at each call, a token's sampling
+  log-prob is that version's (teacher-forced over the same cache would differ for stale ones)."""
+  loop = _loop()
+  policy = rollout_policy("none", n=4, initial_rollouts=4)
+  partial = PartialRollouts(loop, policy, groups_per_call=len(PROMPTS), max_staleness=2)
+  outs = _calls(partial, params, range(4))
+  assert max(m["rollout/staleness_max"] for _, _, _, m in outs) <= 2
+  run = partial.run
+  for rec in run.records:  # the carried ones: versions never decrease along a trajectory, none beyond the last call
+    vs = rec.token_versions()
+    assert (np.diff(vs) >= 0).all() and (vs <= 3).all()
+
+
+def test_an_interruption_drops_the_carry_and_the_next_call_starts_fresh(params):  # noqa: F811
+  loop = _loop()
+  partial = PartialRollouts(loop, rollout_policy("none", n=4, initial_rollouts=4), groups_per_call=3, max_staleness=1)
+  _calls(partial, params, [0])
+  with pytest.raises(RolloutInterrupted):  # e.g. SIGTERM: asked before the first decode chunk
+    partial(params, PROMPTS, ["a", "b", "c"], version=1, should_stop=lambda: True)
+  assert partial.carried() == (0, 0) and partial.wanted() == 6
+  tr, payloads, _ = partial(params, PROMPTS * 2, list("defghi"), version=2, seed=3)
+  assert len(payloads) == 3 and set(payloads) <= set("defghi")
+  check_trajectories(params, tr)
+
+
+def test_aepo_pre_monitoring_runs_for_each_calls_new_prompts(params):  # noqa: F811
+  loop = _loop()
+  policy = rollout_policy("aepo", n=4, initial_rollouts=2, enable_dynamic_rollouts=True)
+  partial = PartialRollouts(loop, policy, groups_per_call=3, max_staleness=1)
+  for _, tr, _, m in _calls(partial, params, range(3)):
+    check_trajectories(params, tr)
+    assert "rollout/probe_h_root" in m
+
+
+def test_bad_arguments_are_named():
+  loop = _loop()
+  with pytest.raises(ValueError, match="max_staleness=0"):
+    PartialRollouts(loop, rollout_policy("none", n=4), groups_per_call=3, max_staleness=0)
+  partial = PartialRollouts(loop, rollout_policy("none", n=4), groups_per_call=3, max_staleness=1)
+  with pytest.raises(ValueError, match="wanted"):
+    partial(None, PROMPTS, ["a", "b", "c"], version=0)
+
+
+def test_record_versions_through_truncation_and_forks():
+  rec = TrajectoryRecord(0, 0, "global", [1], 0, 32, 3, 0, version_marks=[(0, 0)])
+  rec.append([5, 6, 7])
+  rec.version_marks.append((3, 1))  # the weights changed after three tokens
+  rec.append([8, 9])
+  assert rec.token_versions().tolist() == [0, 0, 0, 1, 1]
+  child = rec.fork(1, 4, 0, 1, lambda s: s)
+  assert child.version_marks == [(0, 0), (3, 1)]
+  rec.truncate(2)  # rewound into version 0's tokens: what is sampled again comes from version 1
+  assert rec.token_versions().tolist() == [0, 0]
+  rec.append([4])
+  assert rec.token_versions().tolist() == [0, 0, 1]
+  assert jax.numpy.asarray(rec.token_versions()).shape == (3,)
