@@ -11,7 +11,7 @@ from its own checkpoints (the trainer's exact resume). Rerunning with more seeds
 --config, --set or --steps into the same --out is refused.
 
 Algorithms are the presets of configs/common.py (grpo, dapo, reinforce_pp, arpo, aepo) or the `NAME` function of
-configs/NAME_gaia.py (gspo, gppo, cispo). A preset may set only the algorithm's own keys (`algo.*` and the rollout
+configs/NAME_gaia.py (gspo, gppo, cispo); `config` is the base config's own algorithm, unchanged. A preset may set only the algorithm's own keys (`algo.*` and the rollout
 policy's: policy, initial_rollouts, enable_dynamic_rollouts, consecutive_penalty, premonitor_beta, probe_tokens,
 penalize_refills); everything else it changes (e.g. arpo's tools.retry_count) is put back to the base config's value
 and listed in the run's record, so every algorithm has the same prompts per step, samples per prompt (rollout.n),
@@ -66,6 +66,8 @@ def preset(name: str):
   """The function that turns a config into algorithm `name`'s (configs/common.py, else configs/NAME_gaia.py)."""
   from aepo_jax import train
 
+  if name == "config":  # the base config's own algorithm, as it is
+    return lambda c: c
   configs = os.path.join(ROOT, "configs")
   common = train.load_sibling(os.path.join(configs, "common.py"), "common")
   fn = getattr(common, name, None) if not name.startswith("_") else None
@@ -331,8 +333,8 @@ def main(argv):
     check_spec(spec)
     with open(os.path.join(out, "sweep.json")) as f:
       spec = {**json.load(f), "keep_checkpoints": F.keep_checkpoints}
-    for name in spec["algorithms"]:
-      preset(name)  # a wrong name fails before any run
+    for label in spec["algorithms"]:
+      algorithm_config(base_config(spec), label)  # a wrong name or key fails before any run
     sweep(spec)
   runs = [r for r in plan(spec) if r["kind"] == "rl" and is_done(r)]
   paths = report.write(out, runs, spec)

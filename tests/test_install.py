@@ -235,3 +235,34 @@ def test_an_editable_install_runs_the_launchers_as_modules_too(tmp_path):
   code = "import aepo_jax.launch as l, aepo_jax.train as t; print(l.__file__, t.find_config('configs/grpo_gaia.py'))"
   out = _check([python, "-c", code], cwd=cwd, env=env)
   assert out.split() == [str(src / "launch" / "__init__.py"), str(src / "configs" / "grpo_gaia.py")]
+
+
+@pytest.mark.slow
+def test_the_installed_main_job_trains_and_its_checkpoint_evaluates_from_another_directory(site, tmp_path):
+  """The main job (the tiny config, shrunk: SFT, one RL step with the sandboxed Python and local search) and then
+  `aepo_jax.launch.evaluate` on its checkpoint, both from the installed copy in a folder outside the checkout."""
+  tok = tmp_path / "tok"
+  _python(site, tmp_path, f"from aepo_jax.testing import tiny_tokenizer; tiny_tokenizer({str(tok)!r})")
+  workdir = tmp_path / "run"
+  overrides = ("sft.steps=1", "train.steps=1", "eval.before_rl=False", "data.suite.n_heldout=2", "eval.batch_size=2")
+  out = _run(
+    site,
+    tmp_path,
+    "-m",
+    "aepo_jax.launch.tpu_pod",
+    "--config=configs/testing/tiny_rl.py",
+    f"--config.workdir={workdir}",
+    f"--config.model.tokenizer={tok}",
+    *(f"--config.{o}" for o in overrides),
+  )
+  assert "'rl/steps': 1" in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+  assert (workdir / "checkpoints" / "rl" / "1").is_dir()
+  data = tmp_path / "qa.jsonl"
+  data.write_text('{"question": "What is 6 + 12?", "answer": "18"}\n{"question": "Name a colour.", "answer": "red"}\n')
+  args = [f"--checkpoint={workdir}", f"--benchmarks={data}", "--data_family=qa", "--n=1", "--k=1"]
+  args += ["--temperature=0", "--max_response_len=16", "--batch_size=2", "--protocol=project", "--noprogress"]
+  _run(site, tmp_path, "-m", "aepo_jax.launch.evaluate", *args, f"--output={tmp_path / 'eval'}")
+  import json
+
+  summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+  assert summary["benchmarks"]["qa"]["num_answers"] == 2, summary

@@ -280,7 +280,7 @@ class AgentLoop(_Scheduling):
   def _may_start(self, run, rec) -> bool:
     if rec.index in run.seg_resume:  # preempted mid-segment: its round is already open
       return True
-    return self._next_round(rec) <= run.round + (1 if self.config.lookahead else 0)
+    return self._next_round(rec) <= self._clock(run, rec) + (1 if self.config.lookahead else 0)
 
   def _admit(self, run: _Run) -> None:
     ready = [i for i in run.queue if self._may_start(run, run.records[i])]

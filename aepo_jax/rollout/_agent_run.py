@@ -63,6 +63,8 @@ class _Run:
     self.state = engine.init_decode_state()
     self.records = _Records()
     self.version = 0
+    self.group_rounds: Optional[dict] = None  # prompt -> its round (partial rollouts), None: one clock, `round`
+    self.plans = 0  # plans made (per-group clocks fold it into the branch draws' key)
     self.queue: collections.deque = collections.deque()
     self.slot_rec: dict = {}
     self.free = list(range(engine.max_slots))
@@ -93,9 +95,17 @@ class _Scheduling:
   """Rounds and KV pages of AgentLoop (it provides engine, config and the record helpers these call)."""
 
   # ------------------------------------------------------------------------------------------------ rounds
-  def _round_closed(self, run: _Run) -> bool:
-    r = run.round
-    for rec in run.records:
+  # One round clock for the whole run (`run.round`, the official lockstep), or one per prompt group
+  # (`run.group_rounds`, partial rollouts: a group's tree advances by its own rounds, so groups admitted in different
+  # steps never wait for each other's tool calls).
+  @staticmethod
+  def _clock(run: _Run, rec) -> int:
+    return run.round if run.group_rounds is None else run.group_rounds.get(rec.prompt, 0)
+
+  @staticmethod
+  def _closed(records, r: int) -> bool:
+    """Round r is closed for `records` when every one alive in it has finished its r-th segment and tool."""
+    for rec in records:
       if rec.first_round > r:
         continue
       if rec.done and rec.end_round <= r:
@@ -104,13 +114,37 @@ class _Scheduling:
         return False
     return True
 
+  def _round_closed(self, run: _Run) -> bool:
+    if run.group_rounds is not None:
+      return bool(self._closed_groups(run))
+    return self._closed(run.records, run.round)
+
+  def _closed_groups(self, run: _Run) -> list:
+    by = collections.defaultdict(list)
+    for rec in run.records:
+      if rec.prompt in run.group_rounds and rec.kind != "probe":
+        by[rec.prompt].append(rec)
+    return [q for q in run.group_rounds if self._closed(by.get(q, ()), run.group_rounds[q])]
+
   def _end_round(self, run: _Run, policy: RolloutPolicy) -> bool:
     """Applies the policy's plan for the closing round. Returns False when the rollout is complete."""
+    if run.group_rounds is not None:
+      return self._end_group_rounds(run, policy)
     rnd = run.round
     live = [r for r in run.records if r.kind != "probe"]
-    plan = policy.plan_round(
-      live, rnd, run.counts_p.copy(), list(run.free), jax.random.fold_in(run.key, rnd), self.engine.config.vocab_size
-    )
+    self._apply_plan(run, policy, live, rnd, run.counts_p.copy(), jax.random.fold_in(run.key, rnd))
+    run.round += 1
+    # Finished trajectories are no fork source after their last round (one that finished early, running ahead,
+    # may still be a candidate when its own round closes in corrected mode).
+    self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done and run.records[i].end_round <= rnd])
+    # Not `any(not r.done)`: with lookahead a trajectory may have finished a round ahead; the rounds up to its
+    # last still have to be closed, since the policy may branch from it or refill its prompt there.
+    return any(not r.done or r.end_round > rnd for r in run.records)
+
+  def _apply_plan(self, run: _Run, policy: RolloutPolicy, records, rnd: int, counts_p, key):
+    """The policy's plan for round `rnd` of `records`: branches forked (on the device where a slot is free) or
+    queued, refills queued. Returns the plan."""
+    plan = policy.plan_round(records, rnd, counts_p, list(run.free), key, self.engine.config.vocab_size)
     if plan.decisions:
       run.decisions.append({"round": rnd, **{k: np.asarray(v) for k, v in plan.decisions.items()}})
     forks = []
@@ -129,13 +163,46 @@ class _Scheduling:
     for p in plan.refills:
       first = next(r for r in run.records if r.prompt == p and r.kind != "probe")
       self._new_record(run, p, "refill", first.prompt_tokens, rnd + 1)
-    run.round += 1
-    # Finished trajectories are no fork source after their last round (one that finished early, running ahead,
-    # may still be a candidate when its own round closes in corrected mode).
-    self._release(run, [s for s, i in run.slot_rec.items() if run.records[i].done and run.records[i].end_round <= rnd])
-    # Not `any(not r.done)`: with lookahead a trajectory may have finished a round ahead; the rounds up to its
-    # last still have to be closed, since the policy may branch from it or refill its prompt there.
-    return any(not r.done or r.end_round > rnd for r in run.records)
+    return plan
+
+  def _end_group_rounds(self, run: _Run, policy: RolloutPolicy) -> bool:
+    """Per-group clocks: every group whose round closed gets its plan (groups closing the same round number
+    together), then its next round; a group with nothing left after its round stops ticking (it is complete).
+    AEPO's consecutive-branch counter goes per group: +1 after a round of the group that gave it a copy, else 0.
+    Returns False when no group ticks any more."""
+    by_round = collections.defaultdict(list)
+    for q in self._closed_groups(run):
+      by_round[run.group_rounds[q]].append(q)
+    n = policy.config.n
+    for rnd, groups in sorted(by_round.items()):
+      members = set(groups)
+      records = [r for r in run.records if r.prompt in members and r.kind != "probe"]
+      counts = np.full_like(run.counts_p, n)  # other groups: no budget, so no branch or refill lands there
+      counts[groups] = run.counts_p[groups]
+      before = policy.consecutive_p.copy()
+      run.plans += 1
+      key = jax.random.fold_in(jax.random.fold_in(run.key, rnd), run.plans)
+      plan = self._apply_plan(run, policy, records, rnd, counts, key)
+      copies = collections.Counter(parent.prompt for parent, _, _ in plan.children)
+      if policy.config.penalty_counts_refills:
+        copies.update(plan.refills)
+      policy.consecutive_p = before
+      for q in groups:
+        if policy.rule == "aepo":
+          policy.consecutive_p[q] = before[q] + 1 if copies[q] else 0
+        run.group_rounds[q] = rnd + 1
+        mine = [r for r in run.records if r.prompt == q and r.kind != "probe"]
+        if not any(not r.done or r.end_round > rnd for r in mine):
+          del run.group_rounds[q]  # complete: its budget is spent (a stuck group was refilled above)
+      self._release(
+        run,
+        [
+          s
+          for s, i in run.slot_rec.items()
+          if run.records[i].prompt in members and run.records[i].done and run.records[i].end_round <= rnd
+        ],
+      )
+    return bool(run.group_rounds)
 
   def _fork_on_device(self, run: _Run, forks) -> None:
     """Children copy their parent's slot and rewind to the fork position. Where the parent's device state stops

@@ -20,8 +20,9 @@ a step's slowest trajectories finish. What makes it safe for the objective:
   recomputes it): the new tokens' sampling log-probs are those of what actually sampled them, which the off-policy
   correction needs.
 
-Rounds stay global (the official lockstep): a new prompt joins the round that is open, and lookahead lets a slot
-run at most one round ahead, so a trajectory stuck in a long segment still holds the others back by a round.
+Rounds are per group here (the synchronous rollout keeps the official lockstep of one round clock for the batch):
+a group's tree closes its rounds, branches and refills on its own clock, so a new group never waits for an old
+group's tool calls or long segments. Within a group everything is as in the synchronous rollout.
 
 AEPO's pre-monitoring probe for the new prompts runs in its own engine state beside the carried one (twice the
 KV memory while it runs).
@@ -90,6 +91,7 @@ class PartialRollouts:
   def _start(self, params, seed: int) -> _Run:
     run = _Run(self.loop.engine, params, self.capacity, seed)
     run.counts_p[:] = self.policy.config.n  # free prompt slots: no budget, so no branch or refill lands there
+    run.group_rounds = {}  # one round clock per group
     self.policy.begin(self.capacity)
     return run
 
@@ -125,6 +127,7 @@ class PartialRollouts:
           rec.version_marks.append((rec.response_len, version))
       run.version = version
     tokens0, steps0 = run.decoded_tokens, run.slot_steps
+    run.tool_overlap, run.decisions = [], []  # per call: the statistics of this step, and no growth over a run
     loop._should_stop, loop._on_finished = should_stop, on_finished
     try:
       self._admit(run, prompts, payloads, version, seed)
@@ -149,17 +152,14 @@ class PartialRollouts:
       policy.consecutive_p[q] = 0
       self.groups[q] = _Group(payload, version, self._admitted)
       self._admitted += 1
+      run.group_rounds[q] = 0
       for _ in range(int(m)):
-        self.loop._new_record(run, q, "global", prompt, first_round=run.round)
+        self.loop._new_record(run, q, "global", prompt, first_round=0)
 
   def _complete(self, run: _Run) -> set:
-    """Prompt slots whose group can change no more: its budget spent, every trajectory ended and its last round
-    closed (a refill or branch is decided when a round closes)."""
-    open_ = {q for q in self.groups if run.counts_p[q] < self.policy.config.n}
-    for rec in run.records:
-      if not rec.done or rec.end_round >= run.round:
-        open_.add(rec.prompt)
-    return set(self.groups) - open_
+    """Prompt slots whose group can change no more: its clock stopped after a round that left nothing alive (its
+    budget spent: a group with budget left is refilled when its round closes)."""
+    return set(self.groups) - set(run.group_rounds)
 
   def _ready(self, run: _Run, version: int) -> bool:
     done = self._complete(run)
@@ -189,6 +189,7 @@ class PartialRollouts:
     groups_left, traj_left = self.carried()
     stats.update(
       {
+        "rollout/rounds": float(max(r.end_round for r in records) + 1),  # the longest group's rounds
         "rollout/decode_tokens": float(decoded),
         "rollout/slot_occupancy": decoded / max(slot_steps, 1),
         "rollout/staleness_mean": float(stale.mean()),

@@ -307,26 +307,35 @@ def _launch_emulated(tmp_path, workdir, *overrides):
 @pytest.mark.slow
 def test_main_job_on_two_hosts_of_an_emulated_v5p_slice(tmp_path):
   """`launch/tpu_pod.py --emulate_topology=v5p:2x2x2`, 2 processes, training mesh (1, 4, 2) spanning the hosts on
-  fsdp and tensor: SFT, evaluation (each host's rollout copy of the weights), one RL step with tools, checkpoints,
-  then a rerun with one more step resumes from the checkpoint; every host's rollout time is logged (`hosts/*`)."""
+  fsdp and tensor: SFT, evaluation (each host's rollout copy of the weights), two RL steps with tools, checkpoints,
+  then a rerun with one more step resumes from the checkpoint; every host's rollout time is logged (`hosts/*`).
+
+  The RL steps use partial rollouts (train.max_staleness=1, the decoupled objective): each host carries its own
+  unfinished groups over to the next step, every update still sees both hosts' 8 trajectories and no token is more
+  than one update old; what was carried over is dropped at the restart, and the log says so."""
   _need_libtpu()
   workdir = tmp_path / "run"
-  logs = _launch_emulated(tmp_path, workdir, "--config.train.steps=1")
+  partial = ("--config.train.max_staleness=1", "--config.algo.off_policy=decoupled")
+  logs = _launch_emulated(tmp_path, workdir, "--config.train.steps=2", *partial)
   assert "meshes in the order of the TPU slice v5p:2x2x2: 2 hosts x 4 devices" in logs[0]
   assert "process 1/2, 8 devices (4 local)" in logs[1]
   assert "slowest host" in logs[0]  # the per-host table of the RL step
   with open(workdir / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
   rl = [r for r in records if "reward/mean" in r]
-  assert len(rl) == 1 and rl[0]["rollout/trajectories"] == 8, rl
-  assert 0 < rl[0]["hosts/rollout_s_min"] <= rl[0]["hosts/rollout_s_max"], rl
-  assert rl[0]["hosts/trajectories_min"] == rl[0]["hosts/trajectories_max"] == 4.0, rl
-  assert [r["step"] for r in records if "eval/suite/accuracy" in r] == [0, 1]
-  assert sorted(int(p) for p in os.listdir(workdir / "checkpoints" / "rl") if p.isdigit()) == [1]
+  assert [r["step"] for r in rl] == [1, 2], rl
+  for r in rl:
+    assert r["rollout/trajectories"] == 8 and r["hosts/trajectories_min"] == r["hosts/trajectories_max"] == 4.0, r
+    assert 0 < r["hosts/rollout_s_min"] <= r["hosts/rollout_s_max"], r
+    assert r["rollout/staleness_max"] <= 1 and r["rollout/dropped_stale"] == 0 and "offpolicy/ess" in r, r
+    assert r["rollout/carried_groups"] == 2, r  # each host: 2 groups in flight, 1 handed back, 1 carried
+  assert [r["step"] for r in records if "eval/suite/accuracy" in r] == [0, 2]
+  assert sorted(int(p) for p in os.listdir(workdir / "checkpoints" / "rl") if p.isdigit()) == [1, 2]
 
-  # The checkpoint written on the slice-ordered mesh restores onto it: the rerun trains step 2 only.
-  _launch_emulated(tmp_path, workdir, "--config.train.steps=2", "--config.eval.after_rl=False")
+  # The checkpoint written on the slice-ordered mesh restores onto it: the rerun trains step 3 only.
+  logs = _launch_emulated(tmp_path, workdir, "--config.train.steps=3", "--config.eval.after_rl=False", *partial)
+  assert "dropped at the restart" in logs[0], logs[0][-3000:]
   with open(workdir / "metrics.jsonl") as f:
     rl = [json.loads(line) for line in f if "reward/mean" in line]
-  assert [r["step"] for r in rl] == [1, 2], [r["step"] for r in rl]
-  assert sorted(int(p) for p in os.listdir(workdir / "checkpoints" / "rl") if p.isdigit()) == [1, 2]
+  assert [r["step"] for r in rl] == [1, 2, 3], [r["step"] for r in rl]
+  assert sorted(int(p) for p in os.listdir(workdir / "checkpoints" / "rl") if p.isdigit()) == [2, 3]

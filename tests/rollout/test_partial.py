@@ -20,7 +20,7 @@ def _calls(partial, params, versions):
   return out
 
 
-@pytest.mark.parametrize("layout", ["dense", "paged"])
+@pytest.mark.parametrize("layout", ["dense", pytest.param("paged", marks=pytest.mark.slow)])
 def test_carried_groups_come_back_complete_exact_and_within_the_bound(params, layout):  # noqa: F811
   loop = _loop() if layout == "dense" else _paged_loop(num_pages=8 * 12 + 1)
   policy = rollout_policy("arpo", n=4, initial_rollouts=2, mode="corrected")

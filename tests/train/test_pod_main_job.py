@@ -99,31 +99,6 @@ def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
   assert _steps(workdir, "rl") == [1]
 
 
-@pytest.mark.slow
-def test_two_hosts_with_partial_rollouts_run_and_resume(tmp_path, tok_dir):
-  """train.max_staleness=1 with the decoupled objective on two hosts: each host carries its own unfinished groups
-  over to the next step, every update still sees both hosts' 8 trajectories, no token is more than one update
-  old; a second command resumes the run (what was carried over is dropped at the restart, and said so)."""
-  workdir = str(tmp_path / "run")
-  common = (
-    "--config.train.max_staleness=1",
-    "--config.algo.off_policy=decoupled",
-    "--config.sft.steps=1",
-    "--config.eval.before_rl=False",
-    "--config.eval.after_rl=False",
-  )
-  _launch(2, workdir, tok_dir, *common, "--config.train.steps=2")
-  logs = _launch(2, workdir, tok_dir, *common, "--config.train.steps=3")
-  assert "dropped at the restart" in logs[0], logs[0][-3000:]
-  rl = [r for r in _metrics(workdir) if "reward/mean" in r]
-  assert [r["step"] for r in rl] == [1, 2, 3]
-  for r in rl:
-    assert r["rollout/trajectories"] == 8 and r["rollout/staleness_max"] <= 1, r
-    assert "offpolicy/ess" in r and r["rollout/dropped_stale"] == 0
-  assert rl[0]["rollout/carried_groups"] == 2  # each host: 2 groups in flight, 1 handed back, 1 carried
-  assert _steps(workdir, "rl")[-1] == 3
-
-
 def test_merge_hosts_renumbers_groups_and_parents():
   """Every host's trajectories in process order: group ids and parent rows offset by the earlier hosts', columns
   padded to the widest host (what gather_trajectories builds from the hosts' gathered arrays)."""
