@@ -95,12 +95,41 @@ def test_empirical_branch_rate_matches_formula(name, mode):
   for seed in range(6):
     loop = _loop(script=_controlled, max_slots=32, max_calls=4)
     loop.rollout(None, PROMPTS, pol, seed=seed)
-    for d in loop.last_run.decisions:
-      f = np.maximum(0.0, 1 - 0.05 * d["consecutive"])
-      for dh, fi, k, a in zip(d["delta_h"], f, d["children"], d["attempts"]):
-        key = (round(float(dh), 3), round(float(fi), 3))
-        succ[key] += int(k)
-        att[key] += int(a)
+    _count(loop.last_run.decisions, succ, att)
+  seen = _check_rates(succ, att, name)
+  if mode == "faithful":
+    assert 0.0 in seen  # the first call of a trajectory always has ΔH = 0 (one-call lag, spec §1.2)
+  assert len(seen) >= 3, att
+
+
+def _count(decisions, succ, att):
+  for d in decisions:
+    f = np.maximum(0.0, 1 - 0.05 * d["consecutive"])
+    for dh, fi, k, a in zip(d["delta_h"], f, d["children"], d["attempts"]):
+      key = (round(float(dh), 3), round(float(fi), 3))
+      succ[key] += int(k)
+      att[key] += int(a)
+
+
+@pytest.mark.parametrize("name", ["arpo", "aepo"])
+def test_partial_rollouts_branch_at_the_formulas_rate(name):
+  """Per-group round clocks (partial rollouts) decide branches exactly as the formulas say, like the lockstep."""
+  from aepo_jax.rollout import PartialRollouts
+
+  succ, att = collections.Counter(), collections.Counter()
+  pol = rollout_policy(name, n=40, initial_rollouts=8, mode="corrected")
+  partial = PartialRollouts(
+    _loop(script=_controlled, max_slots=32, max_calls=4), pol, groups_per_call=3, max_staleness=1
+  )
+  for version in range(6):
+    k = partial.wanted()
+    tr, _, _ = partial(None, (PROMPTS * k)[:k], list(range(k)), version=version, seed=version)
+    assert np.bincount(tr.group_id_b).tolist() == [40] * 3
+    _count(partial.run.decisions, succ, att)
+  assert len(_check_rates(succ, att, name)) >= 3, att
+
+
+def _check_rates(succ, att, name) -> set:
   seen = set()
   for (dh, f), a in att.items():
     if a < 30:
@@ -111,9 +140,7 @@ def test_empirical_branch_rate_matches_formula(name, mode):
     rate = succ[dh, f] / a
     assert abs(rate - want) <= 4.5 * math.sqrt(max(want * (1 - want), 1e-9) / a) + 1 / a, (dh, f, rate, want, a)
     seen.add(dh)
-  if mode == "faithful":
-    assert 0.0 in seen  # the first call of a trajectory always has ΔH = 0 (one-call lag, spec §1.2)
-  assert len(seen) >= 3, att
+  return seen
 
 
 def test_premonitoring_split_matches_formula():
