@@ -135,8 +135,11 @@ def test_throughput_table_gives_ratios_on_the_same_seeds():
   ]
   assert report.trajectories_per_rollout_s(records[0]) == 0.8
   table = report.throughput_table(records)
-  assert "| partial | 2 | 1.800 [1.600, 2.000] | 2.00 [2.00, 2.00] |" in table, table
-  assert "| sync | 2 | 0.900 [0.800, 1.000] | 1.00 [1.00, 1.00] |" in table, table
+  # steps 2..: 2x; all steps: 48/80 = 0.6/s vs 48/100 = 0.48/s (1.25x) and 32/58 vs 32/66 (1.14x)
+  assert (
+    "| partial | 2 | 1.800 [1.600, 2.000] | 2.00 [2.00, 2.00] | 0.576 [0.552, 0.600] | 1.19 [1.14, 1.25] |" in table
+  )
+  assert "| sync | 2 | 0.900 [0.800, 1.000] | 1.00 [1.00, 1.00] | 0.482 [0.480, 0.485] | 1.00 [1.00, 1.00] |" in table
 
 
 def _sweep(out, tok_dir):
