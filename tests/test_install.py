@@ -200,6 +200,9 @@ def test_a_pod_config_dry_run_names_the_variable_for_the_arpo_data(site, tmp_pat
   assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
   assert f"dry run of {site / 'aepo_jax' / 'configs' / 'aepo_gaia.py'}:" in proc.stdout
   assert "data.train='hard_search_1k'" in proc.stderr and "set $AEPO_ARPO_DATA" in proc.stderr, proc.stderr
+  # an installed package looks in its cache folder, not beside site-packages
+  cache = os.environ.get("AEPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aepo_jax")
+  assert os.path.join(cache, "arpo", "train", "hard_search_1k.parquet") in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow

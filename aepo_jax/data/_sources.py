@@ -19,11 +19,16 @@ DATA_ENV = "AEPO_ARPO_DATA"
 
 
 def arpo_data_root() -> Path:
-  """$AEPO_ARPO_DATA, else `<checkout>/../shared/data/arpo` (where CI keeps it). An installed package (not a
-  checkout) has no default: set $AEPO_ARPO_DATA (docs/data.md)."""
+  """$AEPO_ARPO_DATA, else `<checkout>/../shared/data/arpo` (where CI keeps it) when this package runs from a
+  checkout, else (an installed package) `$AEPO_JAX_CACHE/arpo` (default `~/.cache/aepo_jax/arpo`, where the GGUF
+  conversion also goes; docs/data.md)."""
   if os.environ.get(DATA_ENV):
     return Path(os.environ[DATA_ENV])
-  return Path(__file__).resolve().parents[2].parent / "shared" / "data" / "arpo"
+  checkout = Path(__file__).resolve().parents[2]
+  if (checkout / "setup.py").is_file() and (checkout / "launch").is_dir():
+    return checkout.parent / "shared" / "data" / "arpo"
+  cache = os.environ.get("AEPO_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "aepo_jax")
+  return Path(cache) / "arpo"
 
 
 @dataclasses.dataclass(frozen=True)
