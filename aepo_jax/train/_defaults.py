@@ -201,8 +201,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.seed = 0
   # Partial rollouts (docs/rollout.md): 0 = the synchronous step (every trajectory of a step ends before its update).
   # k > 0: a step's rollout ends once data.prompts_per_step groups are complete; unfinished trajectories carry over
-  # to the next step under the new weights, and no token of an update is more than k updates old (algo.off_policy
-  # corrects for it). Carried-over trajectories are dropped at a restart.
+  # to the next step under the new weights, and no token of an update was sampled more than k steps (weight versions)
+  # before it (algo.off_policy corrects for it). Carried-over trajectories are dropped at a restart.
   c.train.max_staleness = 0
   c.train.nan_limit = 3  # non-finite losses skipped before a clear stop
   c.train.eval_every = 0  # 0 = only before and after RL

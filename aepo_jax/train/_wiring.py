@@ -168,7 +168,7 @@ class Rollout:
     """Partial rollouts (train.max_staleness > 0): batches from `loader` (this host's share of a step's prompts
     each) fill the carried-over run up to max_staleness + 1 steps' groups (all of them at the first call, one batch
     after); returns (trajectories, the examples of their groups, metrics) for one batch's worth of complete groups,
-    the oldest first. `drop_carry()` forgets what is carried."""
+    the oldest first (an interrupted rollout drops what is carried)."""
     from aepo_jax import rollout as rollout_lib
 
     if self.partial is None:
@@ -180,9 +180,6 @@ class Rollout:
       prompts += list(next(loader))
     ids = [prompt_ids(self.config, self.tokenizer, ex) for ex in prompts]
     return self.partial(weights, ids, list(prompts), version=version, seed=self._seed(key), should_stop=should_stop)
-
-  def drop_carry(self) -> int:
-    return self.partial.drop() if self.partial is not None else 0
 
 
 def make_rollout(config, model_cfg, tokenizer, tools, **kw) -> Rollout:
