@@ -120,9 +120,9 @@ class _Scheduling:
     return self._closed(run.records, run.round)
 
   def _closed_groups(self, run: _Run) -> list:
-    by = collections.defaultdict(list)
+    by = collections.defaultdict(list)  # (a probe runs in a run of its own: no probe records here)
     for rec in run.records:
-      if rec.prompt in run.group_rounds and rec.kind != "probe":
+      if rec.prompt in run.group_rounds:
         by[rec.prompt].append(rec)
     return [q for q in run.group_rounds if self._closed(by.get(q, ()), run.group_rounds[q])]
 
@@ -176,7 +176,7 @@ class _Scheduling:
     n = policy.config.n
     for rnd, groups in sorted(by_round.items()):
       members = set(groups)
-      records = [r for r in run.records if r.prompt in members and r.kind != "probe"]
+      records = [r for r in run.records if r.prompt in members]
       counts = np.full_like(run.counts_p, n)  # other groups: no budget, so no branch or refill lands there
       counts[groups] = run.counts_p[groups]
       before = policy.consecutive_p.copy()
@@ -187,12 +187,12 @@ class _Scheduling:
       if policy.config.penalty_counts_refills:
         copies.update(plan.refills)
       policy.consecutive_p = before
+      alive = {r.prompt for r in run.records if r.prompt in members and (not r.done or r.end_round > rnd)}
       for q in groups:
         if policy.rule == "aepo":
           policy.consecutive_p[q] = before[q] + 1 if copies[q] else 0
         run.group_rounds[q] = rnd + 1
-        mine = [r for r in run.records if r.prompt == q and r.kind != "probe"]
-        if not any(not r.done or r.end_round > rnd for r in mine):
+        if q not in alive:
           del run.group_rounds[q]  # complete: its budget is spent (a stuck group was refilled above)
       self._release(
         run,

@@ -1,7 +1,6 @@
 """Partial rollouts (train.max_staleness > 0) on the REAL engine with a tiny random Llama: groups carried over between
 calls come back complete, with exact sampling log-probs, at most max_staleness versions old, oldest first."""
 
-import jax
 import numpy as np
 import pytest
 from test_agent_engine import PROMPTS, _loop, _paged_loop, check_trajectories, params  # noqa: F401 (fixture)
@@ -43,8 +42,8 @@ def test_carried_groups_come_back_complete_exact_and_within_the_bound(params, la
 
 
 def test_versions_follow_the_weights(params):  # noqa: F811
-  """Tokens carry the version of the weights that sampled them: with new weights at each call, a token's sampling
-  log-prob is that version's (teacher-forced over the same cache would differ for stale ones)."""
+  """Each call is a new policy version: the tokens of carried trajectories carry the version of the call that sampled
+  them, never decreasing along a trajectory and never beyond the last call, within the staleness bound."""
   loop = _loop()
   policy = rollout_policy("none", n=4, initial_rollouts=4)
   partial = PartialRollouts(loop, policy, groups_per_call=len(PROMPTS), max_staleness=2)
@@ -98,4 +97,4 @@ def test_record_versions_through_truncation_and_forks():
   assert rec.token_versions().tolist() == [0, 0]
   rec.append([4])
   assert rec.token_versions().tolist() == [0, 0, 1]
-  assert jax.numpy.asarray(rec.token_versions()).shape == (3,)
+  assert child.token_versions().tolist() == [0, 0, 0, 1]  # the parent's prefix, versions included
