@@ -2,6 +2,7 @@ r"""The RL step of a pod config on paper: FLOPs and HBM bytes from the shapes, a
 they imply at a given MFU, plus the decode roofline of one host. Estimates, not measurements (no TPU here).
 
   python bench/pod_estimate.py --config=configs/aepo_gaia.py --chip=v5p --chips=32 --host_chips=4
+  python bench/pod_estimate.py --config=configs/aepo_gaia.py --compiled=docs/results/compiled/aepo_gaia@v5p_4x4x2.json
 
 Assumptions (printed): every trajectory at its full length (prompt + max response: an upper bound on the work),
 no prefix sharing between forks, bfloat16 weights and KV cache, causal attention over the average context, the
@@ -22,6 +23,12 @@ _CHIP = flags.DEFINE_enum("chip", "v5p", ["v4", "v5e", "v5p", "v6e"], "TPU gener
 _CHIPS = flags.DEFINE_integer("chips", 32, "Chips in the slice.")
 _HOST_CHIPS = flags.DEFINE_integer("host_chips", 4, "Chips per host (each host decodes its own prompts).")
 _MFU = flags.DEFINE_list("mfu", ["0.3", "0.5"], "MFU values to turn the FLOPs into step times.")
+_COMPILED = flags.DEFINE_string(
+  "compiled",
+  "",
+  "A JSON of bench/compile_table.py (docs/results/compiled/CONFIG@TOPOLOGY.json): also bound each compiled "
+  "program's call by its HBM bytes, and the step by the programs' calls.",
+)
 
 
 def estimate(config, chip: str, chips: int, host_chips: int, mfus) -> list:
@@ -74,11 +81,48 @@ def estimate(config, chip: str, chips: int, host_chips: int, mfus) -> list:
   return lines
 
 
+def from_compiled(config, report: dict) -> list:
+  """The bandwidth floor of each compiled program's call (its HBM bytes per chip over the chip's HBM bandwidth)
+  and what the step's calls of them add up to: update (mini-batch updates per step), logprob (one), weight copy
+  (one), decode (every slot to its full response, the paged engine's one step per call)."""
+  from aepo_jax.train._compile import PEAKS
+
+  gen = report["topology"].split(":")[0]
+  flops_peak, hbm_bw = PEAKS[gen]
+  t, r, d = config.train, config.rollout, config.data
+  calls = {
+    "update": t.ppo_epochs * (d.prompts_per_step // t.ppo_mini_batch_size),
+    "logprob": 2 if (config.algo.kl.coef > 0 or config.algo.kl.use_in_reward) else 1,
+    "weight_cast": 1,
+    "weight_copy": 1,
+    "decode": r.max_response_len // report.get("rollout", {}).get("decode_steps", 1),
+  }
+  lines = [
+    f"from the compiled programs ({report['topology']}, compiled {report.get('date', '?')}): HBM bytes per call "
+    f"per chip over {hbm_bw / 1e9:.0f} GB/s"
+  ]
+  total = 0.0
+  for name, p in report["programs"].items():
+    floor = p.get("hbm_gb", 0.0) * 1e9 / hbm_bw
+    n = calls.get(name, 0)
+    total += n * floor
+    lines.append(
+      f"  {name:<15} {p.get('hbm_gb', 0.0):9.2f} GB per call -> >= {floor * 1e3:9.2f} ms"
+      + (f" x {n} calls per step = {n * floor:7.1f} s" if n else "")
+    )
+  lines.append(f"  the step's calls of those programs: >= {total:.0f} s at the HBM roofline (tools and rewards aside)")
+  return lines
+
+
 def main(argv):
   del argv
-  print(
-    "\n".join(estimate(_CONFIG.value, _CHIP.value, _CHIPS.value, _HOST_CHIPS.value, [float(m) for m in _MFU.value]))
-  )
+  lines = estimate(_CONFIG.value, _CHIP.value, _CHIPS.value, _HOST_CHIPS.value, [float(m) for m in _MFU.value])
+  if _COMPILED.value:
+    import json
+
+    with open(_COMPILED.value) as f:
+      lines += from_compiled(_CONFIG.value, json.load(f))
+  print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ shard_params(params, logical_axes, mesh, rules)        device_put a pytree onto 
 sharding_context(mesh, rules) / constrain(x, axes)     activation constraints by logical axis, active while tracing
 current_mesh() / activation_spec(shape, axes)          the enclosing context's mesh / the spec `constrain` would use
 to_host_local(tree, local_shardings, dtype=None)       every host's own copy of global arrays (rollout weights)
+lower_host_copy(tree, local_shardings, dtype, devices)  its programs lowered from abstract arrays (compile.py)
 on_tpu_vm() / platform_is_cpu()                        what a launcher is about to run on (before JAX starts)
 initialize_distributed(...) -> (process_index, process_count)   jax.distributed for multi-host; no-op on one
 any_host(flag) / every_host(flag) / allgather_json(obj)  small agreements across processes (host values)
@@ -22,6 +23,7 @@ from aepo_jax.parallel._distributed import (
   every_host,
   hosts_mesh,
   initialize_distributed,
+  lower_host_copy,
   on_tpu_vm,
   platform_is_cpu,
   shard_params,

@@ -137,12 +137,12 @@ def allgather_json(obj) -> list:
 # ---------------------------------------------------------------------------------------------------------
 # Host-local copies of global arrays (rollouts: every host decodes on its own devices).
 # ---------------------------------------------------------------------------------------------------------
-def hosts_mesh(shape=(1, 1, -1)):
-  """A mesh ('hosts', data, fsdp, tensor) over all devices in which row p is process p's `local_mesh(shape)` (built by
-  the same code, in the same device order): an array sharded on it with a spec that does not name 'hosts' is a full
-  copy on every host's own devices."""
+def hosts_mesh(shape=(1, 1, -1), devices=None):
+  """A mesh ('hosts', data, fsdp, tensor) over all devices (or `devices`, e.g. a TPU topology's) in which row p is
+  process p's `local_mesh(shape)` (built by the same code, in the same device order): an array sharded on it with a
+  spec that does not name 'hosts' is a full copy on every host's own devices."""
   by_process: dict = {}
-  for d in jax.devices():
+  for d in jax.devices() if devices is None else devices:
     by_process.setdefault(d.process_index, []).append(d)
   rows = [local_mesh(shape, devs).devices for _, devs in sorted(by_process.items())]
   if len({r.shape for r in rows}) != 1:
@@ -153,6 +153,33 @@ def hosts_mesh(shape=(1, 1, -1)):
   return jax.sharding.Mesh(np.stack(rows), ("hosts",) + MESH_AXES)
 
 
+def _copy_dtypes(leaves, dtype) -> list:
+  """Each leaf's dtype in the host-local copy: `dtype` for floating leaves, if given."""
+  return [np.dtype(dtype) if dtype is not None and np.issubdtype(x.dtype, np.floating) else x.dtype for x in leaves]
+
+
+def _cast_fn(dtypes):
+  def cast(*xs):
+    return [x.astype(dt) for x, dt in zip(xs, dtypes)]
+
+  return cast
+
+
+def _host_copy_shardings(shardings, devices=None, process_index=None) -> list:
+  """The hosts-mesh shardings of `shardings` (NamedShardings over one process's local mesh): the same spec on every
+  host's own devices."""
+  mesh = shardings[0].mesh
+  everywhere = hosts_mesh(tuple(mesh.shape[a] for a in MESH_AXES), devices)
+  mine = everywhere.devices[jax.process_index() if process_index is None else process_index]
+  for s in shardings:
+    if s.mesh.devices.shape != mine.shape or any(a != b for a, b in zip(s.mesh.devices.flat, mine.flat)):
+      raise ValueError(
+        "to_host_local: the rollout shardings are not on this process's local_mesh; build them on "
+        "parallel.local_mesh(...) (the same order on every host)."
+      )
+  return [jax.sharding.NamedSharding(everywhere, s.spec) for s in shardings]
+
+
 def to_host_local(tree, local_shardings, dtype=None):
   """Every process's own copy of the global arrays `tree` on its local mesh (the meshes of `local_shardings`, a
   matching pytree of NamedShardings over `local_mesh(...)`), cast to `dtype` if given.
@@ -161,13 +188,11 @@ def to_host_local(tree, local_shardings, dtype=None):
   process must call it at the same point, like any collective); the training mesh may order its devices in any way
   (a TPU slice's mesh is not host by host). Afterwards each copy is an ordinary single-process array, so hosts can
   compute on it independently, with no cross-host collective. On one process this is a plain reshard and cast, and a
-  no-op (the same arrays) when the tree already has those shardings and dtype."""
+  no-op (the same arrays) when the tree already has those shardings and dtype. `lower_host_copy` lowers the same two
+  programs from abstract arrays (launch/compile.py)."""
   leaves, treedef = jax.tree.flatten(tree)
   shardings = treedef.flatten_up_to(local_shardings)
-  dtypes = [np.dtype(dtype) if dtype is not None and np.issubdtype(x.dtype, np.floating) else x.dtype for x in leaves]
-
-  def cast(*xs):
-    return [x.astype(dt) for x, dt in zip(xs, dtypes)]
+  dtypes = _copy_dtypes(leaves, dtype)
 
   if jax.process_count() == 1:
     if all(
@@ -179,24 +204,47 @@ def to_host_local(tree, local_shardings, dtype=None):
     return treedef.unflatten(
       [jax.device_put(x.astype(dt) if x.dtype != dt else x, s) for x, s, dt in zip(leaves, shardings, dtypes)]
     )
-  mesh = shardings[0].mesh
-  shape = tuple(mesh.shape[a] for a in MESH_AXES)
-  everywhere = hosts_mesh(shape)
-  mine = everywhere.devices[jax.process_index()]
-  for s in shardings:
-    if s.mesh.devices.shape != mine.shape or any(a != b for a, b in zip(s.mesh.devices.flat, mine.flat)):
-      raise ValueError(
-        "to_host_local: the rollout shardings are not on this process's local_mesh; build them on "
-        "parallel.local_mesh(...) (the same order on every host)."
-      )
-  global_sh = [jax.sharding.NamedSharding(everywhere, s.spec) for s in shardings]
+  global_sh = _host_copy_shardings(shardings)
   cast_dtypes = any(x.dtype != dt for x, dt in zip(leaves, dtypes))
   # A jitted program's inputs and outputs share one device order, so the cast stays on the training mesh and the
   # move to the hosts mesh (another order of the same devices) is device_put's reshard.
-  casted = jax.jit(cast, out_shardings=[x.sharding for x in leaves])(*leaves) if cast_dtypes else leaves
+  casted = jax.jit(_cast_fn(dtypes), out_shardings=[x.sharding for x in leaves])(*leaves) if cast_dtypes else leaves
   copies = jax.device_put(casted, global_sh)
   out = [
     jax.make_array_from_single_device_arrays(x.shape, s, [shard.data for shard in x.addressable_shards])
     for x, s in zip(copies, shardings)
   ]
   return treedef.unflatten(out)
+
+
+def lower_host_copy(tree, local_shardings, dtype=None, devices=None) -> dict:
+  """The programs `to_host_local` runs on a pod, lowered (not run) from abstract arrays: `tree` holds
+  ShapeDtypeStructs with their training-mesh shardings, `local_shardings` host 0's rollout shardings over `devices`
+  (a TPU topology's chips). {'cast': the cast on the training mesh (absent when no leaf changes dtype), 'move':
+  the reshard onto the hosts mesh}.
+
+  The move is what `jax.device_put` compiles for a reshard between two orders of the same devices: the input's
+  shards are relabelled in the target's device order (no data moves) and an identity program with the target
+  shardings moves the data. That relabelling (`_logical_device_ids`) is JAX's own, mirrored here so the move can be
+  compiled ahead of time."""
+  leaves, treedef = jax.tree.flatten(tree)
+  shardings = treedef.flatten_up_to(local_shardings)
+  dtypes = _copy_dtypes(leaves, dtype)
+  global_sh = _host_copy_shardings(shardings, devices, process_index=shardings[0].mesh.devices.flat[0].process_index)
+  out = {}
+  if any(x.dtype != dt for x, dt in zip(leaves, dtypes)):
+    out["cast"] = jax.jit(_cast_fn(dtypes), out_shardings=[x.sharding for x in leaves]).lower(*leaves)
+  target = list(global_sh[0].mesh.devices.flat)
+  index = {d: i for i, d in enumerate(target)}
+
+  def relabelled(x, dt):
+    mesh = x.sharding.mesh
+    same_order = jax.sharding.Mesh(np.asarray(target, dtype=object).reshape(mesh.devices.shape), mesh.axis_names)
+    ids = tuple(index[d] for d in mesh.devices.flat)
+    return jax.ShapeDtypeStruct(
+      x.shape, dt, sharding=jax.sharding.NamedSharding(same_order, x.sharding.spec, _logical_device_ids=ids)
+    )
+
+  moved = [relabelled(x, dt) for x, dt in zip(leaves, dtypes)]
+  out["move"] = jax.jit(lambda *xs: list(xs), out_shardings=global_sh).lower(*moved)
+  return out

@@ -129,8 +129,13 @@ class _Emulation:
 def topology_devices(name: str) -> list:
   """The chips of the TPU slice `name` (e.g. "v5p:2x2x2", "v6e:4x4"), each with its `process_index`; needs libtpu
   (it runs on a CPU host: no TPU is claimed)."""
+  import os
+
   from jax.experimental import topologies
 
+  # Describing or compiling for a slice claims no chip: do not take the lock a TPU job (or another process that
+  # loaded libtpu for the same purpose, such as a parallel test or compile) on this host may hold.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     return list(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
   except Exception as e:  # libtpu missing, or a name it does not know

@@ -212,7 +212,7 @@ class Engine(_SlotOps):
     state = self.abstract_decode_state()
     rows = None
     if compact:
-      rows = jax.ShapeDtypeStruct((max(4, -(-self.max_slots // 4)),), jnp.int32)
+      rows = jax.ShapeDtypeStruct((max(4, -(-self.max_slots // 4)),), jnp.int32)  # as compact_slots
     if self.page_size:  # the paged engine runs one step per call (see `decode`)
       num_steps = 1
     with self._kernel_context():
@@ -465,12 +465,18 @@ class Engine(_SlotOps):
         outs.append(out)
       return state, jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 
+  @property
+  def compact_slots(self) -> int:
+    """Rows of a compact decode call, max(4, ceil(S/4)); 0 where this engine never compacts (compact=False, S <= 4,
+    or slots split over devices)."""
+    r = max(4, -(-self.max_slots // 4))
+    return r if self.compact and r < self.max_slots and not self._rows_sharded() else 0
+
   def _decode_rows(self, state) -> Optional[jax.Array]:
     """The slots a compact decode call runs (every active slot, padded with inactive ones to max(4, ceil(S/4))
     rows), or None for all slots. One small device read of `active`."""
-    s = self.max_slots
-    r = max(4, -(-s // 4))
-    if not self.compact or r >= s or self._rows_sharded():
+    r = self.compact_slots
+    if not r:
       return None
     active = np.asarray(jax.device_get(state.active), bool)
     if int(active.sum()) > r:

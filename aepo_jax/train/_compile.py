@@ -4,12 +4,22 @@ With libtpu installed (`pip install -e ".[tpu]"`), XLA:TPU runs ahead of time on
 `jax.experimental.topologies.get_topology_desc("v5p:4x4x2", "tpu")` gives the chips of a slice, and
 `jit(f).lower(<ShapeDtypeStructs with shardings>).compile().memory_analysis()` is what each chip needs for `f`.
 `compile_plan(config, topology)` builds the config's model, mesh, batch and KV-cache shapes abstractly (nothing
-is allocated, no checkpoint is read) and compiles the four programs of an RL step:
+is allocated, no checkpoint is read) and compiles the programs of the run through the constructors the run itself
+calls (the SFT phase's step and optimizer, the RL phase's update step and optimizer, the rollout's engine and weight
+copy):
 
-  update    one optimizer update: params + optimizer state (donated) and a mini-batch, on the training mesh
-  logprob   old / reference log-probs of the step's whole batch, on the training mesh
-  prefill   the engine's prefill/extend call (prefill_rows rows x prefill_chunk tokens), on one host's devices
-  decode    the engine's decode call (rollout.decode_chunk steps over every slot), on one host's devices
+  sft             one cold-start SFT step (sft.batch_size rows of sft.max_len), on the training mesh
+  update          one RL optimizer update: params + optimizer state (donated) and a mini-batch, on the training mesh
+  logprob         old / reference log-probs of the step's whole batch, on the training mesh
+  weight_cast     the policy cast to rollout.dtype where it is (training mesh), before the copy
+  weight_copy     the policy copied onto every host's rollout devices (`parallel.to_host_local`'s reshard)
+  prefill         the engine's prefill/extend call (prefill_rows rows x prefill_chunk tokens), on one host's devices
+  decode          the engine's decode call (rollout.decode_chunk steps over every slot), on one host's devices
+  decode_compact  the decode call over max(4, ceil(slots/4)) gathered slots (the engine's few-active-slots variant)
+
+By default those the config's run runs (sft only where config.mode runs SFT; decode_compact only where the engine
+compacts). Per program: its per-chip memory, the collective bytes and the HBM bytes one call moves per chip
+(aepo_jax/train/_hlo.py, loop trip counts included).
 
 Per chip, a program's peak is arguments + outputs - aliased (donated) + temporaries, plus what stays resident on
 the chip while it runs and is not one of its arguments: the optimizer state (and the KL reference, if any) during
@@ -36,6 +46,10 @@ HBM_GB = {"v4": 32.0, "v5e": 16.0, "v5litepod": 16.0, "v5p": 95.0, "v6e": 32.0}
 # Per chip: bf16 dense FLOP/s and HBM bytes/s (Cloud TPU documentation), for the estimates in bench/.
 PEAKS = {"v4": (275e12, 1228e9), "v5e": (197e12, 819e9), "v5p": (459e12, 2765e9), "v6e": (918e12, 1640e9)}
 KNOBS = {
+  "sft": "sft.micro_batch_size (rows per micro-batch), sft.max_len, model.remat=True, mesh.fsdp / mesh.tensor",
+  "weight_cast": "mesh.fsdp / mesh.tensor (more sharding of the training state)",
+  "weight_copy": "rollout.mesh (more chips per host for the copy), rollout.dtype=bfloat16",
+  "decode_compact": "rollout.kv_tokens, rollout.max_slots (as for decode)",
   "update": "train.micro_batch_size (rows per micro-batch), model.remat=True, mesh.fsdp / mesh.tensor (more "
   "sharding), rollout.max_response_len",
   "logprob": "train.micro_batch_size, mesh.fsdp / mesh.tensor",
@@ -61,6 +75,9 @@ class ProgramMemory:
   collective_gb: float = 0.0  # result bytes of its collectives on one chip per call, loop trip counts included
   collectives: dict = dataclasses.field(default_factory=dict)  # kind -> GB per chip per call
   copy_gb: float = 0.0  # bytes of copies of buffers >= 64 MB per call (relayouts of a KV pool, say): should be ~0
+  hbm_gb: float = 0.0  # HBM bytes one call reads and writes on one chip (an estimate: _hlo.hbm_bytes)
+  flops: float = 0.0  # XLA's cost analysis FLOPs of one call on one chip (loop bodies counted once)
+  large_copies: tuple = ()  # (array type, executions per call) of those copies
 
   @property
   def attention(self) -> str:
@@ -77,20 +94,16 @@ class ProgramMemory:
 
 def topology_devices(topology: str):
   """The chips of a TPU slice named like 'v5p:4x4x2' or 'v6e:8x8' (needs libtpu; no TPU needed)."""
-  import os
-  from jax.experimental import topologies
+  from aepo_jax.parallel import topology_devices as describe
 
-  # Compile-only use of libtpu: do not take the lock a TPU job (or another compile) on this host may hold.
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
-    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-  except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown name: say which and how to fix
+    return describe(topology)
+  except ValueError as e:
     raise RuntimeError(
-      f"cannot describe TPU topology {topology!r} ({type(e).__name__}: {e}). Compiling for TPU needs libtpu "
+      f"cannot describe TPU topology {topology!r} ({e.__cause__!r}). Compiling for TPU needs libtpu "
       "(pip install -e \".[tpu]\", the jax[tpu] of the installed jax) and a name such as v5p:4x4x2, v6e:8x8, "
       "v5e:4x4 or v4:2x2x2."
     ) from e
-  return list(topo.devices)
 
 
 def host_devices(topology: str, devices) -> list:
@@ -160,7 +173,10 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float, hlo_dir: str = 
     with open(os.path.join(hlo_dir, f"{name}.txt"), "w") as f:
       f.write(text)
   coll = {k: v.bytes / GB for k, v in _hlo.collectives(text).items() if v.bytes}
-  copies = sum(_hlo._bytes(shape) * n for shape, n in _hlo.large_copies(text, 64 * 2**20)) / GB
+  large = _hlo.large_copies(text, 64 * 2**20)
+  copies = sum(_hlo._bytes(shape) * n for shape, n in large) / GB
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
   return ProgramMemory(
     name,
     m.argument_size_in_bytes / GB,
@@ -174,30 +190,45 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float, hlo_dir: str = 
     sum(coll.values()),
     coll,
     copies,
+    _hlo.hbm_bytes(text) / GB,
+    float(cost.get("flops", 0.0)),
+    tuple((shape.split("{")[0], n) for shape, n in large),
   )
 
 
-def compile_plan(
-  config,
-  topology: str,
-  *,
-  programs=("update", "logprob", "prefill", "decode"),
-  hlo_dir: str = "",
-  headroom: float = 0.05,
-) -> dict:
-  """Compiles the RL step's programs of `config` for `topology`; returns the report (see `report_json`)."""
-  from aepo_jax import model as model_lib
-  from aepo_jax.parallel import local_mesh, make_mesh
-  from aepo_jax.train import _config, _objective, _optim, _step
+ALL_PROGRAMS = ("sft", "update", "logprob", "weight_cast", "weight_copy", "prefill", "decode", "decode_compact")
+_ROLLOUT_PROGRAMS = ("weight_cast", "weight_copy", "prefill", "decode", "decode_compact")
 
+
+def run_programs(config) -> tuple:
+  """The programs `config`'s run compiles: SFT's step where it runs the SFT phase (config.mode sft or both, with
+  sft.enabled, as the trainer decides), the RL step's where it runs RL (the compact decode where the engine
+  compacts: checked once the engine is built)."""
+  out = ("sft",) if config.mode in ("sft", "both") and config.sft.enabled and config.sft.steps > 0 else ()
+  if config.mode in ("rl", "both"):
+    out += ("update", "logprob", "weight_cast", "weight_copy", "prefill", "decode", "decode_compact")
+  return out
+
+
+def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", headroom: float = 0.05) -> dict:
+  """Compiles `config`'s programs (default: `run_programs(config)`; any of ALL_PROGRAMS) for `topology`; returns
+  the report (see `report_json`)."""
+  from aepo_jax import model as model_lib
+  from aepo_jax.parallel import local_mesh, lower_host_copy, make_mesh
+  from aepo_jax.train import _config, _objective, _rl, _sft, _step
+
+  default = programs is None
+  programs = tuple(run_programs(config) if default else programs)
+  unknown = sorted(set(programs) - set(ALL_PROGRAMS))
+  if unknown:
+    raise ValueError(f"unknown programs {unknown}: choose from {', '.join(ALL_PROGRAMS)}.")
   devices = topology_devices(topology)
   mesh = make_mesh(_config.mesh_shape(config.mesh, len(devices)), devices)
   r, t, a = config.rollout, config.train, config.algo
   model_cfg = model_config(config)
   seq_len = r.max_prompt_len + r.max_response_len
-  optimizer = _optim.make_optimizer(
-    config.optim.lr, weight_decay=config.optim.weight_decay, grad_clip=config.optim.grad_clip
-  )
+  # The RL phase's optimizer, exactly (its schedule's length does not change the compiled program's shape).
+  optimizer = _rl.make_optimizer(config, max(int(t.steps), 1))
   p_sh = model_lib.param_shardings(model_cfg, mesh)
   o_sh = _step.opt_state_shardings(model_cfg, optimizer, mesh)
   params = _abstract(model_lib.param_shapes(model_cfg), p_sh)
@@ -219,15 +250,26 @@ def compile_plan(
 
   b_sh = batch_sharding(mesh)
 
-  def batch(k, keys):
+  def batch(k, keys, rows=t.micro_batch_size, length=seq_len):
     return {
       name: jax.ShapeDtypeStruct(
-        (k, t.micro_batch_size, seq_len),
-        jnp.int32 if name in ("tokens", "attention_mask", "loss_mask") else jnp.float32,
+        (k, rows, length),
+        jnp.int32 if name in ("tokens", "attention_mask", "loss_mask", "segment_ids") else jnp.float32,
         sharding=b_sh,
       )
       for name in keys
     }
+
+  if "sft" in programs:
+    s = config.sft
+    sft_opt = _sft.optimizer(config)
+    step, micro = _sft.make_step(config, model_cfg, sft_opt, mesh)
+    sft_state = _abstract(jax.eval_shape(sft_opt.init, model_lib.param_shapes(model_cfg)), o_sh)
+    keys = ["tokens", "attention_mask", "loss_mask"] + (["segment_ids"] if s.packed_rows else [])
+    b = batch(micro, keys, rows=s.micro_batch_size, length=s.max_len)
+    out["programs"]["sft"] = _memory(
+      "sft", step.lower(params, sft_state, b), 0.0, len(devices), params_gb + opt_gb + _per_chip_gb(b), hlo_dir
+    )
 
   if "update" in programs:
     step = _objective.make_rl_update_step(config, model_cfg, optimizer, mesh)
@@ -253,7 +295,8 @@ def compile_plan(
       hlo_dir,
     )
 
-  if "prefill" in programs or "decode" in programs:
+  engine = None
+  if any(p in programs for p in _ROLLOUT_PROGRAMS):
     host = host_devices(topology, devices)
     rmesh = local_mesh({k: int(v) for k, v in r.mesh.items()}, host)
     hosts = len({d.process_index for d in devices})
@@ -266,14 +309,31 @@ def compile_plan(
       "host_chips": len(host),
       "hosts": hosts,
       "slots": slots,
+      "compact_slots": engine.compact_slots,
       "max_len": seq_len,
       "weights_gb": _per_chip_gb(weights),
       "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache),
       "kv_layout": engine.kv_layout,
       "kv_tokens": (engine.num_pages - 1) * engine.page_size if engine.page_size else slots * seq_len,
       "stop_sequences": stop_source,
+      "decode_steps": 1 if engine.page_size else int(r.decode_chunk),  # per decode call (paged: one)
+      "kv_pool_shape": list(jax.tree.leaves(engine.abstract_decode_state().cache)[0].shape),  # one layer's
     }
     state_gb = _per_chip_gb(weights) + _per_chip_gb(engine.abstract_decode_state())
+    if "weight_cast" in programs or "weight_copy" in programs:
+      # The run's copy (Rollouts.weights -> parallel.to_host_local) onto every host's rollout devices; the target
+      # is given as host 0's rollout mesh over its chips of the slice (the engine's programs use a host topology).
+      first = [d for d in devices if d.process_index == devices[0].process_index]
+      host0 = local_mesh({k: int(v) for k, v in r.mesh.items()}, first)
+      lowered = lower_host_copy(params, model_lib.param_shardings(engine_cfg, host0), engine_cfg.param_dtype, devices)
+      if "weight_cast" in programs and "cast" in lowered:
+        out["programs"]["weight_cast"] = _memory(
+          "weight_cast", lowered["cast"], opt_gb + ref_gb, len(devices), params_gb, hlo_dir
+        )
+      if "weight_copy" in programs:
+        out["programs"]["weight_copy"] = _memory(
+          "weight_copy", lowered["move"], resident, len(devices), params_gb, hlo_dir
+        )
     if "prefill" in programs:
       out["programs"]["prefill"] = _memory(
         "prefill", engine.lower_fill(weights), resident, len(host), state_gb, hlo_dir
@@ -282,12 +342,25 @@ def compile_plan(
       out["programs"]["decode"] = _memory(
         "decode", engine.lower_decode(weights, r.decode_chunk), resident, len(host), state_gb, hlo_dir
       )
+    if "decode_compact" in programs and (engine.compact_slots or not default):
+      out["programs"]["decode_compact"] = _memory(
+        "decode_compact",
+        engine.lower_decode(weights, r.decode_chunk, compact=True),
+        resident,
+        len(host),
+        state_gb,
+        hlo_dir,
+      )
+  if "decode" in out["programs"]:  # what a decode step must move at least: the weights and the KV pool, once each
+    ro = out["rollout"]
+    ro["decode_bound_gb"] = ro["weights_gb"] + ro["kv_cache_gb"]
+    ro["decode_hbm_ratio"] = out["programs"]["decode"].hbm_gb / ro["decode_steps"] / ro["decode_bound_gb"]
   out["headroom"] = headroom
   out["usable_gb"] = out["hbm_gb"] * (1.0 - headroom)  # what a program may take: HBM less a margin for the runtime
   out["fits"] = all(p.peak_gb <= out["usable_gb"] for p in out["programs"].values())
   out["shardings"] = {
     "params": _describe(p_sh),
-    "kv_cache": str(jax.tree.leaves(engine.abstract_decode_state().cache)[0].sharding.spec) if "rollout" in out else "",
+    "kv_cache": str(jax.tree.leaves(engine.abstract_decode_state().cache)[0].sharding.spec) if engine else "",
   }
   return out
 
@@ -361,9 +434,17 @@ def report_json(report: dict) -> dict:
         "collective_gb": round(p.collective_gb, 3),
         "collectives_gb": {k: round(v, 3) for k, v in p.collectives.items()},
         "large_copy_gb": round(p.copy_gb, 3),
+        "large_copies": [list(c) for c in p.large_copies],
+        "hbm_gb": round(p.hbm_gb, 3),
+        "flops": p.flops,
       }
       for name, p in report["programs"].items()
     },
+    **(
+      {"rollout": {k: round(v, 3) if isinstance(v, float) else v for k, v in report["rollout"].items()}}
+      if "rollout" in report
+      else {}
+    ),
     "headroom": report.get("headroom", 0.0),
     "fits": bool(report["fits"]),
   }
@@ -385,20 +466,27 @@ def format_table(report: dict) -> str:
     f"training state per chip: params {report['params_gb']:.2f} GB, optimizer {report['opt_state_gb']:.2f} GB"
   )
   head = (
-    f"{'program':<9}{'chips':>6}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'resident':>10}{'peak':>9}"
-    f"{'compile':>9}{'coll':>9}  fits  attention"
+    f"{'program':<15}{'chips':>6}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'resident':>10}{'peak':>9}"
+    f"{'compile':>9}{'hbm':>10}{'coll':>9}  fits  attention"
   )
   lines += [head, "-" * len(head)]
   for name, p in report["programs"].items():
     ok = p.peak_gb <= report.get("usable_gb", report["hbm_gb"])
     lines.append(
-      f"{name:<9}{p.devices:>6}{p.argument_gb:>9.2f}{p.output_gb:>9.2f}{p.alias_gb:>9.2f}{p.temp_gb:>9.2f}"
-      f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s{p.collective_gb:>9.2f}  {'yes' if ok else 'NO':<4}  "
+      f"{name:<15}{p.devices:>6}{p.argument_gb:>9.2f}{p.output_gb:>9.2f}{p.alias_gb:>9.2f}{p.temp_gb:>9.2f}"
+      f"{p.resident_gb:>10.2f}{p.peak_gb:>9.2f}{p.compile_s:>8.1f}s{p.hbm_gb:>10.2f}{p.collective_gb:>9.2f}  {'yes' if ok else 'NO':<4}  "
       f"{p.attention}"
+    )
+  ro = report.get("rollout", {})
+  if "decode_hbm_ratio" in ro:
+    lines.append(
+      f"decode: {report['programs']['decode'].hbm_gb / ro['decode_steps']:.2f} GB of HBM per step per chip, "
+      f"{ro['decode_hbm_ratio']:.2f}x the bound (rollout weights + KV pool per chip, {ro['decode_bound_gb']:.2f} GB)"
     )
   lines.append(
     "(GB per chip; peak = args + out - alias + temp + resident; fits: peak within HBM less "
-    f"{report.get('headroom', 0.0):.0%} headroom; coll: collective result bytes per call, loop trips included; "
+    f"{report.get('headroom', 0.0):.0%} headroom; hbm / coll: HBM bytes read and written / collective result bytes per call, loop trips "
+    "included; "
     "attention: the kernels it calls, xla: none)"
   )
   sh = report.get("shardings", {})
@@ -424,13 +512,12 @@ def advice(report: dict) -> list:
   ]
 
 
-def check(
-  config, topology: str, programs=("update", "logprob", "prefill", "decode"), *, hlo_dir: str = "", headroom=0.05
-) -> int:
-  """Compiles, prints the table and (last) the JSON line; returns the exit status: 0 fits, 1 does not."""
+def check(config, topology: str, programs=None, *, hlo_dir: str = "", headroom=0.05) -> int:
+  """Compiles (programs=None: the run's), prints the table and (last) the JSON line; returns the exit status: 0
+  fits, 1 does not."""
   import json
 
-  report = compile_plan(config, topology, programs=tuple(programs), hlo_dir=hlo_dir, headroom=headroom)
+  report = compile_plan(config, topology, programs=programs, hlo_dir=hlo_dir, headroom=headroom)
   print(format_table(report))
   for line in advice(report):
     print("does not fit: " + line)

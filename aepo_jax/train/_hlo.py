@@ -7,6 +7,7 @@ caller's count, and each branch of a `conditional` by its caller's count (an upp
 
   collectives(text) -> {"all-gather": CollectiveTotal(count, bytes), ...}
   large_copies(text, min_bytes) -> [(shape, layout, count)]
+  hbm_bytes(text) -> bytes one call reads and writes in HBM (an estimate; see there)
 
 Bytes are those of each collective's result on one chip (for an all-gather the gathered array, for an all-reduce the
 reduced array): a like-for-like measure to compare two programs, not a wire-level count.
@@ -107,7 +108,8 @@ def multiplicities(comps: dict, entry: str) -> dict:
       if " while(" in line:
         cond = re.search(r"condition=%([\w.\-]+)", line).group(1)
         body = re.search(r"body=%([\w.\-]+)", line).group(1)
-        visit(body, m * _trip_count(comps.get(cond, []), comps))
+        known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)  # XLA's own, where it wrote one
+        visit(body, m * (int(known.group(1)) if known else _trip_count(comps.get(cond, []), comps)))
         continue
       for callee in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line):
         if not re.search(r"\b(reduce|reduce-window|scatter|sort|map|select-and-scatter|all-reduce)(-start)?\(", line):
@@ -169,3 +171,148 @@ def large_copies(text: str, min_bytes: int) -> list:
       if m and op and op.group(2) in ("copy", "copy-start") and _bytes(op.group(1)) >= min_bytes:
         found.append((op.group(1)[:120], m))
   return found
+
+
+# Instructions that move no data of their own (aliases, control flow whose bodies are counted, buffer markers).
+_NO_TRAFFIC = {
+  "parameter",
+  "constant",
+  "tuple",
+  "get-tuple-element",
+  "bitcast",
+  "while",
+  "conditional",
+  "call",
+  "after-all",
+  "partition-id",
+  "replica-id",
+  "opt-barrier",
+  "add-dependency",
+  "iota",
+}
+_SLICE_READS = ("dynamic-slice", "gather", "slice")
+_IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # updates a buffer (operand 0) in place: its update operand
+
+
+def _hbm_array_bytes(type_text: str) -> int:
+  """Bytes of every array in an instruction's type (each element of a tuple) that lives in HBM: arrays in another
+  memory space (`S(1)` VMEM, `S(5)` host, ...) are left out."""
+  total = 0
+  for dtype, dims, layout in _SHAPE.findall(type_text):
+    if dtype in _DTYPE_BYTES and not re.search(r"S\([1-9]\d*\)", layout or ""):
+      total += int(np.prod([int(d) for d in dims.split(",") if d] or [1])) * _DTYPE_BYTES[dtype]
+  return total
+
+
+def _parse(line: str):
+  """(name, result type, opcode, operand names) of one instruction line, or None."""
+  m = re.match(r"(?:ROOT )?%(\S+) = ", line)
+  op = _OP.search(line)
+  if not m or not op:
+    return None
+  start = op.end()
+  depth, end = 1, start
+  while end < len(line) and depth:
+    depth += {"(": 1, ")": -1}.get(line[end], 0)
+    end += 1
+  return m.group(1), op.group(1), op.group(2), re.findall(r"%([\w.\-]+)", line[start : end - 1])
+
+
+def _param_reads(lines: list, index: int, comps: dict) -> tuple:
+  """(bytes read of parameter `index` of a fused computation, whether a dynamic-update-slice or scatter updates it in
+  place): a parameter only sliced (dynamic-slice, gather, slice; through bitcasts and nested fusions) reads the
+  slices; one only updated in place reads nothing; anything else reads it whole (None: the caller counts the whole operand)."""
+  insts = [x for x in (_parse(line) for line in lines) if x]
+  name = next(
+    (m.group(1) for line in lines if (m := re.match(rf"(?:ROOT )?%(\S+) = .* parameter\({index}\)", line))), None
+  )
+  if name is None:
+    return None, False
+  total, in_place, frontier = 0, False, [name]
+  while frontier:
+    current = frontier.pop()
+    for user, t, opcode, operands in insts:
+      for i, o in enumerate(operands):
+        if o != current:
+          continue
+        if opcode == "bitcast":
+          frontier.append(user)
+        elif opcode in _SLICE_READS and i == 0:
+          total += _hbm_array_bytes(t)
+        elif opcode in _IN_PLACE and i == 0:
+          in_place = True
+        elif opcode == "fusion":
+          line = next(x for x in lines if re.match(rf"(?:ROOT )?%{re.escape(user)} = ", x))
+          callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
+          nested, nested_in_place = _param_reads(comps.get(callee, []), i, comps)
+          if nested is None:
+            return None, False
+          total, in_place = total + nested, in_place or nested_in_place
+        else:
+          return None, False
+  return total, in_place
+
+
+def _fusion_traffic(fused: list, operand_types: list, result_type: str, comps: dict) -> int:
+  """HBM bytes of one fusion: each operand read whole, except one only sliced inside (a dynamic-slice, gather or
+  slice of it, also in a nested fusion: the slices' bytes) or updated in place (the buffer of a dynamic-update-slice
+  or scatter: nothing read); the result written whole, except an in-place update's buffer (only the update's
+  bytes)."""
+  insts = [x for x in (_parse(line) for line in fused) if x]
+  total, in_place = 0, False
+  for idx, t in enumerate(operand_types):
+    read, updated = _param_reads(fused, idx, comps)
+    total += _hbm_array_bytes(t) if read is None else read
+    in_place = in_place or updated
+  root = next((x for line, x in zip(fused, (_parse(line) for line in fused)) if x and line.startswith("ROOT ")), None)
+  if root is None:
+    return total + _hbm_array_bytes(result_type)
+  by_name = {name: (t, opcode, operands) for name, t, opcode, operands in insts}
+  for part in [root[0]] if root[2] != "tuple" else root[3]:
+    t, opcode, operands = by_name.get(part, ("", "", []))
+    if opcode in _IN_PLACE and in_place:
+      total += _hbm_array_bytes(by_name.get(operands[_IN_PLACE[opcode]], ("",))[0])
+    else:
+      total += _hbm_array_bytes(t)
+  return total
+
+
+def hbm_bytes(text: str) -> float:
+  """HBM bytes one call of a compiled program reads and writes, loop trip counts included: every instruction outside
+  fusions (a fusion, copy, collective, custom call such as a Pallas kernel, ...) reads its operands and writes its
+  result, as XLA's cost analysis counts them, with its exceptions: a slice reads only the slice, an in-place
+  dynamic-update-slice or scatter reads nothing of its buffer and writes only the update, and arrays outside HBM (VMEM) are
+  left out. An estimate of the traffic (a kernel that reads part of an operand, say only the live pages of a KV
+  pool, is counted as reading all of it), to compare with a bound such as weights + KV cache per decode step."""
+  comps, entry = computations(text)
+  mult = multiplicities(comps, entry)
+  fused = set()
+  for lines in comps.values():
+    for line in lines:
+      if " fusion(" in line:
+        fused.update(re.findall(r"calls=%([\w.\-]+)", line))
+  total = 0.0
+  for name, lines in comps.items():
+    m = mult.get(name, 0.0)
+    if not m or name in fused:
+      continue
+    types = {}
+    for line in lines:
+      x = _parse(line)
+      if not x:
+        continue
+      inst, result, opcode, operands = x
+      types[inst] = result
+      if opcode in _NO_TRAFFIC or opcode.endswith("-done") or 'custom_call_target="AllocateBuffer"' in line:
+        continue
+      operand_types = [types.get(o, "") for o in operands]
+      if opcode == "fusion":
+        callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
+        total += m * _fusion_traffic(comps.get(callee, []), operand_types, result, comps)
+      elif opcode in _SLICE_READS:
+        total += m * 2 * _hbm_array_bytes(result)
+      elif opcode in _IN_PLACE:
+        total += m * 2 * _hbm_array_bytes(operand_types[_IN_PLACE[opcode]])
+      else:
+        total += m * (sum(_hbm_array_bytes(t) for t in operand_types) + _hbm_array_bytes(result))
+  return total

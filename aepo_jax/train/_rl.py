@@ -24,22 +24,11 @@ def phase(run: Run, params):
   """Agentic RL to train.steps (or train.epochs), resumed from its newest checkpoint, with validation before,
   during and after as eval.* says: (params, summary)."""
   config, model_cfg, tokenizer, mesh, writer = run.config, run.model_cfg, run.tokenizer, run.mesh, run.writer
-  t, r, a, o = config.train, config.rollout, config.algo, config.optim
+  t, r, a = config.train, config.rollout, config.algo
   ckpt = run.checkpointer("rl")
   loader, num_train = _inputs.prompt_loader(config, tokenizer)
   total = t.steps or t.epochs * math.ceil(num_train / config.data.prompts_per_step)
-  optimizer = _optim.make_optimizer(
-    o.lr,
-    weight_decay=o.weight_decay,
-    b1=o.b1,
-    b2=o.b2,
-    eps=o.eps,
-    grad_clip=o.grad_clip,
-    schedule=o.schedule,
-    warmup_steps=o.warmup_steps,
-    total_steps=total * updates_per_step(config),
-    min_lr_ratio=o.end_lr_fraction,
-  )
+  optimizer = make_optimizer(config, total)
   # The KL reference is the RL start (the SFT result or the loaded model), also when the run resumes.
   state, ref_params = resume(run, ckpt, params, optimizer, t.seed, keep_start=needs_reference(config))
   start, meta = state.step, state.meta
@@ -341,6 +330,24 @@ def _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh):
     "kl/reward_penalty_mean": float(np.mean(penalty_b)),
     "kl/reward_kl_token_mean": float(-np.sum(penalty_b) / max(mask.sum(), 1) / kl.coef),
   }
+
+
+def make_optimizer(config, total_steps: int):
+  """The RL phase's optimizer: optim.* with its schedule over `total_steps` RL steps' updates (also what
+  `launch/compile.py` compiles)."""
+  o = config.optim
+  return _optim.make_optimizer(
+    o.lr,
+    weight_decay=o.weight_decay,
+    b1=o.b1,
+    b2=o.b2,
+    eps=o.eps,
+    grad_clip=o.grad_clip,
+    schedule=o.schedule,
+    warmup_steps=o.warmup_steps,
+    total_steps=total_steps * updates_per_step(config),
+    min_lr_ratio=o.end_lr_fraction,
+  )
 
 
 def updates_per_step(config) -> int:

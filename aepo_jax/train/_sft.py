@@ -50,6 +50,22 @@ def optimizer(config):
   )
 
 
+def make_step(config, model_cfg, opt, mesh):
+  """(the SFT phase's jitted step, its micro-batches per step): also what `launch/compile.py` compiles."""
+  s = config.sft
+  micro = (s.packed_rows or s.batch_size) // s.micro_batch_size
+  rows = (s.packed_rows or s.batch_size) // micro
+  step = _step.make_sft_step(
+    model_cfg,
+    optimizer=opt,
+    micro_batches=micro,
+    mesh=mesh,
+    logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len),
+    saved_logits_mb=config.train.saved_logits_mb,
+  )
+  return step, micro
+
+
 def phase(run: Run, params):
   """Cold-start SFT to sft.steps (resumed from its newest checkpoint): (params, summary)."""
   config, model_cfg, mesh = run.config, run.model_cfg, run.mesh
@@ -73,16 +89,7 @@ def phase(run: Run, params):
   if meta.get("data_state") is not None:
     loader.set_state(_checkpoint.decode_iterator_state(meta["data_state"]))
   pad_id = _inputs.pad_id(model_cfg, run.tokenizer)
-  micro = (s.packed_rows or s.batch_size) // s.micro_batch_size
-  rows = (s.packed_rows or s.batch_size) // micro
-  sft_step = _step.make_sft_step(
-    model_cfg,
-    optimizer=opt,
-    micro_batches=micro,
-    mesh=mesh,
-    logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len),
-    saved_logits_mb=config.train.saved_logits_mb,
-  )
+  sft_step, _ = make_step(config, model_cfg, opt, mesh)
   nan_count = int(meta.get("nan_count", 0))
 
   bar = _metrics.progress(s.steps, "sft", initial=start, enabled=run.progress)

@@ -10,7 +10,9 @@ from test_compile import _compile  # noqa: F401  (skips the module without libtp
 
 @pytest.mark.slow
 def test_arpo_reasoning_qwen25_3b_fits_v5p_64():
-  out, report = _compile("configs/arpo_reasoning.py:qwen2.5-3b", "v5p:4x4x2")
+  out, report = _compile(
+    "configs/arpo_reasoning.py:qwen2.5-3b", "v5p:4x4x2", "--programs=update,logprob,prefill,decode"
+  )
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert report["fits"] is True and set(report["programs"]) == {"update", "logprob", "prefill", "decode"}
   assert "'tensor': 2" in out.stdout, out.stdout[:2000]  # the training mesh the config asks for

@@ -64,3 +64,24 @@ def test_compile_builds_the_trainers_engine_on_a_tpu_host(run):
   assert report["rollout"]["stop_sequences"] == "tokenizer"
   assert report["rollout"]["slots"] == trainer.engine.max_slots and report["programs"]["decode"].peak_gb > 0
   assert jax.default_backend() == "cpu"  # compiled for the slice on this CPU host
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install -e '.[tpu]')")
+def test_compile_compiles_every_program_of_the_run_on_two_hosts(run):
+  """The tiny run (SFT then RL) on v5p:2x2x2 (2 hosts of 4 chips, a mesh across them): by default every program it
+  runs, the weight copy onto each host's rollout devices included; its output per chip is the rollout copy. (No
+  weight_cast: the tiny run rolls out in its float32; aepo_gaia's test compiles the bf16 cast.)"""
+  config, trainer = run
+  report = _compile.compile_plan(config, "v5p:2x2x2")
+  programs = report["programs"]
+  expected = {"sft", "update", "logprob", "weight_copy", "prefill", "decode"}
+  assert set(programs) == expected | ({"decode_compact"} if trainer.engine.compact_slots else set()), set(programs)
+  assert report["rollout"]["hosts"] == 2 and programs["weight_copy"].devices == 8
+  copy = programs["weight_copy"]
+  # Each chip holds its host's rollout copy (TPU tiles pad the tiny model's small dimensions: more, never less).
+  assert report["rollout"]["weights_gb"] <= copy.output_gb < 4 * report["rollout"]["weights_gb"]
+  assert copy.hbm_gb > 0  # (the tiny run's training mesh replicates its weights: no collective is needed)
+  for name, p in programs.items():
+    assert p.peak_gb > 0 and p.hbm_gb > 0, name
+  assert 0 < report["rollout"]["decode_hbm_ratio"]

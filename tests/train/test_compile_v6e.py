@@ -1,5 +1,5 @@
-"""`launch/compile.py` for a v6e-64 slice (its own file, so that under `-n 2 --dist loadfile` it compiles beside the
-v5p tests of tests/train/test_compile.py instead of after them)."""
+"""`launch/compile.py` for a v6e-64 slice, every program of aepo_gaia's run at 2 layers (its own file, so that under
+`-n 2 --dist loadfile` it compiles beside the v5p tests of tests/train/test_compile.py instead of after them)."""
 
 import pytest
 
