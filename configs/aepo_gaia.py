@@ -10,11 +10,11 @@ Command (every host of the pod):
       --config.sft.source=gs://BUCKET/data/ARPO-SFT-54K.jsonl ...
 Hardware: a TPU v5p-64 (`v5p:4x4x2`, 32 chips) or a v6e-64 (`v6e:8x8`): fsdp x tensor 4 over all chips for the
   update; each host (4 chips) rolls out its own prompts with the weights in bfloat16 over its chips.
-Memory, compiled with `python launch/compile.py --config=configs/aepo_gaia.py --topology=...` (2026-12-01, peak GB
-  per chip incl. what stays resident; prompt 2,000 + response 6,192 tokens; splash attention in update and logprob;
-  a paged KV pool of 393,216 tokens per host, decode through the Pallas paged-attention kernel):
-    v5p:4x4x2 (95 GB): update 24.5, logprob 7.8, prefill 31.4, decode 29.9 (96 slots per host) -> fits
-    v6e:8x8   (32 GB): update 12.0, logprob 3.7, prefill 27.3, decode 26.8 (48 slots per host) -> fits
+Memory: every program of the run compiled at full depth (`python bench/compile_table.py`, through
+  `launch/compile.py`): docs/compiled.md, per-chip peaks and the HBM and collective bytes per call (prompt 2,000 +
+  response 6,192 tokens; splash attention in update and logprob; a paged KV pool of 393,216 tokens per host,
+  decode through the Pallas paged-attention kernel). v5p:4x4x2 fits there; v6e:8x8 (32 GB per chip) fit when last
+  compiled (update 12.0, logprob 3.7, prefill 27.3, decode 26.8 GB, 48 slots per host: docs/benchmarks.md).
   Longer trajectories fit too (20,480 tokens, `--config.rollout.max_response_len=18432`, on v6e:8x8; 32,768 on
   v5p:4x4x2): docs/performance.md, section "Paged KV cache".
 Needs: a Qwen3-14B cold-start SFT checkpoint (ARPO-SFT-54K, spec §2.4) as an HF directory; ARPO's
