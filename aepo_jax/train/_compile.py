@@ -206,7 +206,7 @@ def run_programs(config) -> tuple:
   compacts: checked once the engine is built)."""
   out = ("sft",) if config.mode in ("sft", "both") and config.sft.enabled and config.sft.steps > 0 else ()
   if config.mode in ("rl", "both"):
-    out += ("update", "logprob", "weight_cast", "weight_copy", "prefill", "decode", "decode_compact")
+    out += ("update", "logprob") + _ROLLOUT_PROGRAMS
   return out
 
 
@@ -305,6 +305,7 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
     slots = engine.max_slots
     weights = _abstract(model_lib.param_shapes(engine_cfg), model_lib.param_shardings(engine_cfg, rmesh))
     resident = params_gb + opt_gb + ref_gb  # the training state stays on the chips during rollouts
+    state = engine.abstract_decode_state()
     out["rollout"] = {
       "host_chips": len(host),
       "hosts": hosts,
@@ -312,14 +313,14 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
       "compact_slots": engine.compact_slots,
       "max_len": seq_len,
       "weights_gb": _per_chip_gb(weights),
-      "kv_cache_gb": _per_chip_gb(engine.abstract_decode_state().cache),
+      "kv_cache_gb": _per_chip_gb(state.cache),
       "kv_layout": engine.kv_layout,
       "kv_tokens": (engine.num_pages - 1) * engine.page_size if engine.page_size else slots * seq_len,
       "stop_sequences": stop_source,
       "decode_steps": 1 if engine.page_size else int(r.decode_chunk),  # per decode call (paged: one)
-      "kv_pool_shape": list(jax.tree.leaves(engine.abstract_decode_state().cache)[0].shape),  # one layer's
+      "kv_pool_shape": list(jax.tree.leaves(state.cache)[0].shape),  # one layer's
     }
-    state_gb = _per_chip_gb(weights) + _per_chip_gb(engine.abstract_decode_state())
+    state_gb = _per_chip_gb(weights) + _per_chip_gb(state)
     if "weight_cast" in programs or "weight_copy" in programs:
       # The run's copy (Rollouts.weights -> parallel.to_host_local) onto every host's rollout devices; the target
       # is given as host 0's rollout mesh over its chips of the slice (the engine's programs use a host topology).

@@ -264,7 +264,7 @@ def _fusion_traffic(fused: list, operand_types: list, result_type: str, comps: d
     read, updated = _param_reads(fused, idx, comps)
     total += _hbm_array_bytes(t) if read is None else read
     in_place = in_place or updated
-  root = next((x for line, x in zip(fused, (_parse(line) for line in fused)) if x and line.startswith("ROOT ")), None)
+  root = next((_parse(line) for line in fused if line.startswith("ROOT ")), None)
   if root is None:
     return total + _hbm_array_bytes(result_type)
   by_name = {name: (t, opcode, operands) for name, t, opcode, operands in insts}
