@@ -17,6 +17,8 @@ SERIES = {
   "sampler_entropy": "rollout/sampler_entropy_mean",
   "entropy_after_tool": "rollout/entropy_after_tool",
   "entropy_initial": "rollout/entropy_initial",
+  "token_entropy_after_tool": "rollout/token_entropy_after_tool",  # per token, the first 20 after a tool result
+  "token_entropy_elsewhere": "rollout/token_entropy_elsewhere",  # per token, every other generated token
   "branches_per_prompt": "rollout/branches_per_prompt",
   "top3_branch_share": "rollout/top3_branch_share",
   "consecutive_branch_share": "rollout/consecutive_branch_share",
@@ -58,6 +60,9 @@ def read_run(run: dict) -> dict:
         "accuracy": rec["eval/accuracy"],
         "tool_calls": float(np.mean(calls)) if calls else None,
       }
+    passk = {k[len("eval/") :]: v for k, v in rec.items() if k.startswith("eval/pass@")}
+    if passk:  # eval.pass_k: sampled answers before and after RL, written at the same step as the greedy ones
+      evals.setdefault(step, {"step": step}).update(passk)
     if "reward/mean" in rec:
       train[step] = rec
   steps = sorted(train)
@@ -71,6 +76,8 @@ def read_run(run: dict) -> dict:
     "after_accuracy": ev[-1]["accuracy"] if ev and ev[-1]["step"] > 0 else None,
     "before_tool_calls": ev[0]["tool_calls"] if ev and ev[0]["step"] == 0 else None,
     "after_tool_calls": ev[-1]["tool_calls"] if ev and ev[-1]["step"] > 0 else None,
+    "before_pass": {k: v for k, v in ev[0].items() if k.startswith("pass@")} if ev and ev[0]["step"] == 0 else {},
+    "after_pass": {k: v for k, v in ev[-1].items() if k.startswith("pass@")} if ev and ev[-1]["step"] > 0 else {},
     "evaluations": ev,
     "steps": steps,
     "wall_s": summary.get("wall_s"),
@@ -84,6 +91,8 @@ def read_run(run: dict) -> dict:
       out["top3_branch_share"][i] = out["consecutive_branch_share"][i] = None
     if not train[s].get("rollout/tool_calls_per_traj"):
       out["entropy_after_tool"][i] = None
+    if not train[s].get("rollout/tokens_after_tool"):
+      out["token_entropy_after_tool"][i] = None
   return out
 
 
@@ -104,7 +113,7 @@ def _fmt(m, lo, hi, digits=3) -> str:
 
 
 def _mean_over_steps(rec, key, last=None):
-  v = [x for x in rec[key] if x is not None]
+  v = [x for x in rec.get(key) or [] if x is not None]
   if last:
     v = v[-last:]
   return float(np.mean(v)) if v else None
@@ -114,11 +123,13 @@ def table(records: list[dict]) -> str:
   by = defaultdict(list)
   for r in records:
     by[r["algorithm"]].append(r)
+  ks = sorted({k for r in records for k in r.get("after_pass", {})}, key=lambda k: int(k[len("pass@") :]))
   head = (
-    "| algorithm | seeds | accuracy before RL | accuracy after RL | change | tool calls per answer (after) | "
-    "policy entropy, first -> last step | entropy after tool results / at the start | branches per prompt | "
-    "top-3 branch share | consecutive branch share | minutes per run |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "| algorithm | seeds | accuracy before RL | accuracy after RL | change | "
+    + "".join(f"{k} before RL | {k} after RL | " for k in ks)
+    + "tool calls per answer (after) | policy entropy, first -> last step | entropy per token: first 20 after "
+    "tool results / elsewhere | branch-rule entropy after tool results / at the start | branches per prompt | "
+    "top-3 branch share | consecutive branch share | minutes per run |\n" + "|---" * (14 + 2 * len(ks)) + "|\n"
   )
   rows = []
   for algo, rs in by.items():
@@ -127,12 +138,22 @@ def table(records: list[dict]) -> str:
       for r in rs
       if r["after_accuracy"] is not None and r["before_accuracy"] is not None
     ]
-    first = np.mean([r["policy_entropy"][0] for r in rs if r["policy_entropy"] and r["policy_entropy"][0] is not None])
-    last = np.mean([r["policy_entropy"][-1] for r in rs if r["policy_entropy"] and r["policy_entropy"][-1] is not None])
+    ends = [(r["policy_entropy"][0], r["policy_entropy"][-1]) for r in rs if r.get("policy_entropy")]
+    ends = [(a, b) for a, b in ends if a is not None and b is not None]
+    drift = f"{np.mean([a for a, _ in ends]):.3f} -> {np.mean([b for _, b in ends]):.3f}" if ends else "n/a"
     after_tool = [_mean_over_steps(r, "entropy_after_tool") for r in rs]
     initial = [_mean_over_steps(r, "entropy_initial") for r in rs]
     after_tool, initial = [x for x in after_tool if x is not None], [x for x in initial if x is not None]
     ratio = f"{np.mean(after_tool):.3f} / {np.mean(initial):.3f}" if after_tool and initial else "n/a"
+    tok_after = [x for x in (_mean_over_steps(r, "token_entropy_after_tool") for r in rs) if x is not None]
+    tok_else = [x for x in (_mean_over_steps(r, "token_entropy_elsewhere") for r in rs) if x is not None]
+    per_token = f"{np.mean(tok_after):.3f} / {np.mean(tok_else):.3f}" if tok_after and tok_else else "n/a"
+    passes = []
+    for k in ks:
+      passes += [
+        _fmt(*_ci([r.get("before_pass", {}).get(k) for r in rs])),
+        _fmt(*_ci([r.get("after_pass", {}).get(k) for r in rs])),
+      ]
     rows.append(
       "| "
       + " | ".join(
@@ -142,8 +163,10 @@ def table(records: list[dict]) -> str:
           _fmt(*_ci([r["before_accuracy"] for r in rs])),
           _fmt(*_ci([r["after_accuracy"] for r in rs])),
           _fmt(*_ci(delta)),
+          *passes,
           _fmt(*_ci([r["after_tool_calls"] for r in rs]), digits=2),
-          f"{first:.3f} -> {last:.3f}",
+          drift,
+          per_token,
           ratio,
           _fmt(*_ci([_mean_over_steps(r, "branches_per_prompt") for r in rs]), digits=2),
           _fmt(*_ci([_mean_over_steps(r, "top3_branch_share") for r in rs]), digits=2),
@@ -192,20 +215,20 @@ def throughput_table(records: list[dict]) -> str:
   return out
 
 
-def _band(ax, records, key, color, label, x_of=None):
+def _band(ax, records, key, color, label, x_of=None, ls="-"):
   """Mean over seeds with the min-max range shaded, per step."""
   steps = sorted({s for r in records for s in (x_of(r) if x_of else r["steps"])})
   rows = []
   for r in records:
     xs = x_of(r) if x_of else r["steps"]
-    ys = [e["accuracy"] for e in r["evaluations"]] if x_of else r[key]
+    ys = [e.get("accuracy") for e in r["evaluations"]] if x_of else (r.get(key) or [None] * len(xs))
     d = dict(zip(xs, ys))
     rows.append([d.get(s) if d.get(s) is not None else np.nan for s in steps])
   a = np.asarray(rows, np.float64)
   if a.size == 0 or np.all(np.isnan(a)):
     return
   mean = np.nanmean(a, axis=0)
-  ax.plot(steps, mean, marker="o", ms=3, color=color, label=f"{label} (n={len(records)})")
+  ax.plot(steps, mean, marker="o", ms=3, color=color, ls=ls, label=f"{label} (n={len(records)})")
   ax.fill_between(steps, np.nanmin(a, axis=0), np.nanmax(a, axis=0), color=color, alpha=0.15, lw=0)
 
 
@@ -224,7 +247,11 @@ def plot(records: list[dict], path: str) -> None:
     (axes[0, 1], "reward", "train reward"),
     (axes[0, 2], "policy_entropy", "policy entropy of the update batch"),
     (axes[1, 0], "tool_calls_per_traj", "tool calls per trajectory"),
-    (axes[1, 1], "entropy_after_tool", "sampler entropy right after tool results"),
+    (
+      axes[1, 1],
+      "token_entropy_after_tool",
+      "sampler entropy per token: first 20 after tool results (solid), elsewhere (dashed)",
+    ),
   ]
   for ax, key, title in panels:
     for algo, rs in by.items():
@@ -232,6 +259,8 @@ def plot(records: list[dict], path: str) -> None:
         _band(ax, rs, None, colors[algo], algo, x_of=lambda r: [e["step"] for e in r["evaluations"]])
       else:
         _band(ax, rs, key, colors[algo], algo)
+      if key == "token_entropy_after_tool":
+        _band(ax, rs, "token_entropy_elsewhere", colors[algo], f"{algo} elsewhere", ls="--")
     ax.set_title(title)
     ax.set_xlabel("RL step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

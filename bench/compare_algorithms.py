@@ -22,9 +22,11 @@ variant is about), e.g. `--algorithms=aepo,aepo+train.max_staleness=1+algo.off_p
 synchronous step with partial rollouts (docs/rollout.md) at the same budget.
 
 Per run and RL step it records reward, tool calls per trajectory, the update batch's policy entropy, the sampler's
-entropy right after tool results and at the start, branch statistics (branches per prompt, top-3 share, consecutive
-share, tree depth), response length and step time; held-out accuracy (greedy) before and after RL and at
---eval_every. The runs' own folders keep their metrics.jsonl, evaluations and logs.
+per-token entropy over the first 20 tokens after tool results against every other generated token (and the branching
+rule's window statistic after tool results and at the start), branch statistics (branches per prompt, top-3 share,
+consecutive share, tree depth), response length and step time; held-out accuracy (greedy) before and after RL and at
+--eval_every; with --set=eval.pass_k=K also Pass@1 and Pass@K of K sampled answers per question before and after RL.
+The runs' own folders keep their metrics.jsonl, evaluations and logs.
 """
 
 from __future__ import annotations

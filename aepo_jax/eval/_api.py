@@ -355,26 +355,32 @@ def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:
 def evaluate(
   evaluator: Evaluator, sources: Mapping[str, Sequence], *, reward_timeout_s: float = 10.0, records_path: str = ""
 ) -> dict:
-  """The trainer's validation: n = 1 answers of `evaluator` (built on the trainer's own agent loop) to each named
-  source of examples, as metrics: eval/<name>/accuracy (the scorer's verdict), eval/<name>/reward
+  """The trainer's validation: the answers of `evaluator` (built on the trainer's own agent loop) to each named
+  source of examples, as metrics.
+
+  n = 1 (evaluator.settings.n): eval/<name>/accuracy (the scorer's verdict), eval/<name>/reward
   (`rewards.deep_research`, 0 past reward_timeout_s), eval/<name>/tool_calls (mean calls per answer), and
   eval/accuracy (the mean over sources).
+  n = k > 1 (sampled answers): eval/<name>/pass@1 (the mean score of all samples) and eval/<name>/pass@k (the
+  unbiased estimator, `pass_at_k`, per question, averaged), eval/<name>/tool_calls, and eval/pass@1, eval/pass@k
+  (means over sources); no accuracy keys, so they never mix with the greedy n = 1 ones.
 
   Every process answers its own round-robin share of each source on its own devices (shares differ by at most one
-  example), writing nothing; the sums are combined across processes once per source, so every process calls this
-  with the same sources.
+  example; all samples of a question on the same process), writing nothing; the sums are combined across
+  processes once per source, so every process calls this with the same sources.
 
   records_path: also write every answer of this process (its source, the record the evaluator scored, its reward)
   as JSON lines there (local or gs://; `<path>.p<i>` on process i of several), and log each source's result when
   it is known."""
-  import json
   import logging
 
   import jax
   import numpy as np
   from aepo_jax import rewards as rewards_lib
+  from aepo_jax.eval._passk import pass_at_k
 
   p, n = jax.process_index(), jax.process_count()
+  k = getattr(getattr(evaluator, "settings", None), "n", 1)  # a caller's evaluator may carry no settings
   out, lines = {}, []
   for name, examples in sources.items():
     records = evaluator.run(name, list(examples)[p::n])
@@ -388,25 +394,34 @@ def evaluate(
       if records
       else []
     )
-    sums = np.asarray(
-      [len(records), sum(r["score"] for r in records), sum(reward), sum(r.get("num_tool_calls", 0) for r in records)],
-      np.float64,
-    )
+    calls = sum(r.get("num_tool_calls", 0) for r in records)
+    if k == 1:
+      sums = [len(records), sum(r["score"] for r in records), sum(reward), calls]
+    else:
+      correct = {}
+      for r in records:
+        correct.setdefault(r["id"], []).append(bool(r["score"]))
+      sums = [
+        len(correct),
+        sum(float(np.mean(c)) for c in correct.values()),
+        sum(pass_at_k(len(c), int(sum(c)), min(k, len(c))) for c in correct.values()),
+        calls / k,
+      ]
+    sums = np.asarray(sums, np.float64)
     if n > 1:
       from jax.experimental import multihost_utils
 
       sums = np.asarray(multihost_utils.process_allgather(sums)).reshape(n, -1).sum(0)
     count = max(sums[0], 1.0)
-    out[f"eval/{name}/accuracy"] = float(sums[1] / count)
-    out[f"eval/{name}/reward"] = float(sums[2] / count)
-    out[f"eval/{name}/tool_calls"] = float(sums[3] / count)
+    keys = ("accuracy", "reward") if k == 1 else ("pass@1", f"pass@{k}")
+    for key, total in zip(keys + ("tool_calls",), sums[1:]):
+      out[f"eval/{name}/{key}"] = float(total / count)
     logging.info(
-      "evaluation %s: accuracy %.3f, reward %.3f, %.2f tool calls per answer (%d examples)",
+      "evaluation %s: %s (%d questions%s)",
       name,
-      out[f"eval/{name}/accuracy"],
-      out[f"eval/{name}/reward"],
-      out[f"eval/{name}/tool_calls"],
+      ", ".join(f"{key} {out[f'eval/{name}/{key}']:.3f}" for key in keys + ("tool_calls",)),
       int(sums[0]),
+      f", {k} samples each" if k > 1 else "",
     )
     lines += [json.dumps({"source": name, **r, "reward": float(w)}, default=str) for r, w in zip(records, reward)]
   if records_path:
@@ -416,5 +431,6 @@ def evaluate(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(line + "\n" for line in lines))
   if sources:
-    out["eval/accuracy"] = float(np.mean([out[f"eval/{name}/accuracy"] for name in sources]))
+    for key in ("accuracy",) if k == 1 else ("pass@1", f"pass@{k}"):
+      out[f"eval/{key}"] = float(np.mean([out[f"eval/{name}/{key}"] for name in sources]))
   return out

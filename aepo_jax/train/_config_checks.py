@@ -391,6 +391,12 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     ev.batch_size >= 0 and ev.max_response_len >= 0 and ev.temperature >= 0,
     "eval.batch_size, eval.max_response_len (0 = the defaults) and eval.temperature must be >= 0.",
   )
+  pass_k, pass_t = ev.get("pass_k", 0), ev.get("pass_k_temperature", 0.0) or config.rollout.temperature
+  need(
+    pass_k >= 0 and (pass_k == 0 or pass_t > 0),
+    f"eval.pass_k={pass_k} at temperature {pass_t}: pass_k must be >= 0 (0: off), and its samples need a "
+    "temperature > 0 (set eval.pass_k_temperature or rollout.temperature); k greedy answers are one answer.",
+  )
   if config.mode == "sft" and not s.enabled:
     errs.append("mode='sft' with sft.enabled=False: set sft.enabled=True.")
   ck = config.checkpoint

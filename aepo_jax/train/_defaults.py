@@ -246,6 +246,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.temperature = 0.0  # greedy, n = 1 (ARPO validation)
   c.eval.max_response_len = 0  # 0 = rollout.max_response_len
   c.eval.batch_size = 0  # prompts per evaluation rollout; 0 = data.prompts_per_step
+  # Pass@k: the evaluations before and after RL also sample pass_k answers per question (at pass_k_temperature;
+  # 0 = rollout.temperature) and report eval/pass@1 and eval/pass@k (unbiased); 0 = off (greedy only).
+  c.eval.pass_k = 0
+  c.eval.pass_k_temperature = 0.0
   # An LLM judge (any OpenAI-compatible server: base URL and model) for the QA and deep-search validation sets,
   # OR'ed with math equivalence as in the evaluation protocol (spec §2.5); '' = math equivalence / exact match only.
   c.eval.judge_url = ""

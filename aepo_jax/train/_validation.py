@@ -42,8 +42,8 @@ def serve_judge(config):
   return config, server
 
 
-def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
-  """The validation rollout (policy 'none', n = 1, eval.temperature: greedy by default)."""
+def make_eval_rollout(config, model_cfg, tokenizer, tools, temperature=None) -> Rollout:
+  """The validation rollout (policy 'none', n = 1 per prompt; eval.temperature unless given: greedy by default)."""
   e = config.eval
   return Rollout(
     config,
@@ -51,18 +51,19 @@ def make_eval_rollout(config, model_cfg, tokenizer, tools) -> Rollout:
     tokenizer,
     tools,
     policy_name="none",
-    temperature=e.temperature,
+    temperature=e.temperature if temperature is None else temperature,
     n=1,
     prompts_per_call=max(host_share(e.batch_size or config.data.prompts_per_step), 1),
     max_response_len=e.max_response_len or None,
   )
 
 
-def evaluate(config, rollout: Rollout, params, records_path: str = "") -> dict:
+def evaluate(config, rollout: Rollout, params, records_path: str = "", samples: int = 1) -> dict:
   """n = 1 accuracy on each validation source (ARPO validation, spec §1.7; greedy unless eval.temperature), by
   `eval.evaluate` on this host's validation rollout: eval/<source>/accuracy (answer correct by `eval.Scorer`: math
   equivalence / EM; with eval.judge_url, the evaluation protocol's LLM judge OR'ed with math equivalence on QA and
   deep-search sets), eval/<source>/reward and eval/<source>/tool_calls (mean calls per answer), eval/accuracy.
+  samples = k > 1: k answers per question from `rollout` (sampled), eval/<source>/pass@1 and pass@k instead.
 
   Every host evaluates its own share of the examples on its own devices; the sums are combined across hosts once
   per source at the end (the only collectives: that and copying the weights)."""
@@ -76,7 +77,7 @@ def evaluate(config, rollout: Rollout, params, records_path: str = "") -> dict:
   judge = judge_cls(e.judge_url, e.judge_model) if e.judge_url else None
   # The loop brings the engine, tools and result format of training; the settings only batch, template and seed.
   settings = eval_lib.EvalSettings(
-    n=1,
+    n=samples,
     batch_size=rollout.prompts_per_call,
     max_prompt_len=config.rollout.max_prompt_len,
     template=config.data.template,
@@ -104,7 +105,9 @@ def _short(source: str) -> str:
 
 class Validation:
   """The run's validation: `validation(params, step, phase)` evaluates every validation source, writes the metrics
-  at `step` and every answer to workdir/eval/<phase>_<step>.jsonl, and returns the metrics. Its rollout and the
+  at `step` and every answer to workdir/eval/<phase>_<step>.jsonl, and returns the metrics; with eval.pass_k = k
+  the evaluations before and after RL (phase 'before_rl' / 'after_rl') also sample k answers per question
+  (eval/pass@1, eval/pass@k; answers in <phase>_<step>_pass<k>.jsonl). Its rollout and the
   judge served for it (eval.judge_checkpoint) are built at the first call; `close()` shuts that judge down."""
 
   def __init__(self, run, tools):
@@ -112,6 +115,7 @@ class Validation:
     self._rollout = None
     self._config = run.config  # with eval.judge_url pointing at a served judge, once there is one
     self._judge = None
+    self._sampled = None  # the pass@k rollout (eval.pass_k), built at its first use
 
   def __call__(self, params, step: int, phase: str = "rl") -> dict:
     run, tools = self.run, self.tools
@@ -122,6 +126,12 @@ class Validation:
     log.info("evaluating (%s, step %d) on %s", phase, step, ", ".join(map(str, config.data.val)))
     records = f"{str(config.workdir).rstrip('/')}/eval/{phase}_{step}.jsonl"  # every answer, to read back
     ev = evaluate(self._config, self._rollout, params, records)
+    k = config.eval.get("pass_k", 0)
+    if k and phase != "rl":  # pass@k before and after RL only: k sampled answers per question cost k evaluations
+      if self._sampled is None:
+        t = config.eval.get("pass_k_temperature", 0.0) or config.rollout.temperature
+        self._sampled = make_eval_rollout(config, run.model_cfg, run.tokenizer, tools, temperature=t)
+      ev.update(evaluate(self._config, self._sampled, params, records[: -len(".jsonl")] + f"_pass{k}.jsonl", k))
     if tools:  # the evaluation's own tool calls, kept out of the next RL step's tools/* counters
       ev.update({f"eval/tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()})
       tools.reset_metrics()

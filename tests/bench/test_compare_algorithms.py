@@ -142,6 +142,42 @@ def test_throughput_table_gives_ratios_on_the_same_seeds():
   assert "| sync | 2 | 0.900 [0.800, 1.000] | 1.00 [1.00, 1.00] | 0.482 [0.480, 0.485] | 1.00 [1.00, 1.00] |" in table
 
 
+def test_a_runs_record_and_table_carry_pass_at_k_and_the_per_token_entropy_split(tmp_path):
+  """read_run on a hand-written metrics.jsonl: the greedy and sampled evaluations of one step are one evaluation,
+  pass@k lands in before_pass / after_pass, a step without tool results has no after-tool entropy, and the table
+  gets the pass@k and per-token entropy columns."""
+  import types
+
+  import _compare_report as report
+
+  lines = [
+    {"step": 0, "eval/accuracy": 0.1, "eval/s/tool_calls": 0.0, "eval/pass@1": 0.15, "eval/pass@4": 0.4},
+    {"step": 1, "reward/mean": 0.2, "rollout/tokens_after_tool": 0, "rollout/token_entropy_elsewhere": 0.5},
+    {
+      "step": 2,
+      "reward/mean": 0.4,
+      "rollout/tool_calls_per_traj": 1.0,
+      "rollout/tokens_after_tool": 40,
+      "rollout/token_entropy_after_tool": 0.9,
+      "rollout/token_entropy_elsewhere": 0.3,
+    },
+    {"step": 2, "eval/accuracy": 0.5, "eval/s/tool_calls": 1.0, "eval/pass@1": 0.45, "eval/pass@4": 0.8},
+  ]
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  (tmp_path / "summary.json").write_text(json.dumps({"wall_s": 60.0}))
+  run = dict(
+    algorithm="aepo", seed=0, dir=str(tmp_path), reverted=[], config=types.SimpleNamespace(workdir=str(tmp_path))
+  )
+  rec = report.read_run(run)
+  assert rec["before_pass"] == {"pass@1": 0.15, "pass@4": 0.4} and rec["after_pass"] == {"pass@1": 0.45, "pass@4": 0.8}
+  assert (rec["before_accuracy"], rec["after_accuracy"]) == (0.1, 0.5)
+  assert rec["token_entropy_after_tool"] == [None, 0.9] and rec["token_entropy_elsewhere"] == [0.5, 0.3]
+  table = report.table([rec])
+  assert "| pass@1 before RL | pass@1 after RL | pass@4 before RL | pass@4 after RL |" in table
+  assert "| 0.400 [0.400, 0.400] | 0.800 [0.800, 0.800] |" in table
+  assert "| 0.900 / 0.400 |" in table  # per token: after tool results / elsewhere, means over steps
+
+
 def _sweep(out, tok_dir):
   return [
     sys.executable,

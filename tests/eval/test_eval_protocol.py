@@ -140,3 +140,51 @@ def test_official_continuation_on_the_real_engine(tiny_config, scripted, tokeniz
   # with it, "</python>" closes in the second call, the tool runs, the answer turn is continued the same way
   assert four["response"].startswith("<python>1</python><result>42</result><answer>\\boxed{18}</answer>")
   assert (four["stop_reason"], four["score"], four["protocol"], four["python_calls"]) == ("eos", 1.0, "official", 1)
+
+
+def test_sampled_validation_reports_pass_at_k_per_question_and_over_hosts(monkeypatch):
+  """k = 3 samples per question: pass@1 = mean score, pass@3 = share of questions with a correct sample; host 1 of 2
+  answers its questions' samples, the allgather adds host 0's sums (questions, pass@1 sum, pass@3 sum, calls)."""
+  import types
+
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from aepo_jax.eval import evaluate
+
+  scores = {"toy:1": [1, 0, 0], "toy:3": [1, 1, 1], "toy:5": [0, 0, 0]}
+
+  class Samples:
+    settings = types.SimpleNamespace(n=3)
+
+    def run(self, name, examples, path=None):
+      return [
+        {"id": ex.id, "sample": j, "answers": list(ex.answers), "score": float(s), "num_tool_calls": 2, "response": ""}
+        for ex in examples
+        for j, s in enumerate(scores[ex.id])
+      ]
+
+  host0 = np.asarray([3.0, 1.0, 2.0, 3.0])  # three questions: pass@1 sum 1.0, pass@3 sum 2, one call per answer
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([host0, x]))
+  out = evaluate(Samples(), {"toy": short_examples(6)})
+  # host 1: pass@1 = (1/3 + 1 + 0) = 4/3, pass@3 = 2 of 3, calls 2 per answer over 3 questions
+  assert np.isclose(out["eval/toy/pass@1"], (1.0 + 4 / 3) / 6)
+  assert np.isclose(out["eval/toy/pass@3"], (2 + 2) / 6)
+  assert np.isclose(out["eval/toy/tool_calls"], (3 + 6) / 6)
+  assert out["eval/pass@3"] == out["eval/toy/pass@3"] and "eval/accuracy" not in out
+
+
+def test_pass_at_k_on_the_real_engine(tiny_config, scripted, tokenizer):
+  """Two samples per question through the real engine: the scripted right answer passes at 1 and 2, the wrong at
+  neither; each sample's answer is its own record."""
+  from aepo_jax.eval import evaluate
+
+  two = dataclasses.replace(SETTINGS, n=2)
+  ev = _evaluator(tiny_config, scripted["answer"], tokenizer, settings=two)
+  out = evaluate(ev, {"toy": short_examples(2), "wrong": short_examples(2, answer="19")})
+  assert out["eval/toy/pass@1"] == out["eval/toy/pass@2"] == 1.0
+  assert out["eval/wrong/pass@1"] == out["eval/wrong/pass@2"] == 0.0
+  assert out["eval/pass@2"] == 0.5 and out["eval/toy/tool_calls"] == 1.0

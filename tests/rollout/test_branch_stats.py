@@ -54,3 +54,44 @@ def test_no_branches_is_zero():
   records = [_rec(0, 0, [1, 2]), _rec(1, 0, [1])]
   assert consecutive_branches(records) == (0, 0)
   assert tree_stats(records)["rollout/consecutive_branch_share"] == 0.0
+
+
+def _tokens(rec, entropy, mask):
+  rec.tokens, rec.entropy, rec.loss_mask = [7] * len(entropy), list(entropy), list(mask)
+  rec.logprob = [0.0] * len(entropy)
+  return rec
+
+
+def test_token_entropy_after_tool_results_against_elsewhere_counted_by_hand():
+  # Root: 4 generated tokens (entropy 1), a 3-token tool result (mask 0, entropy 0), 4 generated tokens (entropy 3).
+  root = TrajectoryRecord(
+    index=0, prompt=0, kind="global", prompt_tokens=[1], first_round=0, max_response_len=64, max_tool_calls=4, seed=0
+  )
+  root.segments = [Segment(round=0, start=0, end=4, result_end=7, calls_after=1), Segment(round=1, start=7, end=11)]
+  _tokens(root, [1, 1, 1, 1, 0, 0, 0, 3, 3, 3, 3], [1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1])
+  # A branch forked after the tool result (offset 7): shares 7 tokens, then 3 of its own (entropy 5).
+  child = TrajectoryRecord(
+    index=1,
+    prompt=0,
+    kind="branch",
+    prompt_tokens=[1],
+    first_round=1,
+    max_response_len=64,
+    max_tool_calls=4,
+    seed=1,
+    parent=0,
+    fork_pos=7,
+  )
+  child.segments = [Segment(round=1, start=7, end=10)]
+  _tokens(child, [1, 1, 1, 1, 0, 0, 0, 5, 5, 5], [1, 1, 1, 1, 0, 0, 0, 1, 1, 1])
+  # window 2: after tool = root's first 2 after the result (3, 3) + the branch's first 2 (5, 5); elsewhere = root's
+  # 4 ones, its last 2 threes, and the branch's third token (5); the shared prefix counts once.
+  stats = tree_stats([root, child], window=2)
+  assert stats["rollout/token_entropy_after_tool"] == (3 + 3 + 5 + 5) / 4
+  assert stats["rollout/token_entropy_elsewhere"] == (4 * 1 + 2 * 3 + 5) / 7
+  assert stats["rollout/tokens_after_tool"] == 4
+  # No tool results at all: nothing after them, everything elsewhere.
+  root.segments = [Segment(round=0, start=0, end=11)]
+  stats = tree_stats([root], window=2)
+  assert stats["rollout/tokens_after_tool"] == 0 and stats["rollout/token_entropy_after_tool"] == 0.0
+  assert stats["rollout/token_entropy_elsewhere"] == (4 * 1 + 4 * 3) / 8

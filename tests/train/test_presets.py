@@ -301,6 +301,7 @@ def test_dry_run_prints_the_released_switches():
     ("rollout.repetition_penalty", 0.0, "rollout.repetition_penalty=0.0: must be a finite number > 0"),
     ("rollout.min_p", 1.5, "rollout.min_p=1.5: must be in [0, 1]"),
     ("eval.judge_url", "http://127.0.0.1:9/v1", "eval.judge_url and eval.judge_model go together"),
+    ("eval.pass_k", -1, "eval.pass_k=-1 at temperature"),
     ("sft.source", "traces.json", "sft.source='traces.json': use 'suite', 'synthetic' or a .jsonl / .parquet"),
   ],
 )

@@ -5,6 +5,7 @@ A random model never answers correctly, so the learning itself is shown by the e
 (configs/cpu_default.py); here every branch of the loop has to run and write what it promises.
 """
 
+import json
 import os
 
 import jax
@@ -32,7 +33,13 @@ def _config(tmp_path, tok_dir, **overrides):
 
 
 # One uninterrupted run serves two tests: its outputs, and the reference for the resumed run.
-RESUME_OVERRIDES = {"train.steps": 3, "checkpoint.keep": 5, "algo.kl.name": "k3", "algo.kl.coef": 0.5}
+RESUME_OVERRIDES = {
+  "train.steps": 3,
+  "checkpoint.keep": 5,
+  "algo.kl.name": "k3",
+  "algo.kl.coef": 0.5,
+  "eval.pass_k": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +54,11 @@ def test_sft_then_aepo_writes_every_metric_and_checkpoint(full_run):
   workdir = config.workdir
   assert summary["rl/steps"] == 3 and summary["sft/steps"] == 2
   assert "before_rl/eval/accuracy" in summary and "after_rl/eval/accuracy" in summary
+  for phase, step in (("before_rl", 0), ("after_rl", 3)):  # eval.pass_k = 2: two sampled answers per question
+    p1, p2 = summary[f"{phase}/eval/pass@1"], summary[f"{phase}/eval/pass@2"]
+    assert 0.0 <= p1 <= p2 <= 1.0
+    answers = [json.loads(line) for line in open(f"{workdir}/eval/{phase}_{step}_pass2.jsonl")]
+    assert sorted({a["sample"] for a in answers}) == [0, 1] and len(answers) == 2 * len({a["id"] for a in answers})
   records = read_metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
   assert [r["step"] for r in rl] == [1, 2, 3]
@@ -66,8 +78,6 @@ def test_sft_then_aepo_writes_every_metric_and_checkpoint(full_run):
   evals = [r for r in records if "eval/suite/accuracy" in r]
   assert len(evals) == 2 and all("eval/suite/tool_calls" in r for r in evals)
   # Every answer of both evaluations kept, to read back: the records the accuracy was computed from.
-  import json
-
   for name, ev in zip(("before_rl_0.jsonl", "after_rl_3.jsonl"), evals):
     with open(os.path.join(workdir, "eval", name)) as f:
       answers = [json.loads(line) for line in f]

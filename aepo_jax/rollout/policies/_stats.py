@@ -5,6 +5,12 @@ branches sit on 1-3 trajectories): per prompt with at least one branch, the shar
 is one of the 3 trajectories with most children, averaged over those prompts. consecutive_branch_share is the
 chain the penalty stops: the share of branches made at tool call k of a path that had also branched at call k-1
 (the path: the parent's calls up to the fork, its own lineage's branches included), over all branches.
+
+token_entropy_after_tool / token_entropy_elsewhere split the sampler's per-token entropy (the records' `entropy`)
+of every generated token (loss mask 1; a branch counts only the tokens after its fork, so shared prefixes count
+once): the first `window` generated tokens after each tool result, against all other generated tokens. ARPO's
+claim (entropy rises right after tool results) is about the first; entropy_after_tool / entropy_initial are the
+branching rule's own window statistic at the two kinds of resume point.
 """
 
 from __future__ import annotations
@@ -63,6 +69,35 @@ def _mean(x) -> float:
   return float(np.mean(x)) if len(x) else 0.0
 
 
+def token_entropy_split(records, window: int = 20) -> tuple:
+  """(sum, count) of the per-token entropy of generated tokens within `window` tokens after a tool result, and
+  (sum, count) of all other generated tokens; each token counted once (a branch from its fork on)."""
+  after, other = [0.0, 0], [0.0, 0]
+  for r in records:
+    start = max(r.fork_pos, 0) if r.parent >= 0 else 0
+    ent = np.asarray(r.entropy[start:], np.float64)
+    gen = np.asarray(r.loss_mask[start:], bool)[: len(ent)]
+    ends = [s.result_end - start for s in r.segments if s.result_end is not None and s.result_end >= start]
+    if r.parent >= 0 and r.fork_pos > 0:  # a branch starts right after its parent's tool result
+      ends.append(0)
+    near = _first_generated(gen, ends, window)
+    for acc, sel in ((after, gen & near), (other, gen & ~near)):
+      acc[0] += float(ent[sel].sum())
+      acc[1] += int(sel.sum())
+  return tuple(after), tuple(other)
+
+
+def _first_generated(gen: np.ndarray, offsets, window: int) -> np.ndarray:
+  """Mask of the first `window` generated tokens (gen True) from each offset on (tool-result tokens in between
+  are skipped: they are never generated)."""
+  out = np.zeros(len(gen), bool)
+  idx = np.flatnonzero(gen)
+  for o in offsets:
+    first = np.searchsorted(idx, o)
+    out[idx[first : first + window]] = True
+  return out
+
+
 def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_size: int = 2) -> dict:
   """rollout/* metrics over finished records (all prompts of one rollout call)."""
   depth = {}
@@ -96,6 +131,7 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
   stops = collections.Counter(r.stop_reason for r in records)
   n = max(len(records), 1)
   consecutive, branches = consecutive_branches(records)
+  (after_sum, after_n), (other_sum, other_n) = token_entropy_split(records, window)
   out = {
     "rollout/num_trajectories": float(len(records)),
     "rollout/branches_per_prompt": _mean(branches_p),
@@ -108,6 +144,9 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
     "rollout/tool_failures": float(sum(r.tool_failures for r in records)),
     "rollout/entropy_initial": _mean(h_first),
     "rollout/entropy_after_tool": _mean(h_after),
+    "rollout/token_entropy_after_tool": after_sum / after_n if after_n else 0.0,
+    "rollout/token_entropy_elsewhere": other_sum / other_n if other_n else 0.0,
+    "rollout/tokens_after_tool": float(after_n),
     "rollout/prefill_tokens_saved_by_fork": float(saved),
     "rollout/forks_on_device": float(sum(r.kind == "branch" and r.forked_on_device for r in records)),
     "rollout/global_samples": _mean(global_p),
@@ -122,6 +161,7 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
 # How each statistic of several hosts' rollouts combines into the statistic of all of them (`combine_stats`):
 # counts add up, maxima take the max, everything else is a mean weighted by each host's trajectories.
 _SUMMED = (
+  "rollout/tokens_after_tool",
   "rollout/num_trajectories",
   "rollout/tool_failures",
   "rollout/prefill_tokens_saved_by_fork",
