@@ -164,8 +164,11 @@ class Dots:
 
   `shard` (the Flax modules: [B, T, ...] activations): the projections as einsums over the stored kernel shapes,
   constrained to their logical activation axes (under a `parallel.sharding_context`; none: unchanged). Otherwise
-  (decode: [S, ...] activations) as 2-D dots on the kernels flattened over heads: for the 3-axis einsum at one row
-  per slot XLA:CPU copies the o_proj kernel transposed, every layer and step."""
+  (decode: [S, ...] activations) q/k/v are the same einsums unconstrained, and o_proj a 2-D dot on the kernel
+  flattened over heads: for the 3-axis einsum at one row per slot XLA:CPU copies the o_proj kernel transposed, every
+  layer and step. The q/k/v kernels are never flattened: on TPU a chip's [D, heads, head_dim] with a head count that
+  is no multiple of the tile (10 of Qwen3-14B's 40 over tensor 4) is laid out heads-major, and flattening it made
+  XLA:TPU copy the whole stacked q_proj to another layout on every decode call (tests/model/test_paged_tpu.py)."""
 
   def __init__(self, dtype, shard: bool = False):
     self.dtype, self.shard = jnp.dtype(dtype), shard
@@ -176,10 +179,8 @@ class Dots:
     out = []
     for n, axes in (("q_proj", BTHD), ("k_proj", BTKD), ("v_proj", BTKD)):
       w = p[n]["kernel"].astype(dt)  # [D, N, hd]
-      if self.shard:
-        out.append(constrain(jnp.einsum("...d,dnh->...nh", x, w), axes))
-      else:
-        out.append((x @ w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:]))
+      y = jnp.einsum("...d,dnh->...nh", x, w)
+      out.append(constrain(y, axes) if self.shard else y)
     return tuple(out)
 
   def out(self, p, o):

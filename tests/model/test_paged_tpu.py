@@ -156,7 +156,8 @@ def test_compiled_decode_writes_the_paged_pool_in_place():
   the new entries as `pool.at[:, page_s, off_s]` (KV heads leading, not indexed) made XLA:TPU relayout the whole pool
   (minor-to-major {3,0,2,1}) to scatter, then copy it back: two pool copies per layer and step (~200 MB each per chip
   for Qwen3-14B on v5p:4x4x2, with 2 KV heads per chip). Indexing every dim but head_dim scatters head_dim rows into
-  the pool as laid out. Shapes: 2 KV heads per chip (8 over tensor=4), a 67 MB pool per chip and layer."""
+  the pool as laid out. Shapes: 2 KV heads per chip (8 over tensor=4), a 67 MB pool per chip and layer; 10 query
+  heads per chip (40 over tensor=4), as Qwen3-14B."""
   if importlib.util.find_spec("libtpu") is None:
     if os.environ.get("AEPO_JAX_REQUIRE_LIBTPU") == "1":
       raise RuntimeError("libtpu is not installed but AEPO_JAX_REQUIRE_LIBTPU=1: pip install -e \".[tpu]\"")
@@ -174,7 +175,7 @@ def test_compiled_decode_writes_the_paged_pool_in_place():
     hidden_size=256,
     intermediate_size=512,
     num_layers=2,
-    num_heads=16,
+    num_heads=40,
     num_kv_heads=8,
     head_dim=128,
     qk_norm=True,
@@ -203,3 +204,9 @@ def test_compiled_decode_writes_the_paged_pool_in_place():
   assert layouts and set(layouts) == {"3,2,1,0"}, sorted(set(layouts))
   scatters = re.findall(rf"= {shape}\{{([\d,]+):\S* scatter\(", hlo)
   assert len(scatters) == 4 and set(scatters) == {"3,2,1,0"}  # k and v of 2 layers, written in place
+  # The stacked q_proj (Qwen3-14B's 10 query heads per chip: no multiple of the tile, so XLA:TPU lays it out
+  # heads-major) is read where it lies: the decode's dots never copy it to another layout (flattening heads into one
+  # dim did, every call: 0.52 GB per chip and step at 40 layers). k_proj and v_proj (2 heads per chip, small tiles)
+  # are still copied to the dot's layout: 0.1 GB each per step at 40 layers (the layout API would remove that).
+  q_proj = re.escape("bf16[2,256,10,128]")
+  assert not re.findall(rf"= {q_proj}\{{[^}}]*\}} copy\(", hlo), "decode relayouts the stacked q_proj"
