@@ -7,7 +7,7 @@ compiled per-chip peaks, HBM and collective bytes the docs quote (docs/compiled.
 
 Each (config, topology) runs `launch/compile.py` (every program of the config's run unless --programs) in its own
 process and keeps its JSON line in --out (default docs/results/compiled/CONFIG@TOPOLOGY.json); a pair whose JSON is
-there is not compiled again (--force: it is). Then docs/compiled.md is written from every JSON in --out: per
+there is not compiled again (--force: it is; with --programs only those programs' rows are replaced). Then docs/compiled.md is written from every JSON in --out: per
 program the peak GB per chip, the HBM and collective GB one call moves per chip (loop trip counts included), the
 compile time, and whether it fits; per config the decode step's HBM bytes against its bound (the rollout weights
 and KV pool per chip). Compiling a 40-layer program takes minutes on a 2-core host (prefill and decode loop over
@@ -52,6 +52,17 @@ def compile_one(config: str, topology: str, programs, timeout: int) -> dict:
   report["date"] = datetime.date.today().isoformat()
   report["table"] = [line for line in lines[:-1] if line.strip()]
   return report
+
+
+def merge(old: dict, new: dict) -> dict:
+  """`old` with the programs compiled again in `new` replaced (and its rollout facts, date and table lines);
+  fits again only if every program does."""
+  out = dict(old, programs={**old["programs"], **new["programs"]}, date=new["date"])
+  out["rollout"] = {**old.get("rollout", {}), **new.get("rollout", {})}
+  usable = out["hbm_gb"] * (1 - out.get("headroom", 0.0))
+  out["fits"] = all(p["peak_gb"] <= usable for p in out["programs"].values())
+  out["table"] = new["table"]
+  return out
 
 
 def markdown(reports: list) -> str:
@@ -112,6 +123,8 @@ def main(argv):
     if os.path.exists(path) and not _FORCE.value:
       continue
     report = compile_one(config, topology, _PROGRAMS.value, _TIMEOUT.value)
+    if _PROGRAMS.value and os.path.exists(path):  # some programs again: the others' rows stay
+      report = merge(json.load(open(path)), report)
     with open(path + ".tmp", "w") as f:
       json.dump(report, f, indent=1)
     os.replace(path + ".tmp", path)

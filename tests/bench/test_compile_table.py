@@ -42,3 +42,31 @@ def test_the_table_compiles_a_shipped_config_and_writes_the_page(tmp_path):
   again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert again.returncode == 0 and (tmp_path / "compiled.md").read_text() == page
   assert "topology v5p:2x2x1" not in again.stdout  # nothing compiled the second time
+
+
+def test_compiling_some_programs_again_replaces_only_their_rows():
+  sys.path.insert(0, os.path.join(ROOT, "bench"))
+  import compile_table
+
+  def prog(peak):
+    return {"peak_gb": peak, "collective_gb": 0.0, "large_copy_gb": 0.0, "compile_s": 1.0}
+
+  old = {
+    "hbm_gb": 95.0,
+    "headroom": 0.05,
+    "date": "2026-12-01",
+    "programs": {"update": prog(27.0), "decode": prog(30.0)},
+    "rollout": {"slots": 96, "decode_hbm_ratio": 1.08},
+    "table": ["old"],
+    "fits": True,
+  }
+  new = {
+    "date": "2026-12-02",
+    "programs": {"decode": prog(99.0)},
+    "rollout": {"decode_hbm_ratio": 1.04},
+    "table": ["new"],
+  }
+  out = compile_table.merge(old, new)
+  assert out["programs"]["update"]["peak_gb"] == 27.0 and out["programs"]["decode"]["peak_gb"] == 99.0
+  assert out["rollout"] == {"slots": 96, "decode_hbm_ratio": 1.04} and out["date"] == "2026-12-02"
+  assert out["fits"] is False  # 99 GB does not fit in 95 GB less 5%
