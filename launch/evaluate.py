@@ -79,6 +79,24 @@ _LIMIT = flags.DEFINE_integer(
 OFFICIAL_LIMIT = 500  # the official evaluation scripts evaluate at most 500 items of a set
 
 
+_SAMPLE_TIMEOUT = flags.DEFINE_float(
+  "sample_timeout",
+  None,
+  "Wall-clock seconds one answer may take (queued, decoding, tools); then it ends and is recorded as the official "
+  "evaluator records a timeout (its text so far + '[Timeout (exceeding Ns)]', prediction 'Timeout': wrong). "
+  "Default: 1500 with --protocol=official (the official SDS scripts' SAMPLE_TIMEOUT), else none. 0: no limit.",
+  **_F,
+)
+OFFICIAL_SAMPLE_TIMEOUT_S = 1500.0  # SAMPLE_TIMEOUT of the official infer_local_sds.sh / infer_local_sds_cn.sh
+
+
+def sample_timeout(flag: Optional[float], protocol: str) -> float:
+  """Seconds per answer (0: no limit) from --sample_timeout and --protocol."""
+  if flag is None:
+    return OFFICIAL_SAMPLE_TIMEOUT_S if protocol == "official" else 0.0
+  return float(flag)
+
+
 def question_limit(flag: Optional[int], protocol: str) -> Optional[int]:
   """Questions per benchmark (None: all) from --limit and --protocol."""
   if flag is None:
@@ -355,6 +373,7 @@ def main(argv=None) -> int:
         template=template,
         protocol=_PROTOCOL.value,
         max_calls_per_turn=4 if _PROTOCOL.value == "official" else 1,  # the official engine's continuation calls
+        sample_timeout_s=sample_timeout(_SAMPLE_TIMEOUT.value, _PROTOCOL.value),
       )
     except ValueError as e:
       raise eval_lib.EvalInputError(str(e)) from None

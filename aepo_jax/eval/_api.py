@@ -317,7 +317,7 @@ def run_evaluation(
 
 _RUN_FILE = "run.json"
 # Settings added after run.json files were written, with the value those runs used.
-_SETTINGS_BEFORE = {"protocol": "project", "max_calls_per_turn": 1}
+_SETTINGS_BEFORE = {"protocol": "project", "max_calls_per_turn": 1, "sample_timeout_s": 0.0}
 
 
 def _check_run_dir(output: str, plan: EvalPlan, settings: EvalSettings) -> None:

@@ -191,6 +191,7 @@ class RemoteRollouts:
       "max_response_len": s.max_response_len,
       "max_tokens_per_call": s.max_tokens_per_call,
       "max_calls_per_turn": s.max_calls_per_turn,
+      "sample_timeout_s": s.sample_timeout_s,
       "max_tool_calls": s.max_tool_calls,
       "result_mode": s.result_mode,
       "tool_tags": list(self.tool_tags),
@@ -230,9 +231,13 @@ class RemoteRollouts:
     cap, limit = s.max_tokens_per_call, s.max_response_len
     row, state = _Row(), CallState()
     turn_start, turn_calls = 0, 1  # where the open turn (text up to a tool call or the end) began; its calls
+    deadline = time.monotonic() + s.sample_timeout_s if s.sample_timeout_s else None
     while True:
       if abort.is_set():
         raise PolicyServerError(f"the rollout against {self.url} was abandoned after another request failed.")
+      if deadline is not None and time.monotonic() > deadline:  # checked between requests and tool calls
+        row.stop_reason = "timeout"
+        return row
       room = limit - len(row.tokens)
       budget = min(room, cap) if cap else room
       ids, finish, stop = self._complete(prompt + row.tokens, budget, self._seed(seed, index, row.requests), row)
@@ -245,7 +250,13 @@ class RemoteRollouts:
           return row
         if row.num_tool_calls >= s.max_tool_calls:
           return self._limit(row)
-        out = self.tools.submit(call, state).result()
+        try:
+          out = self.tools.submit(call, state).result(
+            timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)
+          )
+        except concurrent.futures.TimeoutError:  # the tool's thread finishes on its own; its result is unused
+          row.stop_reason = "timeout"
+          return row
         if out.info.get("limit_reached"):
           return self._limit(row)
         if out.info.get("empty_call"):  # the official rollout ends the copy silently (spec §1.2 2.3)

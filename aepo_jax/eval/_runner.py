@@ -59,12 +59,18 @@ class EvalSettings:
   # 'official' protocol only: when one generation call reaches max_tokens_per_call without closing a tool or
   # answer tag, generate again up to this many calls in all (the official inference engine: 4); 1 = no continuation.
   max_calls_per_turn: int = 1
+  # Wall-clock seconds one answer may take (queued, decoding, tools); then it ends with the official timeout record:
+  # its text so far + "\n[Timeout (exceeding Ns)]", prediction "Timeout" (scored wrong). The official SDS scripts:
+  # 1,500 s (launch/evaluate.py's default under --protocol=official). 0: no limit.
+  sample_timeout_s: float = 0.0
 
   def __post_init__(self):
     from aepo_jax.eval._scoring import PROTOCOLS
 
     if self.protocol not in PROTOCOLS:
       raise ValueError(f"EvalSettings.protocol={self.protocol!r} must be one of {PROTOCOLS}.")
+    if self.sample_timeout_s < 0:
+      raise ValueError(f"EvalSettings.sample_timeout_s={self.sample_timeout_s} must be >= 0 (0: no limit).")
     if self.max_calls_per_turn < 1:
       raise ValueError(f"EvalSettings.max_calls_per_turn={self.max_calls_per_turn} must be >= 1 (1: no continuation).")
     for key in ("n", "max_prompt_len", "max_response_len", "batch_size", "chunk_steps"):
@@ -104,8 +110,13 @@ class EvalSettings:
       result_mode="eval",
       max_tokens_per_call=self.max_tokens_per_call,
       max_calls_per_turn=self.max_calls_per_turn,
+      sample_timeout_s=self.sample_timeout_s,
     )
 
+
+# The prediction of an answer that ran past EvalSettings.sample_timeout_s (the official `process_sample_wrap`: the
+# sample's prediction is only set when it finishes, so a timed-out one records "Timeout").
+TIMEOUT_PREDICTION = "Timeout"
 
 _CALLS: dict = {}
 
@@ -235,7 +246,7 @@ class Evaluator:
     unique = [r for r in kept if r.get("id") in by_id and r.get("sample", s.n) < s.n]
     stale = [r for r in unique if needs_rescore(r)]
     for r in stale:
-      r.update(self.scorer.score(by_id[r["id"]], r["response"]))
+      r.update(self._score(by_id[r["id"]], r["response"], r.get("stop_reason")))
     if path is not None and (stale or len(kept) != len(stored)):
       _write_records(path, kept)
     seen = {(r["id"], r["sample"]) for r in unique}
@@ -310,9 +321,18 @@ class Evaluator:
       "response": response,
       "tool_calls": tool_calls_from_text(response),
     }
+    if extra.get("stop_reason") == "timeout":  # the official timeout record: text so far + the marker
+      response = f"{response}\n[Timeout (exceeding {self.settings.sample_timeout_s:g}s)]"
+      rec["response"] = response
     rec.update(extra)
-    rec.update(self.scorer.score(ex, response))
+    rec.update(self._score(ex, response, extra.get("stop_reason")))
     return rec
+
+  def _score(self, ex: Example, response: str, stop_reason) -> dict:
+    """The scorer's verdict; a timed-out answer's prediction is "Timeout", as the official record has it."""
+    if stop_reason == "timeout":
+      return self.scorer.score(ex, response, TIMEOUT_PREDICTION)
+    return self.scorer.score(ex, response)  # (a caller's scorer may take no prediction)
 
 
 def _mean(xs) -> float:

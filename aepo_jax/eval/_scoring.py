@@ -118,9 +118,10 @@ class Scorer:
     self.judge, self.judge_qa, self.protocol = judge, judge_qa, protocol
     self._pool, self.timeout_s, self.judge_timeout_s = pool, timeout_s, judge_timeout_s
 
-  def _checks(self, response_text: str, answers: list) -> tuple[Optional[dict], Optional[str]]:
+  def _checks(self, response_text: str, answers: list, prediction=None) -> tuple[Optional[dict], Optional[str]]:
     pool = self._pool if self._pool is not None else shared_pool()
-    res = pool.map_results(answer_checks, [(response_text, answers)], timeout_s=self.timeout_s)[0]
+    item = (response_text, answers) + (() if prediction is None else (prediction,))
+    res = pool.map_results(answer_checks, [item], timeout_s=self.timeout_s)[0]
     return (res.value, None) if res.status == "ok" else (None, f"{res.status}: {res.error}")
 
   def _judge(self, question: str, answers, pred: str, *, reply: bool = False):
@@ -147,14 +148,15 @@ class Scorer:
       raise value
     return value
 
-  def score(self, example: Example, response_text: str) -> dict:
+  def score(self, example: Example, response_text: str, prediction: Optional[str] = None) -> dict:
+    """prediction: the answer to score when it is not the one extracted from response_text (the official
+    timeout record's "Timeout", `TIMEOUT_PREDICTION`)."""
     if self.protocol == "official":
-      return self._score_official(example, response_text)
+      return self._score_official(example, response_text, prediction)
     answers = list(example.answers)
-    checks, error = self._checks(response_text, answers)
-    out = _blank_record(
-      "project", extracted=checks["extracted"] if checks else extract_answer(response_text), score_error=error
-    )
+    checks, error = self._checks(response_text, answers, prediction)
+    fallback = extract_answer(response_text) if prediction is None else prediction
+    out = _blank_record("project", extracted=checks["extracted"] if checks else fallback, score_error=error)
     if checks is None:  # the answer took over timeout_s to check (or crashed its worker): wrong, and said why
       out.update(scorer="timeout" if error.startswith("timeout") else "score_failed")
       return out
@@ -183,11 +185,12 @@ class Scorer:
     out["score"] = float(out["correct"])
     return out
 
-  def _score_official(self, example: Example, response_text: str) -> dict:
+  def _score_official(self, example: Example, response_text: str, prediction: Optional[str] = None) -> dict:
     """The official evaluator's metrics of one response (see the module docstring)."""
     ref, task = official.official_reference(example.source, example.answers), official.task_of(example.family)
     pool = self._pool if self._pool is not None else shared_pool()
-    res = pool.map_results(official.answer_checks, [(response_text, ref, task)], timeout_s=self.timeout_s)[0]
+    item = (response_text, ref, task) + (() if prediction is None else (prediction,))
+    res = pool.map_results(official.answer_checks, [item], timeout_s=self.timeout_s)[0]
     out = _blank_record("official", score_error=None if res.status == "ok" else f"{res.status}: {res.error}")
     if res.status != "ok":
       out.update(scorer="timeout" if res.status == "timeout" else "score_failed")

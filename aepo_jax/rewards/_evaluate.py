@@ -3,7 +3,7 @@ the LLM judge OR'ed with `math_equal`. Training uses `deep_research` instead (sp
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from aepo_jax.rewards._extract import extract_answer
 from aepo_jax.rewards._judge import JudgeClient
@@ -13,11 +13,12 @@ from aepo_jax.rewards._qa import exact_match, f1_score
 FAMILIES = ("math", "qa", "deep_search")
 
 
-def answer_checks(response_text: str, answers: Sequence[str]) -> dict:
+def answer_checks(response_text: str, answers: Sequence[str], prediction: Optional[str] = None) -> dict:
   """Everything evaluation decides without a judge, in one call (one `RewardPool` item, so a
-  hostile answer costs one timeout however many aliases it has): the extracted answer, math
-  equivalence to any alias, exact match and token F1 over the aliases."""
-  pred = extract_answer(response_text)
+  hostile answer costs one timeout however many aliases it has): the extracted answer (or the given
+  `prediction`: a timed-out sample's "Timeout"), math equivalence to any alias, exact match and token F1
+  over the aliases."""
+  pred = extract_answer(response_text) if prediction is None else prediction
   answers = [answers] if isinstance(answers, str) else [str(a) for a in answers]
   if not pred or not answers:
     return {"extracted": pred, "math_ok": False, "em": False, "f1": 0.0}

@@ -462,7 +462,9 @@ def official_reference(source: str, answers: Sequence[str]):
   return answers[0]
 
 
-def answer_checks(response_text: str, reference, task: str) -> dict:
+def answer_checks(response_text: str, reference, task: str, prediction: Optional[str] = None) -> dict:
   """One reward-pool item: the official per-sample metrics (`sample_metrics`) of one response, plus `extracted`
-  (the official extraction before the last-lines fallback; '' when the output has no answer)."""
-  return dict(sample_metrics(response_text, reference, task), extracted=extract_answer(response_text or ""))
+  (the official extraction before the last-lines fallback; '' when the output has no answer). `prediction`: the
+  official record's prediction when it is not extracted from the output (a timed-out sample's "Timeout")."""
+  extracted = extract_answer(response_text or "") if prediction is None else prediction
+  return dict(sample_metrics(response_text, reference, task, prediction=prediction), extracted=extracted)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -44,7 +45,12 @@ class AgentConfig:
   max_calls_per_turn: with max_tokens_per_call, how many generation calls one turn (the text up to a tool call or
   the end) may take: a call that reaches the cap without having written `</answer>` since the turn began is
   continued by another call with a fresh cap (the official inference engine's `call_local_llm`, up to 4 calls in
-  all); the last one that reaches the cap ends the trajectory ('call_tokens'). 1: no continuation."""
+  all); the last one that reaches the cap ends the trajectory ('call_tokens'). 1: no continuation.
+  sample_timeout_s: wall-clock seconds a trajectory may take from its first decode chunk on (so the engine's first
+  compile is not counted; then decoding, waiting for tools, waiting to resume); past it the trajectory ends where it
+  stands (stop reason 'timeout'), its slot is freed and a tool call it waits on is abandoned (the official
+  evaluation's per-sample `asyncio.wait_for`, SAMPLE_TIMEOUT=1500 in its SDS scripts, on a served model that is
+  already warm). Checked between decode chunks and tool polls. 0: no limit (training)."""
 
   max_response_len: int = 1024
   max_tool_calls: int = 3
@@ -56,8 +62,11 @@ class AgentConfig:
   tool_poll_s: float = 0.05
   max_tokens_per_call: int = 0
   max_calls_per_turn: int = 1
+  sample_timeout_s: float = 0.0
 
   def __post_init__(self):
+    if self.sample_timeout_s < 0:
+      raise ValueError(f"AgentConfig: sample_timeout_s={self.sample_timeout_s} must be >= 0 (0: no limit).")
     if self.max_calls_per_turn < 1:
       raise ValueError(f"AgentConfig: max_calls_per_turn={self.max_calls_per_turn} must be >= 1 (1: no continuation).")
     if self.max_response_len < 1 or self.chunk_steps < 1 or self.max_tool_calls < 0 or self.max_tokens_per_call < 0:
@@ -263,6 +272,8 @@ class AgentLoop(_Scheduling):
           return_when=concurrent.futures.FIRST_COMPLETED,
         )
       self._collect_tools(run)
+      if self.config.sample_timeout_s:
+        self._expire(run)
       while self._round_closed(run):
         if not self._end_round(run, policy):
           self._release(run, list(run.slot_rec))
@@ -367,8 +378,11 @@ class AgentLoop(_Scheduling):
     run.decoded_tokens += int(valid.sum())
     run.slot_steps += int(valid.shape[0]) * int(valid.shape[1])
     stopped, cuts = [], []
+    now = time.monotonic()
     for s in sorted(run.decoding):
       rec = run.records[run.slot_rec[s]]
+      if not rec.started:  # its clock (sample_timeout_s) starts once its first chunk is out: compiles excluded
+        rec.started = now
       v = np.asarray(valid[s], bool)
       rec.append(tok[s][v], lp[s][v], ent[s][v], mask=1)
       rec.device_len = rec.response_len

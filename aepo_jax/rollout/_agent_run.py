@@ -1,11 +1,12 @@
 """The agent loop's run state and scheduling: one rollout call's mutable state (`_Run`), and the rounds (close,
-branch, refill, fork on the device) and the paged KV cache's bookkeeping (admission by free pages, stalls,
-preemption, eviction) as methods that `AgentLoop` (_agent.py) inherits.
+branch, refill, fork on the device), the paged KV cache's bookkeeping (admission by free pages, stalls,
+preemption, eviction) and the per-trajectory time limit as methods that `AgentLoop` (_agent.py) inherits.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from typing import Optional
 
 import jax
@@ -328,6 +329,24 @@ class _Scheduling:
       run.records[run.slot_rec.pop(s)].slot = -1
       run.free.append(s)
     run.free.sort()
+
+  def _expire(self, run: _Run) -> None:
+    """Ends every trajectory older than sample_timeout_s where it stands: a decoding slot stops (its tokens so far
+    kept) and is freed, a pending tool call is abandoned, a queued or paused one never starts again."""
+    deadline = time.monotonic() - self.config.sample_timeout_s
+    for rec in [r for r in run.records if not r.done and 0 < r.started < deadline]:
+      if rec.slot in run.decoding:
+        run.decoding.discard(rec.slot)
+        rec.segments[-1].end = rec.response_len
+      run.stalled.discard(rec.slot)
+      if run.futures.pop(rec.index, None) is not None:  # the tool's thread finishes on its own; its result is unused
+        rec.segments[-1].tool_pending = False
+      if rec.index in run.queue:
+        run.queue.remove(rec.index)
+      run.seg_resume.pop(rec.index, None)
+      if rec.slot >= 0:
+        self._release(run, [rec.slot])
+      self._end(rec, "timeout")
 
   def _progress_possible(self, run: _Run) -> bool:
     ready = any(self._may_start(run, run.records[i]) for i in run.queue)

@@ -49,6 +49,7 @@ class RolloutSettings:
   result_mode: str = "train"  # tool results as training ('train') or the official evaluation ('eval') writes them
   max_tokens_per_call: int = 0  # tokens one generation call may sample (0: only max_response_len bounds it)
   max_calls_per_turn: int = 1  # the official engine's continuation of a call that hit max_tokens_per_call
+  sample_timeout_s: float = 0.0  # wall-clock seconds per trajectory, then it ends ('timeout'); 0: no limit
   dtype: Optional[str] = None  # rollout weights' dtype (None: the model config's param_dtype)
 
   def __post_init__(self):
@@ -151,6 +152,7 @@ class Rollouts:
         result_mode=settings.result_mode,
         max_tokens_per_call=settings.max_tokens_per_call,
         max_calls_per_turn=settings.max_calls_per_turn,
+        sample_timeout_s=settings.sample_timeout_s,
       ),
       pad_id=pad_id,
     )

@@ -65,6 +65,7 @@ class TrajectoryRecord:
   # (response offset, policy version): the tokens from each offset on were sampled by that version of the weights
   # (one mark per weight update a trajectory lives through; partial rollouts, aepo_jax.rollout.PartialRollouts).
   version_marks: list = dataclasses.field(default_factory=list)
+  started: float = 0.0  # time.monotonic() after its first decode chunk (AgentConfig.sample_timeout_s); 0: not yet
 
   @property
   def response_len(self) -> int:

@@ -5,6 +5,8 @@ answer extraction and scoring, the per-example record, and the stop sequences of
 import dataclasses
 import json
 
+import pytest
+
 from aepo_jax.eval import Evaluator, Policy, Scorer, tool_calls_from_text
 from aepo_jax.tools import PYTHON_LIMIT_MESSAGE, ToolSet
 
@@ -188,3 +190,50 @@ def test_pass_at_k_on_the_real_engine(tiny_config, scripted, tokenizer):
   assert out["eval/toy/pass@1"] == out["eval/toy/pass@2"] == 1.0
   assert out["eval/wrong/pass@1"] == out["eval/wrong/pass@2"] == 0.0
   assert out["eval/pass@2"] == 0.5 and out["eval/toy/tool_calls"] == 1.0
+
+
+@pytest.mark.parametrize("protocol", ["project", "official"])
+def test_an_answer_past_the_sample_timeout_is_recorded_as_the_official_timeout(
+  tiny_config, scripted, tokenizer, protocol
+):
+  """EvalSettings.sample_timeout_s on the real engine: a tool that hangs past the limit ends the answer where it
+  stands (stop reason 'timeout', the tool abandoned: the evaluation returns while the call still blocks), the text
+  gets the official marker and the prediction is "Timeout" (wrong); the same answers with a fast tool and a limit
+  they stay within are unaffected."""
+  import threading
+
+  release, running = threading.Event(), []
+
+  def hangs(code):  # blocks until the test releases it: returning while it blocks proves it was abandoned
+    running.append(code)
+    release.wait(300)
+    return "42"
+
+  limit = dataclasses.replace(SETTINGS, n=1, sample_timeout_s=1.0, protocol=protocol)
+  ev = _evaluator(tiny_config, scripted["answer"], tokenizer, settings=limit, tool=hangs)
+  try:
+    recs = ev.run("toy", short_examples(2))
+    assert running and not release.is_set()  # the calls were made and are still blocked: nothing waited for them
+  finally:
+    release.set()
+  for r in recs:
+    assert r["stop_reason"] == "timeout"
+    assert r["response"].startswith("<python>1</python>") and r["response"].endswith("\n[Timeout (exceeding 1s)]")
+    assert r["score"] == 0.0 and not r["correct"]
+    assert r["extracted"] == "Timeout" or r.get("prediction") == "Timeout"
+  # A limit the answers stay within changes nothing (not 1 s: the engine's later programs compile within the clock).
+  roomy = dataclasses.replace(limit, sample_timeout_s=300.0)
+  fast = _evaluator(tiny_config, scripted["answer"], tokenizer, settings=roomy)
+  assert all(r["stop_reason"] == "eos" and r["score"] == 1.0 for r in fast.run("toy", short_examples(2)))
+
+
+def test_the_command_line_applies_the_official_timeout_by_default():
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch")
+  spec = importlib.util.spec_from_file_location("launch_evaluate", os.path.join(path, "evaluate.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  assert mod.sample_timeout(None, "official") == 1500.0 and mod.sample_timeout(None, "project") == 0.0
+  assert mod.sample_timeout(30, "official") == 30.0 and mod.sample_timeout(0, "official") == 0.0

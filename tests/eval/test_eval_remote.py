@@ -138,6 +138,35 @@ def test_the_call_cap_and_its_continuation_match(tiny_config, scripted, tokenize
     assert remote[0]["stop_reason"] == reason
 
 
+def test_a_served_answer_past_the_sample_timeout_ends_as_the_local_one(tiny_config, scripted, tokenizer, served):
+  """sample_timeout_s against a served policy: a hanging tool ends the answer ('timeout', the official record) as
+  on the local engine, and the evaluation returns while the call still blocks."""
+  import threading
+
+  release, running = threading.Event(), []
+
+  def hangs(code):
+    running.append(code)
+    release.wait(300)
+    return "42"
+
+  settings = dataclasses.replace(SETTINGS, n=1, sample_timeout_s=1.0)
+  tools = ToolSet({"python": hangs}, mode="eval", retry_count=1)
+  srv = served("answer")
+  rollouts = RemoteRollouts(srv.url + "/v1", srv.model_name, tokenizer, tools, settings.rollout_settings())
+  policy = Policy(None, None, tokenizer, rollouts.source)
+  try:
+    recs = Evaluator(policy, tools, Scorer(), settings, show_progress=False, rollouts=rollouts).run(
+      "toy", short_examples(2)
+    )
+    assert running and not release.is_set()
+  finally:
+    release.set()
+  for r in recs:
+    assert r["stop_reason"] == "timeout" and r["response"].endswith("\n[Timeout (exceeding 1s)]")
+    assert r["response"].startswith("<python>1</python>") and r["score"] == 0.0 and r["extracted"] == "Timeout"
+
+
 def test_launcher_evaluates_a_served_policy(served, tok_dir, tmp_path, capsys):
   srv = served("answer")
   data = tmp_path / "mine.jsonl"
