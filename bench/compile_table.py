@@ -23,13 +23,18 @@ import sys
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_CONFIGS = flags.DEFINE_list("configs", ["aepo_gaia"], "Shipped configs (configs/NAME.py[:variant]).")
-_TOPOLOGIES = flags.DEFINE_list("topologies", ["v5p:4x4x2", "v6e:8x8"], "TPU slices.")
-_PROGRAMS = flags.DEFINE_list("programs", [], "Programs (default: every program of each config's run).")
-_OUT = flags.DEFINE_string("out", os.path.join(ROOT, "docs", "results", "compiled"), "Where the JSON lines go.")
-_TABLE = flags.DEFINE_string("table", os.path.join(ROOT, "docs", "compiled.md"), "The markdown table ('' = none).")
-_FORCE = flags.DEFINE_bool("force", False, "Compile again where a JSON is already in --out.")
-_TIMEOUT = flags.DEFINE_integer("timeout", 7200, "Seconds per (config, topology).")
+
+
+def define_flags() -> None:
+  """The command's flags (defined only when run as a command: importing this module, as its test does, defines
+  none, so it never collides with another module's flags)."""
+  flags.DEFINE_list("configs", ["aepo_gaia"], "Shipped configs (configs/NAME.py[:variant]).")
+  flags.DEFINE_list("topologies", ["v5p:4x4x2", "v6e:8x8"], "TPU slices.")
+  flags.DEFINE_list("programs", [], "Programs (default: every program of each config's run).")
+  flags.DEFINE_string("out", os.path.join(ROOT, "docs", "results", "compiled"), "Where the JSON lines go.")
+  flags.DEFINE_string("table", os.path.join(ROOT, "docs", "compiled.md"), "The markdown table ('' = none).")
+  flags.DEFINE_bool("force", False, "Compile again where a JSON is already in --out.")
+  flags.DEFINE_integer("timeout", 7200, "Seconds per (config, topology).")
 
 
 def compile_one(config: str, topology: str, programs, timeout: int) -> dict:
@@ -116,29 +121,31 @@ def main(argv):
   del argv
   from tqdm import tqdm
 
-  os.makedirs(_OUT.value, exist_ok=True)
-  jobs = [(c, t) for c in _CONFIGS.value for t in _TOPOLOGIES.value]
+  F = flags.FLAGS
+  os.makedirs(F.out, exist_ok=True)
+  jobs = [(c, t) for c in F.configs for t in F.topologies]
   for config, topology in tqdm(jobs, desc="compile", unit="config"):
-    path = os.path.join(_OUT.value, f"{config.replace(':', '+')}@{topology.replace(':', '_')}.json")
-    if os.path.exists(path) and not _FORCE.value:
+    path = os.path.join(F.out, f"{config.replace(':', '+')}@{topology.replace(':', '_')}.json")
+    if os.path.exists(path) and not F.force:
       continue
-    report = compile_one(config, topology, _PROGRAMS.value, _TIMEOUT.value)
-    if _PROGRAMS.value and os.path.exists(path):  # some programs again: the others' rows stay
+    report = compile_one(config, topology, F.programs, F.timeout)
+    if F.programs and os.path.exists(path):  # some programs again: the others' rows stay
       report = merge(json.load(open(path)), report)
     with open(path + ".tmp", "w") as f:
       json.dump(report, f, indent=1)
     os.replace(path + ".tmp", path)
     print("\n".join(report["table"]), flush=True)
   reports = []
-  for name in sorted(os.listdir(_OUT.value)):
+  for name in sorted(os.listdir(F.out)):
     if name.endswith(".json"):
-      with open(os.path.join(_OUT.value, name)) as f:
+      with open(os.path.join(F.out, name)) as f:
         reports.append(json.load(f))
-  if _TABLE.value:
-    with open(_TABLE.value, "w") as f:
+  if F.table:
+    with open(F.table, "w") as f:
       f.write(markdown(reports))
-    print(f"wrote {_TABLE.value} ({len(reports)} config x topology)")
+    print(f"wrote {F.table} ({len(reports)} config x topology)")
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
