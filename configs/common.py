@@ -245,7 +245,8 @@ def released(c):
   """What the released scripts ran (spec §1.2 quirks, §1.5, §2.6): the official rollout quirks (Q1's never-cleared
   initial-entropy table, the branch decision on the segment that ended with the call), the top-10 entropy, no
   pre-monitoring (ENABLE_DYNAMIC_ROLLOUTS=False: m = initial_rollouts), no entropy-aware advantage (the actor never
-  passed the entropy: entropy_coeff=0) and verl's per-micro-batch loss weighting (use_dynamic_bsz); and, for the
+  passed the entropy: entropy_coeff=0) and verl's token-balanced micro-batches with their loss weighting
+  (use_dynamic_bsz); and, for the
   `cold_start` variant, the released LLaMA-Factory recipe (`released_sft`)."""
   released_sft(c)
   c.rollout.mode = "faithful"
@@ -253,6 +254,7 @@ def released(c):
   c.rollout.enable_dynamic_rollouts = False
   c.algo.entropy_advantage_coef = 0.0
   c.algo.aggregation = "verl"
+  c.algo.verl_dynamic_bsz = True  # use_dynamic_bsz=True, ppo_max_token_len_per_gpu = 2 x (prompt + response), 8 GPUs
   return c
 
 

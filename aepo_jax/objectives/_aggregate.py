@@ -14,7 +14,9 @@ Passing `normalizer=` replaces it, so with
     loss = Σ_k aggregate(ℓ_k, m_k, mode, normalizer=n)          (sum, not mean, over micro-batches k)
 the accumulated loss and gradient equal those of the whole mini-batch in one piece: a *global* token-mean.
 verl instead takes each micro-batch's own token-mean and weights it by its share of sequences,
-`Σ_k aggregate(ℓ_k, m_k, mode) · dynamic_bsz_scale(m_k, S)`; `dynamic_bsz_scale` reproduces that.
+`Σ_k aggregate(ℓ_k, m_k, mode) · dynamic_bsz_scale(m_k, S)`; `dynamic_bsz_scale` reproduces that. Where verl's
+micro-batches are not ours (its token-balanced `use_dynamic_bsz` partitions), a per-row normalizer [B] gives each
+row the weight its verl micro-batch would (`train/_verl_batching.py`).
 """
 
 from __future__ import annotations
@@ -87,12 +89,19 @@ def loss_normalizer(mask_bt, mode: str = "token-mean"):
 
 
 def aggregate(loss_bt, mask_bt, mode: str = "token-mean", normalizer=None):
-  """Reduce per-token losses to a scalar; `normalizer` overrides the denominator (see module doc)."""
+  """Reduce per-token losses to a scalar; `normalizer` overrides the denominator (see module doc). A normalizer of
+  shape [B] divides each row's sum (seq-mean-token-mean: each row's mean) by its own entry; rows with 0 count 0."""
   if mode not in AGG_MODES:
     raise ValueError(f"unknown aggregation mode agg={mode!r}; use one of {AGG_MODES}")
   m = as_mask(mask_bt)
   if loss_bt.shape != m.shape:
     raise ValueError(f"loss_bt {loss_bt.shape} and mask_bt {m.shape} must have the same [B, T] shape")
+  if normalizer is not None and jnp.ndim(normalizer) == 1:  # one denominator per row (verl's dynamic micro-batches)
+    if mode == "seq-mean-token-mean":
+      row_b = masked_sum(loss_bt, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
+    else:
+      row_b = masked_sum(loss_bt, m, axis=-1)
+    return jnp.sum(jnp.where(normalizer > 0, row_b / jnp.where(normalizer > 0, normalizer, 1.0), 0.0))
   denom = loss_normalizer(m, mode) if normalizer is None else normalizer
   if mode == "seq-mean-token-mean":
     per_seq_b = masked_sum(loss_bt, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)

@@ -95,11 +95,13 @@ def trajectories_batch(
   seq_len: Optional[int] = None,
   rows_multiple: int = 1,
   ref_log_prob_bt=None,
+  layout=None,
 ) -> dict[str, np.ndarray]:
   """RL batch from rollout `Trajectories` (docs/rollout_contract.md) and per-token advantages [N, T].
 
   `old_log_prob` is left out: recompute it with `make_logprob_fn` on the device batch (spec §1.5: verl's
   actor recomputes old log-probs; the sampler's are kept as `sampler_log_prob` for mismatch metrics).
+  layout: a `_verl_batching.VerlLayout`: the rows in its order, with its per-row `loss_denominator` (every column).
   """
   tokens = np.asarray(_field(traj, "tokens_bt"))
   arrays = {
@@ -111,6 +113,9 @@ def trajectories_batch(
   }
   if ref_log_prob_bt is not None:
     arrays["ref_log_prob"] = np.asarray(ref_log_prob_bt, np.float32)
+  if layout is not None:
+    arrays = {k: v[layout.order] for k, v in arrays.items()}
+    arrays["loss_denominator"] = np.broadcast_to(layout.denominator[:, None], tokens.shape).astype(np.float32)
   return micro_batches(
     arrays, micro_batch_size=micro_batch_size, pad_id=pad_id, seq_len=seq_len, rows_multiple=rows_multiple
   )

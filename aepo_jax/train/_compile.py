@@ -273,10 +273,7 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
 
   if "update" in programs:
     step = _objective.make_rl_update_step(config, model_cfg, optimizer, mesh)
-    keys = ["tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages"]
-    if a.kl.coef > 0 and not a.kl.use_in_reward:
-      keys.append("ref_log_prob")
-    b = batch(mb_per_update, keys)
+    b = batch(mb_per_update, _objective.update_batch_keys(config))
     out["programs"]["update"] = _memory(
       "update", step.lower(params, opt_state, b), ref_gb, len(devices), params_gb + opt_gb + _per_chip_gb(b), hlo_dir
     )

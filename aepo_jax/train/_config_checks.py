@@ -250,6 +250,24 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     f"(got {a.loss!r}); set it to 0.",
   )
   need(a.kl.coef >= 0, f"algo.kl.coef={a.kl.coef}: must be >= 0.")
+  if a.verl_dynamic_bsz:
+    need(
+      a.aggregation == "verl",
+      f"algo.verl_dynamic_bsz=True weights verl's micro-batches, which only algo.aggregation='verl' uses (got "
+      f"{a.aggregation!r}); set algo.aggregation='verl' or turn it off.",
+    )
+    rows = config.train.ppo_mini_batch_size * config.rollout.n
+    need(
+      a.verl_world_size >= 1 and rows % a.verl_world_size == 0,
+      f"algo.verl_world_size={a.verl_world_size}: verl splits each mini-batch of {rows} rows (train.ppo_mini_batch"
+      "_size x rollout.n) evenly over its ranks; pick a divisor.",
+    )
+    longest = config.rollout.max_prompt_len + config.rollout.max_response_len
+    need(
+      a.verl_max_token_len == 0 or a.verl_max_token_len >= longest,
+      f"algo.verl_max_token_len={a.verl_max_token_len}: verl needs room for the longest row ({longest} = "
+      "rollout.max_prompt_len + max_response_len); raise it, or 0 for 2 x that.",
+    )
   need(
     a.off_policy_cap == 0 or (a.off_policy_cap >= 1 if a.off_policy == "tis" else a.off_policy_cap > 1),
     f"algo.off_policy_cap={a.off_policy_cap}: a cap on pi_old/pi_sampler must be "

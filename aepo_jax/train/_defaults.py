@@ -157,6 +157,14 @@ def base_config() -> ml_collections.ConfigDict:
   # mini-batch, as one big batch) | verl (the code: each micro-batch's own mean, weighted by its share of the
   # sequences; use_dynamic_bsz, spec §1.5, §5 item 10).
   c.algo.aggregation = "global"
+  # With aggregation='verl': the micro-batches of verl's use_dynamic_bsz, as the released scripts ran it
+  # (train/_verl_batching.py): the step's rows balanced over verl_world_size ranks by tokens, each rank's mini-batch
+  # cut into token-balanced micro-batches of at most verl_max_token_len tokens (0: 2 x (max_prompt_len +
+  # max_response_len), the scripts' ppo_max_token_len_per_gpu), each micro-batch's own loss weighted by its rows.
+  # Off: micro-batches of train.micro_batch_size rows in rollout order (verl with use_dynamic_bsz off).
+  c.algo.verl_dynamic_bsz = False
+  c.algo.verl_max_token_len = 0
+  c.algo.verl_world_size = 8  # the released scripts' GPUs (1 node x 8)
   # Credit for a prefix shared by branches (spec §1.4): soft (the code: GRPO on every trajectory, the prefix
   # repeated per copy) | hard (the paper's option: each shared prefix token gets the mean advantage of the
   # trajectories that share it).

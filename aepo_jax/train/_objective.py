@@ -125,6 +125,45 @@ def make_rl_update_step(config, model_cfg, optimizer, mesh):
   )
 
 
+def verl_max_token_len(config) -> int:
+  """algo.verl_max_token_len, 0 resolved as the released scripts set ppo_max_token_len_per_gpu: 2 x (prompt +
+  response length)."""
+  r = config.rollout
+  return int(config.algo.verl_max_token_len) or 2 * (r.max_prompt_len + r.max_response_len)
+
+
+def verl_layout(config, traj, seq_len: int):
+  """verl's dynamic micro-batches for this step's (global) trajectories (`_verl_batching`), or None when
+  algo.verl_dynamic_bsz is off."""
+  from aepo_jax.train import _verl_batching
+
+  a = config.algo
+  if not a.verl_dynamic_bsz:
+    return None
+  return _verl_batching.verl_dynamic_layout(
+    np.asarray(traj.attention_mask_bt).sum(-1),
+    np.asarray(traj.loss_mask_bt).sum(-1),
+    rows_per_update=config.train.ppo_mini_batch_size * config.rollout.n,
+    world_size=a.verl_world_size,
+    max_token_len=verl_max_token_len(config),
+    agg=a.agg,
+    seq_len=seq_len,
+  )
+
+
+def update_batch_keys(config) -> list:
+  """The arrays the RL update step reads from its batch (besides the ones every step has)."""
+  a = config.algo
+  keys = ["tokens", "attention_mask", "loss_mask", "old_log_prob", "advantages"]
+  if a.kl.coef > 0 and not a.kl.use_in_reward:
+    keys.append("ref_log_prob")
+  if a.off_policy != "none":
+    keys.append("sampler_log_prob")
+  if a.verl_dynamic_bsz:
+    keys.append("loss_denominator")
+  return keys
+
+
 def off_policy_hparams(config) -> dict:
   """algo.off_policy_cap -> the correction's keyword hyperparameters (0: its own default cap)."""
   from aepo_jax import objectives

@@ -120,8 +120,17 @@ def phase(run: Run, params):
     with timer("logprob"):
       # The global batch in micro-batches as one host would build it; this host feeds its share of each.
       rows_multiple = t.micro_batch_size * mb_per_update
+      layout = _objective.verl_layout(config, traj, seq_len)  # None unless algo.verl_dynamic_bsz
+      if layout is not None:
+        gen_metrics["train/verl_micro_batches"] = float(np.mean(layout.micro_batches))
       batch_np = _batch.trajectories_batch(
-        traj, adv_bt, micro_batch_size=t.micro_batch_size, pad_id=pad_id, seq_len=seq_len, rows_multiple=rows_multiple
+        traj,
+        adv_bt,
+        micro_batch_size=t.micro_batch_size,
+        pad_id=pad_id,
+        seq_len=seq_len,
+        rows_multiple=rows_multiple,
+        layout=layout,
       )
       batch = _batch.shard_batch(_batch.process_rows(batch_np, mesh), mesh)
       batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"])
@@ -131,8 +140,9 @@ def phase(run: Run, params):
     if a.kl.use_in_reward:  # verl apply_kl_penalty: token rewards -coef * KL(old, ref), then the advantages again
       with timer("reward"):
         adv_bt, kl_metrics = _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh)
+        order = slice(None) if layout is None else layout.order
         adv_np = _batch.micro_batches(  # the same row layout as the batch; only the advantages are new
-          {"tokens": traj.tokens_bt, "advantages": adv_bt},
+          {"tokens": np.asarray(traj.tokens_bt)[order], "advantages": np.asarray(adv_bt)[order]},
           micro_batch_size=t.micro_batch_size,
           pad_id=pad_id,
           seq_len=seq_len,

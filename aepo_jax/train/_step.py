@@ -13,7 +13,9 @@ Aggregation under accumulation (spec §1.5, §5 item 10), `aggregation=`:
   'global'  (default) each micro-batch's loss is Σ ℓ·m over its tokens divided by the normalizer of the
             WHOLE mini-batch (its total valid token count for token-mean), computed before the scan, and
             the micro-batch losses are summed: loss and gradient equal one big batch exactly.
-  'verl'    each micro-batch's own aggregate, weighted by its share of sequences (verl use_dynamic_bsz).
+  'verl'    each micro-batch's own aggregate, weighted by its share of sequences (verl's loss / gradient
+            accumulation); with a `loss_denominator` row in the batch, each row divided by its own denominator:
+            the micro-batches of verl's use_dynamic_bsz (`_verl_batching.verl_dynamic_layout`).
 Statistics a loss takes over the tokens it sees (AEPO's entropy standardisation, spec §2.3) stay per
 micro-batch in both modes, as in the official code.
 
@@ -258,6 +260,8 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
     def body(grads_acc, mb):
       if aggregation == "global":
         norm, scale = normalizer, 1.0
+      elif "loss_denominator" in mb:  # verl's dynamic micro-batches: each row's own weight (_verl_batching)
+        norm, scale = mb["loss_denominator"][:, 0], 1.0
       else:
         norm, scale = None, objectives.num_sequences(_shift_left(mb["loss_mask"])) / total_seqs
       (loss, aux), grads = grad_fn(params, mb, norm, scale)

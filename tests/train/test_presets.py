@@ -103,6 +103,7 @@ RELEASED_ARPO = {
   "rollout.entropy_estimator": "official",
   "algo.loss": "arpo",
   "algo.aggregation": "verl",
+  "algo.verl_dynamic_bsz": True,
   "algo.attribution": "soft",
   "algo.entropy_advantage_coef": 0.0,
   "algo.preserve_high_clip_grad": False,
@@ -118,6 +119,7 @@ RELEASED_AEPO = {
   "rollout.penalize_refills": True,
   "algo.loss": "aepo",
   "algo.aggregation": "verl",
+  "algo.verl_dynamic_bsz": True,
   "algo.attribution": "soft",
   "algo.entropy_advantage_coef": 0.0,
   "algo.preserve_high_clip_grad": True,
@@ -168,7 +170,7 @@ def test_released_preset_is_the_script(name, model, script, shape, switches):
 def test_paper_variant_differs_only_in_the_documented_switches(name, model, script, shape, switches):
   paper, released = _load(name, model), _load(name, model, "released")
   changed = {k for k, (a, b) in ((k, (_get(paper, k), _get(released, k))) for k in _flat_keys(paper)) if a != b}
-  allowed = {"rollout.mode", "algo.aggregation"}
+  allowed = {"rollout.mode", "algo.aggregation", "algo.verl_dynamic_bsz"}
   # the released LLaMA-Factory cold-start recipe (common.released_sft): 16 per step, unpacked, results trained
   allowed |= {"sft.batch_size", "sft.packed_rows", "sft.mask_results", "sft.steps"}
   if switches is RELEASED_AEPO:

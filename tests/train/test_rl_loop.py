@@ -92,7 +92,8 @@ def test_sft_then_aepo_writes_every_metric_and_checkpoint(full_run):
 def test_dapo_filter_and_kl_in_reward_run(tmp_path, tok_dir):
   """DAPO dynamic sampling on a random model: every group's reward is the same (format error), so each step
   generates max_num_gen_batches batches and says it is underfilled; REINFORCE++ with the KL penalty in the
-  reward: zero at step 1 (the reference is the start), non-zero once the policy moved."""
+  reward: zero at step 1 (the reference is the start), non-zero once the policy moved; verl's dynamic
+  micro-batches (rows reordered by `_verl_batching`)."""
   config = _config(
     tmp_path,
     tok_dir,
@@ -111,6 +112,10 @@ def test_dapo_filter_and_kl_in_reward_run(tmp_path, tok_dir):
       "algo.kl.coef": 0.1,
       "algo.kl.use_in_reward": True,
       "rollout.policy": "none",
+      # verl's token-balanced micro-batches: the rows reordered, the KL-in-reward advantages with them
+      "algo.aggregation": "verl",
+      "algo.verl_dynamic_bsz": True,
+      "algo.verl_world_size": 2,
     },
   )
   run(config)
@@ -118,6 +123,7 @@ def test_dapo_filter_and_kl_in_reward_run(tmp_path, tok_dir):
   assert [r["rollout/gen_batches"] for r in rl] == [2.0, 2.0]
   assert [r["rollout/filter_underfilled"] for r in rl] == [1.0, 1.0]
   assert [r["rollout/trajectories"] for r in rl] == [8.0, 8.0]
+  assert all(r["train/verl_micro_batches"] >= 1 for r in rl)
   assert rl[0]["kl/reward_penalty_mean"] == 0.0
   assert rl[1]["kl/reward_penalty_mean"] != 0.0 and np.isfinite(rl[1]["kl/reward_penalty_mean"])
 
