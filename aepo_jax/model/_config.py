@@ -9,7 +9,8 @@ import dataclasses
 from typing import Optional
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-MOE_IMPLS = ("auto", "ragged", "dense")
+MOE_IMPLS = ("auto", "gmm", "ragged", "dense")
+GMM_DTYPES = ("float32", "bfloat16")  # the compute dtypes moe_impl='gmm' takes (the Pallas TPU kernel's operands)
 ATTENTION_IMPLS = ("auto", "xla", "cpu_kernel", "splash")
 
 
@@ -49,10 +50,11 @@ class ModelConfig:
   # HF checkpoints carry 0.001 (pre-training's value): `from_hf_config` does not read it, `to_hf_config` writes it
   # back. Nothing in training adds the loss yet.
   router_aux_loss_coef: float = 0.0
-  # Expert computation: 'ragged' (tokens sorted by expert, `jax.lax.ragged_dot`: dropless, k of E experts' FLOPs),
-  # 'dense' (every expert on every token, combined by the gates: E / k times the FLOPs, no sort or gather), 'auto'
-  # ('dense' on CPU, where it measured faster at small shapes, docs/performance.md; 'ragged' elsewhere). Execution
-  # only: parameters are the same.
+  # Expert computation: 'gmm' (tokens sorted by expert, the grouped matmul of JAX's Pallas TPU library: dropless, k
+  # of E experts' FLOPs; float32 or bfloat16; interpret mode off TPU, slow), 'ragged' (the same sorted rows through
+  # `jax.lax.ragged_dot`), 'dense' (every expert on every token, combined by the gates: E / k times the FLOPs, no
+  # sort or gather), 'auto' ('dense' on CPU, where it measured faster at small shapes, docs/performance.md; 'gmm' on
+  # TPU, 'ragged' there for other dtypes and elsewhere; model/_moe.py). Execution only: parameters are the same.
   moe_impl: str = "auto"
   bos_token_id: Optional[int] = None
   eos_token_ids: tuple = ()
@@ -117,6 +119,11 @@ class ModelConfig:
       )
     if self.moe_intermediate_size <= 0:
       raise ValueError(f"ModelConfig.moe_intermediate_size={self.moe_intermediate_size}: must be > 0.")
+    if self.moe_impl == "gmm" and self.dtype not in GMM_DTYPES:
+      raise ValueError(
+        f"ModelConfig.moe_impl='gmm' takes dtype in {GMM_DTYPES}, not dtype={self.dtype!r}: use moe_impl 'ragged' or "
+        "'dense' (or 'auto')."
+      )
     if self.decoder_sparse_step < 1:
       raise ValueError(f"ModelConfig.decoder_sparse_step={self.decoder_sparse_step}: must be >= 1.")
     bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]

@@ -8,21 +8,40 @@ Parameters (one layer, below its `mlp` group; the names are the HF checkpoint's,
 
 Routing (HF `Qwen3MoeTopKRouter`): probabilities = softmax(x · gate) in float32, each token's top k experts, their
 probabilities renormalised to sum to 1 when `norm_topk_prob`; the output is the gate-weighted sum of the k experts'
-SwiGLU outputs. Every token reaches its k experts (dropless: no capacity, no token dropped). Two computations of
+SwiGLU outputs. Every token reaches its k experts (dropless: no capacity, no token dropped). Three computations of
 the same sum (`ModelConfig.moe_impl`, tested equal):
-  * 'ragged': the N * k (token, expert) pairs sorted by expert, each expert's rows one group of
-    `jax.lax.ragged_dot` (k of E experts' FLOPs);
+  * 'gmm': the N * k (token, expert) pairs sorted by expert, each expert's rows one group of the grouped matmul of
+    JAX's Pallas TPU library (`jax.experimental.pallas.ops.tpu.megablox.gmm`; the weight gradient is its transposed
+    kernel `tgmm`), k of E experts' FLOPs. The kernel's terms: float32 or bfloat16 operands (bfloat16 ones traced at
+    the default matmul precision, the only one Mosaic takes for them); a row count that is a multiple of its row
+    tile (the sorted rows are padded with zero rows counted in the last expert's group: `_sorted_experts`); tiles
+    `GMM_TILING` clamped to each matmul's shape (`gmm_tiling`). Off TPU the kernel runs in Pallas's interpret mode
+    (slow; for tests on CPU). Mosaic kernels do not partition: under a multi-device `parallel.sharding_context` the
+    block runs inside `jax.shard_map`, tokens over the rules' batch axes, the experts' hidden units F over theirs
+    ('tensor'), the partial down projections summed over that axis;
+  * 'ragged': the same sorted rows through `jax.lax.ragged_dot` (XLA's own lowering);
   * 'dense': every expert on every token, combined by the gates (E / k times the FLOPs; no sort, gather or
     ragged dot). Faster on CPU at small shapes (docs/performance.md), and a reference.
+'auto' (`resolve_impl`): 'gmm' on TPU, 'dense' on CPU, 'ragged' elsewhere.
 The router logits are computed in float32 (HF: in the compute dtype), so a bf16 model routes as its float32 self.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-from aepo_jax.model._config import ModelConfig
+from aepo_jax import parallel
+from aepo_jax.model._config import GMM_DTYPES, ModelConfig
+
+# The grouped matmul's largest tiles (rows, contracted dim, output dim), clamped to each matmul's shape by
+# `gmm_tiling`. Their VMEM fits v5e and v6e: Qwen3-30B-A3B's block (bfloat16, 4,096 tokens, F over tensor=4)
+# compiles there, forward and backward (docs/performance.md).
+GMM_TILING = (512, 1024, 1024)
+_SUBLANES, _LANES = 16, 128  # bfloat16's packed [16, 128] TPU tile: row tiles are multiples of 16, others of 128
 
 
 def moe_spec(config: ModelConfig) -> tuple:
@@ -41,11 +60,22 @@ def moe_spec(config: ModelConfig) -> tuple:
   )
 
 
+def _platform() -> str:
+  """The platform the block is traced for: the `parallel.sharding_context` mesh's (a TPU slice compiled on a CPU
+  host included), else the default backend's."""
+  mesh = parallel.current_mesh()
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def resolve_impl(config: ModelConfig) -> str:
-  """'ragged' or 'dense' for `config.moe_impl` ('auto': 'dense' on CPU, 'ragged' elsewhere)."""
+  """The expert computation for `config.moe_impl`; 'auto': 'dense' on CPU, 'gmm' on TPU (where the compute dtype
+  is one the kernel takes, else 'ragged'), 'ragged' elsewhere."""
   if config.moe_impl != "auto":
     return config.moe_impl
-  return "dense" if jax.default_backend() == "cpu" else "ragged"
+  platform = _platform()
+  if platform == "cpu":
+    return "dense"
+  return "gmm" if platform == "tpu" and config.dtype in GMM_DTYPES else "ragged"
 
 
 def router_logits(p, x_nd):
@@ -67,18 +97,109 @@ def _expert_weights(p, dtype):
   return tuple(w[n]["kernel"].astype(dtype) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
-def experts_ragged(p, x_nd, gates_nk, experts_nk, num_experts: int):
-  """sum_j gates[n, j] * expert_{experts[n, j]}(x[n]) through `jax.lax.ragged_dot` over rows sorted by expert."""
+def _sorted_experts(x_nd, gates_nk, experts_nk, weights, num_experts: int, grouped_matmul, row_multiple: int = 1):
+  """sum_j gates[n, j] * expert_{experts[n, j]}(x[n]) over the N * k (token, expert) pairs sorted by expert, each
+  expert's rows one group of `grouped_matmul(rows [M, K], w [E, K, N'], group_sizes [E] int32) -> [M, N']`.
+
+  `row_multiple`: the rows are padded with zero rows to a multiple of it, counted in the last expert's group, so
+  every row belongs to a group (the gmm kernel leaves rows outside every group unwritten: their values, and their
+  gradients through silu, would be whatever the buffer held); a zero row adds nothing to any gradient."""
   n, k = experts_nk.shape
-  wg, wu, wd = _expert_weights(p, x_nd.dtype)
+  wg, wu, wd = weights
   flat = experts_nk.reshape(-1)
   order = jnp.argsort(flat, stable=True)  # pair order sorted by expert
   rows = x_nd[order // k]  # [N * k, D]: token n's pairs are n * k .. n * k + k - 1
   sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  h = jax.nn.silu(jax.lax.ragged_dot(rows, wg, sizes)) * jax.lax.ragged_dot(rows, wu, sizes)
-  y = jax.lax.ragged_dot(h, wd, sizes)  # [N * k, D], sorted
+  pad = _round_up(n * k, row_multiple) - n * k
+  if pad:
+    rows, sizes = jnp.pad(rows, ((0, pad), (0, 0))), sizes.at[-1].add(pad)
+  h = jax.nn.silu(grouped_matmul(rows, wg, sizes)) * grouped_matmul(rows, wu, sizes)
+  y = grouped_matmul(h, wd, sizes)[: n * k]  # [N * k, D], sorted
   y_nkd = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back in token order
   return jnp.einsum("nkd,nk->nd", y_nkd, gates_nk.astype(y.dtype))
+
+
+def experts_ragged(p, x_nd, gates_nk, experts_nk, num_experts: int):
+  """sum_j gates[n, j] * expert_{experts[n, j]}(x[n]) through `jax.lax.ragged_dot` over rows sorted by expert."""
+  weights = _expert_weights(p, x_nd.dtype)
+  return _sorted_experts(x_nd, gates_nk, experts_nk, weights, num_experts, jax.lax.ragged_dot)
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def gmm_tiling(m: int, k: int, n: int, max_tiling=GMM_TILING) -> tuple:
+  """(tm, tk, tn) for a grouped [m, k] x [E, k, n] matmul: `max_tiling` clamped to the shape rounded up to the TPU
+  tile (rows to 16, k and n to 128). A k or n tile past the array's end is allowed: the kernel masks the partial
+  contracted tile and drops writes past n. The rows must be padded to a multiple of tm (`_sorted_experts`)."""
+  tm, tk, tn = max_tiling
+  if tm % _SUBLANES or tk % _LANES or tn % _LANES:
+    raise ValueError(f"gmm tiling {max_tiling}: rows must be a multiple of {_SUBLANES}, k and n of {_LANES}.")
+  return min(tm, _round_up(max(m, 1), _SUBLANES)), min(tk, _round_up(k, _LANES)), min(tn, _round_up(n, _LANES))
+
+
+def _at_default_precision(grouped_matmul):
+  """`grouped_matmul(lhs, w, sizes)` with its forward and backward kernels traced at jax_default_matmul_precision
+  'default'. Mosaic refuses bfloat16 operands at 'highest' (an fp32 contract precision: "Bad lhs type"), and the
+  setting means nothing for them (bf16 x bf16 products are exact in the kernel's float32 accumulator). The backward
+  is traced where the caller differentiates, outside any context set here: hence the custom_vjp."""
+  default = functools.partial(jax.default_matmul_precision, "default")
+
+  @jax.custom_vjp
+  def fn(lhs, w, sizes):
+    with default():
+      return grouped_matmul(lhs, w, sizes)
+
+  def fwd(lhs, w, sizes):
+    with default():
+      return jax.vjp(lambda lhs, w: grouped_matmul(lhs, w, sizes), lhs, w)  # (out, the vjp: its residuals)
+
+  def bwd(vjp, g):
+    with default():
+      return (*vjp(g), None)
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
+def _experts_gmm_local(x_nd, gates_nk, experts_nk, wg, wu, wd, *, num_experts, max_tiling, interpret, sum_axes):
+  """The gmm block on one device's tokens and hidden units (all F, or its shard); `sum_axes`: the mesh axes F is
+  split over, whose partial down projections are summed."""
+  from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas: imported when first used
+
+  tm = gmm_tiling(experts_nk.size, 1, 1, max_tiling)[0]  # the row tile: the padded rows give the same one
+
+  def grouped_matmul(lhs, w, sizes):
+    tiling = gmm_tiling(lhs.shape[0], w.shape[1], w.shape[2], max_tiling)
+    return gmm(lhs, w, sizes, preferred_element_type=lhs.dtype, tiling=tiling, interpret=interpret)
+
+  if x_nd.dtype == jnp.bfloat16:
+    grouped_matmul = _at_default_precision(grouped_matmul)
+  out = _sorted_experts(x_nd, gates_nk, experts_nk, (wg, wu, wd), num_experts, grouped_matmul, row_multiple=tm)
+  return jax.lax.psum(out, sum_axes) if sum_axes else out
+
+
+def experts_gmm(p, x_nd, gates_nk, experts_nk, num_experts: int, *, max_tiling=GMM_TILING, interpret=None):
+  """The same sum through the Pallas TPU grouped matmul over rows sorted by expert (float32 or bfloat16 x).
+  `interpret`: Pallas's interpret mode (default: off TPU); `max_tiling`: see `gmm_tiling`."""
+  if jnp.dtype(x_nd.dtype).name not in GMM_DTYPES:
+    raise ValueError(f"moe_impl='gmm': the kernel takes {GMM_DTYPES}, not {x_nd.dtype}; use 'ragged' or 'dense'.")
+  weights = _expert_weights(p, x_nd.dtype)
+  interpret = _platform() != "tpu" if interpret is None else interpret
+  local = functools.partial(_experts_gmm_local, num_experts=num_experts, max_tiling=max_tiling, interpret=interpret)
+  rows = parallel.activation_spec(x_nd.shape, ("activation_batch", None))
+  if rows is None:  # one device, or outside a step
+    return local(x_nd, gates_nk, experts_nk, *weights, sum_axes=None)
+  hidden = parallel.activation_spec(weights[0].shape, (None, None, "mlp"))[2]  # None where F does not divide
+  tokens, up, down = PartitionSpec(rows[0], None), PartitionSpec(None, None, hidden), PartitionSpec(None, hidden, None)
+  return jax.shard_map(
+    functools.partial(local, sum_axes=hidden),
+    mesh=parallel.current_mesh(),
+    in_specs=(tokens, tokens, tokens, up, up, down),
+    out_specs=tokens,
+    check_vma=False,  # the Pallas call's output declares no varying mesh axes; the gradients are tested equal
+  )(x_nd, gates_nk, experts_nk, *weights)
 
 
 def experts_dense(p, x_nd, gates_nk, experts_nk, num_experts: int):
@@ -90,7 +211,7 @@ def experts_dense(p, x_nd, gates_nk, experts_nk, num_experts: int):
   return jnp.einsum("end,ne->nd", y, combine_ne.astype(y.dtype))
 
 
-EXPERTS = {"ragged": experts_ragged, "dense": experts_dense}
+EXPERTS = {"gmm": experts_gmm, "ragged": experts_ragged, "dense": experts_dense}
 
 
 def moe(config: ModelConfig, p, x, impl: str = ""):
