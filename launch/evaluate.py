@@ -159,6 +159,33 @@ _SUMMARIZER_URL = flags.DEFINE_string(
 )
 _SUMMARIZER_MODEL = flags.DEFINE_string("summarizer_model", None, "Model name served at --summarizer_url.", **_F)
 _BROWSE_LIVE = flags.DEFINE_bool("browse_live", False, "Fetch http(s) pages the page store lacks.", **_F)
+_BROWSE_VARIANT = flags.DEFINE_enum(
+  "browse_variant",
+  None,
+  ["project", "sds", "sds_cn"],
+  "Browser of --search_mode=browse: sds / sds_cn (the official SDS browser as released, English / Chinese: the "
+  "agent's previous reasoning in the prompt, snippet-anchored page windows, **Final Information**) or project (this "
+  "project's summary prompt). Default: sds with --protocol=official (sds_cn when every benchmark is a Chinese set: "
+  "xbench), else project.",
+  **_F,
+)
+CHINESE_SETS = frozenset({"xbench"})  # the official runs them by infer_local_sds_cn.sh: code_search_cn, sds_cn
+
+
+def official_chinese(benchmarks, protocol: str) -> bool:
+  """Whether the official Chinese set-up applies by default (the official sds_cn script's browser and prompt)."""
+  return protocol == "official" and bool(benchmarks) and set(benchmarks) <= CHINESE_SETS
+
+
+def browse_variant(flag: Optional[str], protocol: str, benchmarks=()) -> str:
+  """The browser from --browse_variant, --protocol and the benchmarks."""
+  if flag:
+    return flag
+  if protocol != "official":
+    return "project"
+  return "sds_cn" if official_chinese(benchmarks, protocol) else "sds"
+
+
 _TOKENIZER = flags.DEFINE_string(
   "tokenizer",
   None,
@@ -228,6 +255,13 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show progress bars (--noprogres
 _COMPARE = flags.DEFINE_list(
   "compare", None, "Compare evaluation run directories (comma separated) instead of evaluating.", **_F
 )
+_RESCORE = flags.DEFINE_string(
+  "rescore",
+  None,
+  "An evaluation run directory whose answers to score again under --protocol (with --judge_url/--judge_model "
+  "when it judges) into --output, without generating; prints where the two scorings differ.",
+  **_F,
+)
 
 
 def _absl_spelling(argv):
@@ -263,6 +297,26 @@ def parse(argv):
   return FLAGS(["evaluate.py", *_absl_spelling(argv)])[1:]
 
 
+def _rescore(eval_lib) -> int:
+  """--rescore=RUN_DIR: the run's answers scored under --protocol into --output (default RUN_DIR_<protocol>)."""
+  out = _OUTPUT.value or f"{_RESCORE.value.rstrip('/')}_{_PROTOCOL.value}"
+  judge = None
+  if _JUDGE_URL.value:
+    if not _JUDGE_MODEL.value:
+      print("error: --judge_url needs --judge_model.", file=sys.stderr)
+      return 2
+    plan = eval_lib.EvalPlan(checkpoint=None, benchmarks=(), judge_url=_JUDGE_URL.value, judge_model=_JUDGE_MODEL.value)
+    judge = eval_lib.make_judge(plan, _PROTOCOL.value)
+  try:
+    eval_lib.rescore(_RESCORE.value, out, protocol=_PROTOCOL.value, judge=judge, judge_qa=_JUDGE_QA.value)
+    print(eval_lib.protocol_differences(_RESCORE.value, out))
+  except (FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"wrote {out}/ (records and summary under --protocol={_PROTOCOL.value})")
+  return 0
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
@@ -276,7 +330,7 @@ def main(argv=None) -> int:
   if rest:
     print(f"error: unexpected arguments {rest}; flags are written --name=value.", file=sys.stderr)
     return 2
-  if not _COMPARE.value and not _CHECKPOINT.value and not _POLICY_URL.value:
+  if not _COMPARE.value and not _RESCORE.value and not _CHECKPOINT.value and not _POLICY_URL.value:
     print(
       "error: give --checkpoint=PATH (evaluate) or --compare=RUN_DIR,RUN_DIR (compare), or --policy_url=URL "
       "--policy_model=NAME --tokenizer=TOK (evaluate a served policy).",
@@ -299,6 +353,8 @@ def main(argv=None) -> int:
     print(md)
     print(f"wrote {out}.md and {png}")
     return 0
+  if _RESCORE.value:
+    return _rescore(eval_lib)
 
   try:
     ks = sorted({int(k) for k in str(_K.value).split(",") if k.strip()} | {1})
@@ -314,7 +370,11 @@ def main(argv=None) -> int:
       "summarizer_url": _SUMMARIZER_URL.value,
       "summarizer_model": _SUMMARIZER_MODEL.value,
       "live": _BROWSE_LIVE.value,
+      "variant": _BROWSE_VARIANT.value,  # None: by --protocol and the benchmarks, once they are known
     }
+  elif _BROWSE_VARIANT.value:
+    print("error: --browse_variant needs --search_mode=browse.", file=sys.stderr)
+    return 2
   data_opts = {
     "question_key": _QUESTION_FIELD.value,
     "answer_key": _ANSWER_FIELD.value,
@@ -344,6 +404,8 @@ def main(argv=None) -> int:
       browse=browse,
       **served,
     )
+    if plan.browse is not None:
+      plan.browse["variant"] = browse_variant(_BROWSE_VARIANT.value, _PROTOCOL.value, plan.benchmarks)
     # The prompt the checkpoint was trained with (its saved data.template), unless --template says otherwise: a
     # checkpoint asked in another template's format scores near 0.
     trained_config = (eval_lib.training_config(plan.checkpoint) if plan.checkpoint is not None else None) or {}
@@ -355,7 +417,10 @@ def main(argv=None) -> int:
       _TOOL_PLUGINS.value if _TOOL_PLUGINS.value is not None else trained_tools.get("plugins", ())
     )
     template = _TEMPLATE.value or trained or ("math" if plan.search_backend in (None, "none") else "code_search")
-    if trained and not _TEMPLATE.value:
+    if not _TEMPLATE.value and official_chinese(plan.benchmarks, _PROTOCOL.value):
+      template = "code_search_cn"  # the official prompt of xbench (infer_local_sds_cn.sh), whatever it was trained with
+      print(f"template: {template!r}, the official evaluation's for {', '.join(plan.benchmarks)}", file=sys.stderr)
+    elif trained and not _TEMPLATE.value:
       print(f"template: {template!r}, the one the checkpoint was trained with (--template to change)", file=sys.stderr)
     try:
       settings = eval_lib.EvalSettings(

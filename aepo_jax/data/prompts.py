@@ -5,7 +5,8 @@ type code_search), with `\\boxed` intact: the released parquet files store `\\b`
 (U+0008), see `has_backspace_bug`. `search` and `math` are the single-tool variants written in the
 same words (search-only or python-only), `base` asks for the answer format without tools, and
 `compact` is a short prompt for the small CPU model (SmolLM2-135M), whose context and step budget
-cannot afford the long one.
+cannot afford the long one. `code_search_cn` is the official evaluation's Chinese prompt, the one it
+asks xbench in.
 """
 
 from __future__ import annotations
@@ -66,7 +67,27 @@ COMPACT = (
   "with <answer> \\boxed{answer} </answer>."
 )
 
-TEMPLATES = {"code_search": CODE_SEARCH, "search": SEARCH, "math": MATH, "base": BASE, "compact": COMPACT}
+# The official evaluation's prompt for xbench (prompt_manager.py, type code_search_cn; infer_local_sds_cn.sh).
+CODE_SEARCH_CN = (
+  "你是一个乐于助人的助手，能够借助 Wikipedia 搜索工具和 Python 解释器工具，逐步解决给定的问题。\n"
+  "给定一个问题后，你需要先在头脑中进行推理过程，然后再提供答案。\n"
+  "在思考过程中，你可以调用 Wikipedia 搜索工具来搜索特定主题的事实信息，也可以使用 Python 解释器工具来计算数学问题（如有需要）。\n"
+  "推理过程和答案分别用 <think> 和 </think>，以及 <answer> 和 </answer> 标签括起来；\n"
+  "搜索查询和结果分别用 <search> 和 </search>，以及 <result> 和 </result> 标签括起来。\n"
+  "例如：\n"
+  "<think> 这是推理过程。 </think> <search> 这里是搜索查询 </search> <result> 这里是搜索结果 </result>\n"
+  "<think> 这是推理过程。 </think> <python> 这里是 Python 代码 </python> <result> 这里是 Python 解释器的结果 </result>\n"
+  "<think> 这是推理过程。 </think> <answer> 最终答案是 \\[ \\boxed{这里是答案} \\] </answer>"
+)
+
+TEMPLATES = {
+  "code_search": CODE_SEARCH,
+  "code_search_cn": CODE_SEARCH_CN,
+  "search": SEARCH,
+  "math": MATH,
+  "base": BASE,
+  "compact": COMPACT,
+}
 
 
 def system_prompt(template: str) -> str:

@@ -46,7 +46,8 @@ class EvalPlan:
   python_timeout_s: float = 120.0
   data_options: dict = dataclasses.field(default_factory=dict)  # load_records keywords for data files
   judge_qa: bool = True  # with a judge, QA sets are judged too (the protocol)
-  # The SDS browse form of search (spec §2.5): {pages, summarizer_url, summarizer_model, live}; None = snippets.
+  # The SDS browse form of search (spec §2.5): {pages, summarizer_url, summarizer_model, live, variant}; None =
+  # snippets. variant: 'project' (BrowseTool) | 'sds' | 'sds_cn' (the official browser as released, tools._sds).
   browse: Optional[dict] = None
   # Registered tools beyond the evaluation's own (build_tools), and the plug-in modules that register them.
   tools: tuple = ()
@@ -157,6 +158,10 @@ def check_inputs(
         "--search_mode=browse needs --summarizer_url (an OpenAI-compatible base URL, e.g. "
         "http://127.0.0.1:8001/v1) and --summarizer_model."
       )
+    from aepo_jax.tools import BROWSE_VARIANTS
+
+    if browse.get("variant") not in (None, *BROWSE_VARIANTS):
+      raise EvalInputError(f"--browse_variant={browse['variant']!r}: choose one of {', '.join(BROWSE_VARIANTS)}.")
     pages = browse.get("pages")
     if pages and not os.path.exists(pages):
       raise EvalInputError(f"--browse_pages={pages!r} does not exist; give a directory of pages or a corpus JSONL.")

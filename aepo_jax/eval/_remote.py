@@ -151,7 +151,7 @@ class RemoteRollouts:
     retries: int = 2,
     backoff_s: float = 1.0,
   ):
-    from aepo_jax.tools import format_result, parse_tool_call
+    from aepo_jax.tools import format_result, parse_tool_call, trajectory_steps
 
     if not url or not model:
       raise ValueError(
@@ -165,7 +165,7 @@ class RemoteRollouts:
       )
     self.url, self.model, self.tokenizer, self.tools, self.settings = _base(url), model, tokenizer, tools, settings
     self.api_key, self.timeout_s, self.retries, self.backoff_s = api_key, timeout_s, retries, backoff_s
-    self._parse, self._format = parse_tool_call, format_result
+    self._parse, self._format, self._steps = parse_tool_call, format_result, trajectory_steps
     self.tool_tags = tuple(tools.tags) if tools is not None else ()
     self.result_tags = dict(getattr(tools, "result_tags", None) or {})
     self.stops = [f"</{t}>" for t in self.tool_tags]
@@ -250,8 +250,11 @@ class RemoteRollouts:
           return row
         if row.num_tool_calls >= s.max_tool_calls:
           return self._limit(row)
+        steps = (
+          self._steps(row.tokens, row.mask, self.tokenizer.decode) if self.tools.wants_trajectory(call.tag) else None
+        )
         try:
-          out = self.tools.submit(call, state).result(
+          out = self.tools.submit(call, state, trajectory=steps).result(
             timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)
           )
         except concurrent.futures.TimeoutError:  # the tool's thread finishes on its own; its result is unused

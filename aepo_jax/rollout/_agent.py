@@ -86,9 +86,9 @@ class AgentLoop(_Scheduling):
   """Runs rollouts of a policy over prompts with an Engine and a ToolSet (docs/rollout.md)."""
 
   def __init__(self, engine, tokenizer, tools, config: AgentConfig = AgentConfig(), *, pad_id: Optional[int] = None):
-    from aepo_jax.tools import format_result, parse_tool_call  # tools never import jax; we import tools lazily
+    from aepo_jax.tools import format_result, parse_tool_call, trajectory_steps  # tools never import jax: lazily
 
-    self._format, self._parse = format_result, parse_tool_call
+    self._format, self._parse, self._steps = format_result, parse_tool_call, trajectory_steps
     self.engine, self.tokenizer, self.tools, self.config = engine, tokenizer, tools, config
     if not engine.eos_ids:
       raise ValueError("AgentLoop: the engine has no eos_ids; the loop needs one to end trajectories.")
@@ -438,7 +438,10 @@ class AgentLoop(_Scheduling):
       if rec.num_tool_calls >= rec.max_tool_calls:
         return self._limit(rec)
       seg.tool_pending = True
-      run.futures[rec.index] = (self.tools.submit(call, rec.call_state), run.decoded_tokens)
+      steps = (
+        self._steps(rec.tokens, rec.loss_mask, self.tokenizer.decode) if self.tools.wants_trajectory(call.tag) else None
+      )
+      run.futures[rec.index] = (self.tools.submit(call, rec.call_state, trajectory=steps), run.decoded_tokens)
       return None
     if reason == st.STOP_EOS:
       return self._end(rec, "eos")

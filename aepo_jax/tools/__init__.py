@@ -16,6 +16,9 @@ Search
 Browse (the evaluation's SDS search: fetch the hits' pages, an LLM summarises them; SEARCH_MODES)
     BrowseTool(backend, summarizer, pages=PageStore(dir_or_corpus), max_pages, page_chars, live)
     PageStore, fetch_page, html_to_text, ChatClient(base_url, model) (any OpenAI-compatible server), ChatError
+    SdsBrowseTool(backend, sds_summarizer(url, model), pages, live, variant='sds'|'sds_cn')   the official SDS
+        browser as released (BROWSE_VARIANTS); its parts: summary_prompt, truncated_prev_reasoning,
+        final_information, snippet_window, visible_text, pdf_text, fetch_page_text
 HTTP
     http_request(method, url, data=, headers=, timeout_s=) -> (status, body)   one deadline for the whole call
     JsonClient(timeout_s, retries, backoff_s, max_concurrency)                  JSON with retries, on top of it
@@ -27,10 +30,11 @@ Registry and plug-ins (docs/tools.md)
     build_toolset(names, settings, *, mode, context, plugins, eval_limits) -> ToolSet   training's and evaluation's
 Protocol and agent-loop interface
     parse_tool_call(text, tags) -> ToolCall | None, format_result(text, mode)
-    ToolSet(tools, mode, call_limit, ...).execute/submit(call, state) -> ToolOutput, CallState
+    ToolSet(tools, mode, call_limit, ...).execute/submit(call, state, trajectory=None) -> ToolOutput, CallState
+    trajectory_steps(tokens, mask, decode) -> the steps given to a tool that wants them (ToolSet.wants_trajectory)
 """
 
-from aepo_jax.tools._browse import SEARCH_MODES, BrowseTool, PageStore, fetch_page, html_to_text
+from aepo_jax.tools._browse import BROWSE_VARIANTS, SEARCH_MODES, BrowseTool, PageStore, fetch_page, html_to_text
 from aepo_jax.tools._http import JsonClient, http_request
 from aepo_jax.tools._isolation import SandboxUnavailableError, check_sandbox, resolve_isolation
 from aepo_jax.tools._llm import ChatClient, ChatError
@@ -43,6 +47,7 @@ from aepo_jax.tools._protocol import (
   failure_message,
   format_result,
   parse_tool_call,
+  trajectory_steps,
 )
 from aepo_jax.tools._pycode import wrap_last_expression
 from aepo_jax.tools._build import build_toolset
@@ -86,11 +91,23 @@ from aepo_jax.tools._search import (
   format_hits,
   parse_pages,
 )
+from aepo_jax.tools._sds import (
+  SdsBrowseTool,
+  fetch_page_text,
+  final_information,
+  pdf_text,
+  sds_summarizer,
+  snippet_window,
+  summary_prompt,
+  truncated_prev_reasoning,
+  visible_text,
+)
 from aepo_jax.tools._toolset import CallState, ToolOutput, ToolSet
 from aepo_jax.tools._web import BingBackend, BraveBackend, SerperBackend, make_search_backend
 from aepo_jax.tools._builtin import EVALUATION_TOOLS  # registers python, search and browse
 
 __all__ = [
+  "BROWSE_VARIANTS",
   "SEARCH_MODES",
   "BrowseTool",
   "PageStore",
@@ -111,6 +128,16 @@ __all__ = [
   "failure_message",
   "format_result",
   "parse_tool_call",
+  "trajectory_steps",
+  "SdsBrowseTool",
+  "fetch_page_text",
+  "final_information",
+  "pdf_text",
+  "sds_summarizer",
+  "snippet_window",
+  "summary_prompt",
+  "truncated_prev_reasoning",
+  "visible_text",
   "wrap_last_expression",
   "EVALUATION_TOOLS",
   "ToolBuildError",

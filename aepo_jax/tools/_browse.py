@@ -11,6 +11,10 @@ Pages come from a local store: a corpus JSONL ({"id", "contents": "title\\ntext"
 document id for the retrieval backends), then by its title; a hit with no page keeps its snippet, unless
 `live=True` fetches its http(s) URL. The store keeps only an index of byte offsets in memory, so a
 multi-gigabyte corpus costs one pass to index and then one read per page.
+
+This module's BrowseTool is the project's browser (its own prompt, the first `page_chars` of each page). The official
+SDS browser as released (previous reasoning in the prompt, snippet-anchored windows, `**Final Information**`) is
+`_sds.SdsBrowseTool`, over the same PageStore (browse variant 'sds' / 'sds_cn').
 """
 
 import html.parser
@@ -24,6 +28,8 @@ from aepo_jax.tools._search import NO_RESULTS, SearchBackend, SearchHit, clean_q
 log = logging.getLogger(__name__)
 
 SEARCH_MODES = ("snippets", "browse")  # tools.search_mode: the training tool's Page lines | this module
+# browse.variant: this module's BrowseTool | the official SDS browser as released, English | Chinese (_sds.py)
+BROWSE_VARIANTS = ("project", "sds", "sds_cn")
 
 SUMMARY_PROMPT = (
   "You are a research assistant reading web pages for another agent.\n\n"

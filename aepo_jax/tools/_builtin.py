@@ -1,8 +1,9 @@
 """The shipped tools, registered as any plug-in registers its own (docs/tools.md).
 
   python   <python>code</python>     PythonTool: a fresh sandbox per call (spec §4)
-  search   <search>query</search>    SearchTool over tools.search_backend; tools.search_mode='browse': BrowseTool
-  browse   <search>query</search>    BrowseTool (the evaluation's SDS browser, spec §2.5) whatever search_mode says
+  search   <search>query</search>    SearchTool over tools.search_backend; tools.search_mode='browse': the browser
+  browse   <search>query</search>    the browser (the evaluation's SDS browser, spec §2.5) whatever search_mode says
+The browser is BrowseTool, or with browse.variant 'sds' / 'sds_cn' SdsBrowseTool (the official one as released).
 
 The settings each reads are the `tools.*` keys of the training config (aepo_jax/train/_config.py), or the same keys
 in a dict. Evaluation adds `search_options` (the backend's keywords as given on the command line, used as they are)
@@ -64,11 +65,26 @@ def _backend(settings, context: ToolContext):
 
 
 def _browse_tool(settings, context: ToolContext, backend, corpus):
-  from aepo_jax.tools._browse import BrowseTool, PageStore
+  """browse.variant: 'project' (BrowseTool, this project's prompt) or 'sds' / 'sds_cn' (SdsBrowseTool: the official
+  deep-search evaluation's browser as released, English / Chinese)."""
+  from aepo_jax.tools._browse import BROWSE_VARIANTS, BrowseTool, PageStore
   from aepo_jax.tools._llm import ChatClient
 
   b = setting(settings, "browse", {})
   pages = setting(b, "pages") or corpus
+  variant = setting(b, "variant", None) or "project"
+  if variant not in BROWSE_VARIANTS:
+    raise ValueError(f"browse variant {variant!r} is not one of {BROWSE_VARIANTS} (--browse_variant)")
+  if variant != "project":
+    from aepo_jax.tools._sds import SdsBrowseTool, sds_summarizer
+
+    return SdsBrowseTool(
+      backend,
+      sds_summarizer(setting(b, "summarizer_url", ""), setting(b, "summarizer_model", "")),
+      pages=PageStore(pages) if pages else None,
+      live=bool(setting(b, "live", False)),
+      variant=variant,
+    )
   return BrowseTool(
     backend,
     ChatClient(setting(b, "summarizer_url", ""), setting(b, "summarizer_model", "")),

@@ -145,11 +145,13 @@ def http_request(
   headers: dict | None = None,
   timeout_s: float = 10.0,
   max_bytes: int = MAX_RESPONSE_BYTES,
+  response_headers: dict | None = None,
 ) -> tuple[int, bytes]:
   """(status, body) of one HTTP request, all of it (resolve, connect, send, headers, body) within `timeout_s`.
 
   Any status is returned, not raised. Raises TimeoutError when the deadline passes, OSError / ConnectionError
-  when the connection fails, ValueError when the body exceeds `max_bytes`.
+  when the connection fails, ValueError when the body exceeds `max_bytes`. `response_headers`, when given, is
+  filled with the answer's headers (names lower-cased).
   """
   deadline = time.monotonic() + timeout_s
   watch = _Watch()
@@ -165,6 +167,8 @@ def http_request(
       resp = e
     try:
       status = resp.status
+      if response_headers is not None and resp.headers is not None:
+        response_headers.update((k.lower(), v) for k, v in resp.headers.items())
       body = bytearray()
       while True:
         chunk = resp.read(65536) if resp.fp is not None else b""

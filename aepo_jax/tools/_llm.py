@@ -21,7 +21,8 @@ class ChatError(RuntimeError):
 class ChatClient:
   """`POST {base_url}/chat/completions`. Each attempt (connect, send, the whole answer) ends within `timeout_s`;
   connection errors, timeouts, HTTP 429 and 5xx are retried `retries` times with exponential backoff; other 4xx
-  fail at once. One call therefore ends within (retries + 1) * timeout_s plus the backoff."""
+  fail at once. One call therefore ends within (retries + 1) * timeout_s plus the backoff. `extra_body`: further
+  request fields sent as given (e.g. vLLM's top_p, stop, repetition_penalty: the SDS summariser's sampling)."""
 
   def __init__(
     self,
@@ -34,6 +35,7 @@ class ChatClient:
     temperature: float | None = 0.0,
     max_tokens: int | None = 1024,
     api_key_env: str = "OPENAI_API_KEY",
+    extra_body: dict | None = None,
   ):
     if not base_url or not model:
       raise ValueError(
@@ -43,12 +45,14 @@ class ChatClient:
     self.url = base_url.rstrip("/") + "/chat/completions"
     self.model, self.timeout_s, self.retries, self.backoff_s = model, timeout_s, retries, backoff_s
     self.temperature, self.max_tokens, self.api_key_env = temperature, max_tokens, api_key_env
+    self.extra_body = dict(extra_body or {})
 
   def complete(self, prompt: str) -> str:
     payload = {"model": self.model, "messages": [{"role": "user", "content": prompt}]}
     for key in ("temperature", "max_tokens"):  # None: not sent, the server's default (the official judge's request)
       if getattr(self, key) is not None:
         payload[key] = getattr(self, key)
+    payload.update(self.extra_body)
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(self.api_key_env)
     if key:

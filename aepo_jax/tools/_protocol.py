@@ -64,3 +64,16 @@ def format_result(text: str, mode: str = "train", tag: str = "result") -> str:
   if mode == "eval":
     return f"<{tag}>{text}</{tag}>"
   raise ValueError(f"format_result(mode={mode!r}); expected 'train' or 'eval'")
+
+
+def trajectory_steps(tokens, mask, decode) -> list[str]:
+  """A trajectory's steps so far, as the official evaluation logs them (`sample_stat["logs"]`, appended by
+  `SampleProcessor.log_output` in evaluation/src/sample_processor.py): each model turn and each tool result, in order.
+  A turn is a run of generated tokens (mask 1: a call continued past its token cap stays one turn, as the official
+  `call_local_llm` joins its outputs), a result a run of tool tokens (mask 0); `decode(ids) -> str`."""
+  steps, start = [], 0
+  for i in range(1, len(tokens) + 1):
+    if i == len(tokens) or bool(mask[i]) != bool(mask[start]):
+      steps.append(decode(list(tokens[start:i])))
+      start = i
+  return steps

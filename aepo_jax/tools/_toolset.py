@@ -13,6 +13,10 @@ message, which tells the model (and whoever reads the logs) what went wrong.
 Evaluation (spec §2.5): at most `eval_limits` calls per tool (default the registered ToolSpec.eval_limit: 5
 python, 10 search); over the limit the model gets the official refusal text and continues; a repeated search query
 gets the official "You have searched this query..." text. Refused calls do not count as calls.
+A tool that declares `wants_trajectory = True` (the SDS browser) is called as `tool(content, trajectory=steps)`, with
+the steps the caller passes to `submit` (`_protocol.trajectory_steps`: the trajectory's model turns and tool results so
+far); every other tool is called as `tool(content)`. A tool's `call_timeout_s`, where it has one, replaces `timeout_s`
+for its calls.
 """
 
 import collections
@@ -174,15 +178,23 @@ class ToolSet:
     return None
 
   # ---------------------------------------------------------------- running
-  def _run_with_retry(self, call: ToolCall, timing: dict) -> ToolOutput:
+  def wants_trajectory(self, tag: str) -> bool:
+    """Whether the tool answering `tag` reads the trajectory so far (then the caller passes it to `submit`)."""
+    return bool(getattr(self.tools.get(tag), "wants_trajectory", False))
+
+  def _call_timeout(self, tag: str) -> float:
+    return float(getattr(self.tools[tag], "call_timeout_s", None) or self.timeout_s)
+
+  def _run_with_retry(self, call: ToolCall, timing: dict, trajectory=None) -> ToolOutput:
     tool, tag = self.tools[call.tag], call.tag
+    kwargs = {"trajectory": trajectory} if self.wants_trajectory(tag) else {}
     timing["started"] = time.monotonic()
     error = None
     for attempt in range(self.retry_count):
       if attempt:
         self._count(f"tools/{tag}_retries")
       try:
-        text, timed_out, crashed = _text_of(tool(call.content))
+        text, timed_out, crashed = _text_of(tool(call.content, **kwargs))
       except Exception as e:  # noqa: BLE001 -- any tool failure becomes text for the model
         log.warning("Tool(%s) failed (try %d/%d): %s", tag, attempt + 1, self.retry_count, e)
         error = e
@@ -214,13 +226,14 @@ class ToolSet:
     seconds = now - timing["submitted"]
     started = timing.get("started")
     queued = (started if started is not None else now) - timing["submitted"]
-    why = f"no result after {seconds:.1f} s (limit {self.timeout_s:g} s"
+    why = f"no result after {seconds:.1f} s (limit {self._call_timeout(tag):g} s"
     why += f"; {queued:.1f} s of it waiting for a free tool worker)" if queued >= 0.1 else ")"
     return ToolOutput(_protocol.failure_message(tag, why), False, tag, {"timeout": True, "seconds": seconds})
 
-  def submit(self, call: ToolCall, state: CallState) -> "concurrent.futures.Future[ToolOutput]":
+  def submit(self, call: ToolCall, state: CallState, *, trajectory=None) -> "concurrent.futures.Future[ToolOutput]":
     """Admits the call now (updating `state`) and runs it in the pool. The future always resolves within
-    about `timeout_s`: a hung tool resolves it with an error text while its thread finishes in the background."""
+    about `timeout_s` (the tool's `call_timeout_s`): a hung tool resolves it with an error text while its thread
+    finishes in the background. `trajectory`: the steps so far, given to a tool that wants them (module docstring)."""
     outer: concurrent.futures.Future = concurrent.futures.Future()
     immediate = self._admit(call, state)
     if immediate is not None:
@@ -228,8 +241,10 @@ class ToolSet:
       return outer
     self._count(f"tools/{call.tag}_calls")
     timing = {"submitted": time.monotonic(), "started": None}
-    inner = self._pool.submit(self._run_with_retry, call, timing)
-    timer = threading.Timer(self.timeout_s, _resolve, (outer, lambda tag: self._timeout_output(tag, timing), call.tag))
+    inner = self._pool.submit(self._run_with_retry, call, timing, trajectory)
+    timer = threading.Timer(
+      self._call_timeout(call.tag), _resolve, (outer, lambda tag: self._timeout_output(tag, timing), call.tag)
+    )
     timer.daemon = True
     timer.start()
 
@@ -244,8 +259,8 @@ class ToolSet:
     inner.add_done_callback(_done)
     return outer
 
-  def execute(self, call: ToolCall, state: CallState) -> ToolOutput:
-    return self.submit(call, state).result()
+  def execute(self, call: ToolCall, state: CallState, *, trajectory=None) -> ToolOutput:
+    return self.submit(call, state, trajectory=trajectory).result()
 
   def shutdown(self, wait: bool = False) -> None:
     self._pool.shutdown(wait=wait, cancel_futures=True)

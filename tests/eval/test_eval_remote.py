@@ -56,17 +56,37 @@ def served(tiny_config, scripted, tokenizer):
     srv.shutdown(1.0)
 
 
-def _tools(calls):
-  return ToolSet({"python": lambda code: calls.append(code) or "42"}, mode="eval", retry_count=1)
+class _Python:
+  """The scripted policies' python tool: answers 42, recording each call's code and, as a tool that reads the
+  trajectory (the SDS browser does), the steps the loop gave it."""
+
+  wants_trajectory = True
+
+  def __init__(self, calls, steps):
+    self.calls, self.steps = calls, steps
+
+  def __call__(self, code, trajectory=None):
+    self.calls.append(code)
+    self.steps.append(trajectory)
+    return "42"
 
 
-def _both(tiny_config, params, tokenizer, srv, examples, settings=SETTINGS):
-  """(local records, remote records, local tool calls, remote tool calls, remote rollouts) of one evaluation."""
+def _tools(calls, steps=None):
+  return ToolSet({"python": _Python(calls, [] if steps is None else steps)}, mode="eval", retry_count=1)
+
+
+def _both(tiny_config, params, tokenizer, srv, examples, settings=SETTINGS, steps=(None, None)):
+  """(local records, remote records, local tool calls, remote tool calls, remote rollouts) of one evaluation;
+  `steps`: two lists that receive the trajectories the local and the remote loop gave the tool."""
   local_calls, remote_calls = [], []
   local = Evaluator(
-    Policy(tiny_config, params, tokenizer, "scripted"), _tools(local_calls), Scorer(), settings, show_progress=False
+    Policy(tiny_config, params, tokenizer, "scripted"),
+    _tools(local_calls, steps[0]),
+    Scorer(),
+    settings,
+    show_progress=False,
   ).run("toy", examples)
-  tools = _tools(remote_calls)
+  tools = _tools(remote_calls, steps[1])
   rollouts = RemoteRollouts(srv.url + "/v1", srv.model_name, tokenizer, tools, settings.rollout_settings())
   policy = Policy(None, None, tokenizer, rollouts.source)
   remote = Evaluator(policy, tools, Scorer(), settings, show_progress=False, rollouts=rollouts).run("toy", examples)
@@ -80,14 +100,16 @@ def _same(local, remote):
 
 
 def test_a_tool_call_then_the_answer_gives_the_records_of_the_local_engine(tiny_config, scripted, tokenizer, served):
+  local_steps, remote_steps = [], []
   local, remote, local_calls, remote_calls, rollouts = _both(
-    tiny_config, scripted["answer"], tokenizer, served("answer"), short_examples(3)
+    tiny_config, scripted["answer"], tokenizer, served("answer"), short_examples(3), steps=(local_steps, remote_steps)
   )
   _same(local, remote)
   for r in remote:
     assert r["response"].startswith("<python>1</python><result>42</result><answer>\\boxed{18}</answer>")
     assert (r["stop_reason"], r["num_tool_calls"], r["score"]) == ("eos", 1, 1.0)
   assert local_calls == remote_calls == ["1"] * 6
+  assert local_steps == remote_steps == [["<python>1</python>"]] * 6  # the official log so far: the model's turn
   prompt = tokenizer.apply_chat_template([{"role": "user", "content": "q"}])
   traj = rollouts(None, [prompt, prompt])
   assert traj.stats["rollout/remote_token_ids"] == 1.0 and traj.stats["rollout/remote_requests"] == 4

@@ -120,3 +120,12 @@ def test_the_official_protocol_caps_each_set_at_500_questions_unless_told(cli):
   assert cli.question_limit(None, "project") is None
   assert cli.question_limit(0, "official") is None  # --limit=0: every question
   assert cli.question_limit(20, "official") == 20
+
+
+def test_the_official_protocol_browses_with_the_released_sds_browser_unless_told(cli):
+  assert cli.browse_variant(None, "official", ["gaia", "hle"]) == "sds"
+  assert cli.browse_variant(None, "official", ["xbench"]) == "sds_cn"  # infer_local_sds_cn.sh runs xbench alone
+  assert cli.browse_variant(None, "official", ["xbench", "gaia"]) == "sds"
+  assert cli.browse_variant(None, "project", ["xbench"]) == "project"  # today's browser unless asked
+  assert cli.browse_variant("project", "official", ["gaia"]) == "project"
+  assert cli.official_chinese(["xbench"], "official") and not cli.official_chinese(["xbench"], "project")
