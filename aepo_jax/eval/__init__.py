@@ -18,10 +18,19 @@ Pieces
                                                    (resumable from the JSONL; `loop`: the caller's agent loop)
   Scorer(judge=None).score(example, response) -> dict; probe_judge(url, model)
   summarize_records(records, ks), write_summary(...), compare(run_dirs, out_prefix) -> (markdown, png)
+  rescore(run_dir, output, protocol=...) -> summary (the same answers, the other scorer); protocol_differences(a, b)
   pass_at_k(n, c, k), mean_pass_at_k, best_of_k, bootstrap_ci, summarize
 """
 
-from aepo_jax.eval._api import EvalInputError, EvalPlan, build_tools, check_inputs, evaluate, run_evaluation
+from aepo_jax.eval._api import (
+  EvalInputError,
+  EvalPlan,
+  build_tools,
+  check_inputs,
+  evaluate,
+  make_judge,
+  run_evaluation,
+)
 from aepo_jax.eval._benchmarks import (
   SCORER_OF_FAMILY,
   family_of,
@@ -43,6 +52,7 @@ from aepo_jax.checkpoint import (
 )
 from aepo_jax.eval._passk import best_of_k, bootstrap_ci, mean_pass_at_k, pass_at_k, summarize
 from aepo_jax.eval._report import compare, load_summary, summarize_records, summary_markdown, write_summary
+from aepo_jax.eval._rescore import disagreements, protocol_differences, rescore
 from aepo_jax.eval._runner import EvalSettings, Evaluator, read_records, tool_calls_from_text
 from aepo_jax.eval._remote import PolicyServerError, RemoteRollouts, probe_policy_server
 from aepo_jax.eval._scoring import JudgeUnavailableError, Scorer, probe_judge
@@ -75,6 +85,10 @@ __all__ = [
   "pass_at_k",
   "summarize",
   "compare",
+  "disagreements",
+  "protocol_differences",
+  "rescore",
+  "make_judge",
   "load_summary",
   "summarize_records",
   "summary_markdown",
