@@ -6,6 +6,8 @@ Public API:
   init_params(config, rng)                      random parameters (nested dict, layers stacked)
   forward(config, params, tokens, positions=None, attention_mask=None) -> float32 logits [B,T,V]
   forward_hidden / unembed                      the same split in two (for chunked log-prob/entropy)
+                                                (MoE: routes= replays experts [B,T,L_sparse,k], return_routes=True
+                                                returns those used; also decode_forward and fill_cache_rows)
   unembed_matrix(config, params) -> (W, layout) the unembedding weight as stored ('vd' tied, 'dv' lm_head)
   init_cache / forward_cached                   per-row KV cache used by the rollout engine
   decode_forward(config, params, token_s, pos_s, cache, attend_len, weights_t=None) -> (logits, cache)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from aepo_jax.model import _cpu_decode, _layers
+from aepo_jax.model import _cpu_decode, _layers, _moe
 
 
 def decode_weights(config, params) -> dict:
@@ -125,8 +125,12 @@ def decode_forward(
   page_table=None,
   write_page_s=None,
   paged_kernel: str = "",
+  routes_ssk=None,
+  return_routes: bool = False,
 ):
-  """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache).
+  """token_s [S] at positions pos_s [S] (also their cache index). Returns (logits [S,V] float32, new cache), and
+  with `return_routes` (a model with experts) the experts each row's token went to [S, L_sparse, k] int32 third;
+  routes_ssk [S, L_sparse, k]: experts to replay (`_moe.route`).
 
   weights_t: `decode_weights(config, params)`; when given, the projections run through the CPU small-M kernel
   (`_cpu_decode.matmul_t`) on the stacked weights with the layer index (no per-layer weight slices), and with a
@@ -139,6 +143,8 @@ def decode_forward(
   in Pallas's interpret mode, for tests on CPU).
   """
   cfg = config
+  if (routes_ssk is not None or return_routes) and not cfg.has_experts:
+    raise ValueError(f"decode_forward: routes are the experts of a sparse layer; {cfg.family!r} has none.")
   dt = jnp.dtype(cfg.dtype)
   s = token_s.shape[0]
   h_heads, k_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -167,7 +173,7 @@ def decode_forward(
 
   def layer(carry, xs):
     x_sd, cache = carry
-    p, li = xs
+    p, li, routes_sk = xs
 
     def attention(q_shd, k_skd, v_skd):  # this step's KV entries into the cache, attention over it
       if page_table is not None:  # cache: this layer's pools (the layers are unrolled)
@@ -186,22 +192,31 @@ def decode_forward(
       return out.reshape(s, h_heads, d), {"k": ck, "v": cv}
 
     mm = _layers.Dots(dt) if weights_t is None else _KernelDots(cfg, weights_t, li)
-    return _layers.layer(cfg, p, x_sd, pos_s, attention, mm, layer_index=li), None
+    out = _layers.layer(
+      cfg, p, x_sd, pos_s, attention, mm, layer_index=li, routes=routes_sk, return_routes=return_routes
+    )
+    return out[:2], (out[2] if return_routes else None)
 
+  routes_lsk = None if routes_ssk is None else _moe.routes_per_layer(cfg, routes_ssk)
   if page_table is None:
-    (x_sd, cache), _ = jax.lax.scan(layer, (x_sd, cache), (layer_xs, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    xs = (layer_xs, jnp.arange(cfg.num_layers, dtype=jnp.int32), routes_lsk)
+    (x_sd, cache), experts_lsk = jax.lax.scan(layer, (x_sd, cache), xs)
   else:  # per-layer pools, layers unrolled: every write in place (aepo_jax/rollout/_pages.py)
-    new = {"k": [], "v": []}
+    new, experts = {"k": [], "v": []}, []
     for li in range(cfg.num_layers):
-      xs = (jax.tree.map(lambda x: x[li], layer_xs), jnp.int32(li))
-      (x_sd, c), _ = layer((x_sd, {"k": cache["k"][li], "v": cache["v"][li]}), xs)
+      xs = (jax.tree.map(lambda x: x[li], layer_xs), jnp.int32(li), None if routes_lsk is None else routes_lsk[li])
+      (x_sd, c), e = layer((x_sd, {"k": cache["k"][li], "v": cache["v"][li]}), xs)
       new["k"].append(c["k"])
       new["v"].append(c["v"])
+      experts.append(e)
     cache = {n: tuple(c) for n, c in new.items()}
+    experts_lsk = jnp.stack(experts) if return_routes else None
   h_sd = _layers.rms_norm(x_sd, params["norm"]["scale"], cfg.rms_norm_eps, dt)
   if return_hidden:
-    return h_sd, cache
-  if weights_t is not None:
+    out = h_sd
+  elif weights_t is not None:
     head = weights_t["head"] if "head" in weights_t else params["embed_tokens"]["embedding"]
-    return _cpu_decode.matmul_t(h_sd, head.astype(jnp.float32), jnp.int32(0)), cache
-  return _layers.unembed(cfg, params, h_sd), cache
+    out = _cpu_decode.matmul_t(h_sd, head.astype(jnp.float32), jnp.int32(0))
+  else:
+    out = _layers.unembed(cfg, params, h_sd)
+  return (out, cache, _moe.sparse_routes(cfg, experts_lsk)) if return_routes else (out, cache)

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from aepo_jax.model import _cpu_attention, _layers, _splash
+from aepo_jax.model import _cpu_attention, _layers, _moe, _splash
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.model._layers import BTD as _BTD
 from aepo_jax.model._layers import BTHD as _BTHD
@@ -226,12 +226,14 @@ class _Kernel(nn.Module):
 
 
 class Block(nn.Module):
-  """One decoder layer: the parameters of `_layers.layer_spec`, `_layers.layer` with the modules' attention."""
+  """One decoder layer: the parameters of `_layers.layer_spec`, `_layers.layer` with the modules' attention.
+  Returns (h, new layer cache), or with `return_routes` (h, (new layer cache, experts [B, T, k]))."""
 
   config: ModelConfig
+  return_routes: bool = False
 
   @nn.compact
-  def __call__(self, h_btd, layer_cache, positions_bt, mask_bts, write_index_b, layer_index=None):
+  def __call__(self, h_btd, layer_cache, positions_bt, mask_bts, write_index_b, layer_index=None, routes_btk=None):
     cfg = self.config
     p = {name: _Params(spec, cfg.param_dtype, name=name)() for name, spec in _layers.layer_spec(cfg)}
 
@@ -239,14 +241,27 @@ class Block(nn.Module):
       return _attention(cfg, q_btnd, k_btkd, v_btkd, mask_bts, layer_cache, write_index_b)
 
     mm = _layers.Dots(cfg.dtype, shard=True)
-    h_btd, new_cache = _layers.layer(
-      cfg, p, h_btd, positions_bt, attention, mm, mlp_fn=_train_mlp, layer_index=layer_index
+    out = _layers.layer(
+      cfg,
+      p,
+      h_btd,
+      positions_bt,
+      attention,
+      mm,
+      mlp_fn=_train_mlp,
+      layer_index=layer_index,
+      routes=routes_btk,
+      return_routes=self.return_routes,
     )
-    return constrain(h_btd, _BTD), new_cache
+    h_btd = constrain(out[0], _BTD)
+    return (h_btd, (out[1], out[2])) if self.return_routes else (h_btd, out[1])
 
 
 class Decoder(nn.Module):
+  """`return_routes` (a model with experts): the calls also return the experts each token went to."""
+
   config: ModelConfig
+  return_routes: bool = False
 
   def setup(self):
     cfg = self.config
@@ -264,23 +279,29 @@ class Decoder(nn.Module):
       block,
       variable_axes={"params": 0},
       split_rngs={"params": True},
-      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, 0),
+      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0),
       out_axes=0,
       length=cfg.num_layers,
       unroll=min(cfg.scan_unroll, cfg.num_layers),
       metadata_params={nn.PARTITION_NAME: "layers"},
-    )(cfg)
+    )(cfg, self.return_routes)
     self.norm = RMSNorm(cfg.rms_norm_eps, cfg.dtype, cfg.param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _Kernel((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
 
-  def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index_b=None):
-    """Returns (final hidden states [B,T,D] after the last norm, new cache or None)."""
-    h_btd = _layers.embed(self.embed_tokens.embedding, tokens_bt, _dtype(self.config.dtype))
+  def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index_b=None, routes_btsk=None):
+    """Returns (final hidden states [B,T,D] after the last norm, new cache or None), and with `return_routes` the
+    experts used [B, T, L_sparse, k] third. routes_btsk: experts to replay (`_moe.route`), sparse layers in order."""
+    cfg = self.config
+    h_btd = _layers.embed(self.embed_tokens.embedding, tokens_bt, _dtype(cfg.dtype))
     h_btd = constrain(h_btd, _BTD)
-    layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-    h_btd, new_cache = self.layers(h_btd, cache, positions_bt, mask_bts, write_index_b, layer_index)
-    return self.norm(h_btd), new_cache
+    layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    routes_lbtk = None if routes_btsk is None else _moe.routes_per_layer(cfg, routes_btsk)
+    h_btd, ys = self.layers(h_btd, cache, positions_bt, mask_bts, write_index_b, layer_index, routes_lbtk)
+    if not self.return_routes:
+      return self.norm(h_btd), ys
+    new_cache, experts_lbtk = ys
+    return self.norm(h_btd), new_cache, _moe.sparse_routes(cfg, experts_lbtk)
 
   def unembed(self, h_btd):
     params = {"embed_tokens": {"embedding": self.embed_tokens.embedding}}

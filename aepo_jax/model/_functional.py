@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from aepo_jax.model import _layers, _splash
+from aepo_jax.model import _layers, _moe, _splash
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.model._decoder import Block, Decoder
 
 
-def _module(config: ModelConfig) -> Decoder:
-  return Decoder(config)
+def _module(config: ModelConfig, return_routes: bool = False) -> Decoder:
+  return Decoder(config, return_routes)
 
 
 def default_positions(attention_mask_bt):
@@ -125,23 +125,41 @@ def param_logical_axes(config: ModelConfig):
 
 
 def forward_hidden(
-  config: ModelConfig, params, tokens_bt, positions_bt=None, attention_mask_bt=None, segment_ids_bt=None
+  config: ModelConfig,
+  params,
+  tokens_bt,
+  positions_bt=None,
+  attention_mask_bt=None,
+  segment_ids_bt=None,
+  *,
+  routes_btsk=None,
+  return_routes: bool = False,
 ):
   """Final-norm hidden states [B, T, D] (compute dtype) of a full (uncached) forward.
 
   `segment_ids_bt` (optional) packs several sequences into a row: tokens with equal non-zero ids form one
   sequence, attend only within it and (by default) take positions from its start, so each sequence gets the
-  hidden states it would get alone; id 0 is padding."""
+  hidden states it would get alone; id 0 is padding.
+
+  Routing replay (a model with experts; R3, arXiv 2510.11370): `routes_btsk` [B, T, L_sparse, k] int, the experts
+  each token goes to in each sparse layer (in layer order; `_moe.route`: a token whose row holds a negative index
+  routes itself); `return_routes=True` returns (hidden, routes [B, T, L_sparse, k] int32), the experts used."""
+  if (routes_btsk is not None or return_routes) and not config.has_experts:
+    raise ValueError(f"forward_hidden: routes are the experts of a sparse layer; {config.family!r} has none.")
   if attention_mask_bt is None:
     attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
   if segment_ids_bt is not None:
     attention_mask_bt = attention_mask_bt * (segment_ids_bt > 0)
   if positions_bt is None:
     positions_bt = default_positions(attention_mask_bt) if segment_ids_bt is None else segment_positions(segment_ids_bt)
-  h_btd, _ = _module(config).apply(
-    {"params": params}, tokens_bt, positions_bt, _full_mask(config, attention_mask_bt, segment_ids_bt)
+  out = _module(config, return_routes).apply(
+    {"params": params},
+    tokens_bt,
+    positions_bt,
+    _full_mask(config, attention_mask_bt, segment_ids_bt),
+    routes_btsk=routes_btsk,
   )
-  return h_btd
+  return (out[0], out[2]) if return_routes else out[0]
 
 
 def unembed(config: ModelConfig, params, h_btd):
@@ -157,10 +175,18 @@ def unembed_matrix(config: ModelConfig, params):
   return params["lm_head"]["kernel"], "dv"
 
 
-def forward(config: ModelConfig, params, tokens, positions=None, attention_mask=None):
+def forward(
+  config: ModelConfig, params, tokens, positions=None, attention_mask=None, *, routes=None, return_routes=False
+):
   """Float32 logits [B, T, V]. `attention_mask` [B, T] marks valid tokens (left or right padding);
-  `positions` default to the running count of valid tokens in each row."""
-  return unembed(config, params, forward_hidden(config, params, tokens, positions, attention_mask))
+  `positions` default to the running count of valid tokens in each row. routes / return_routes: routing replay
+  and the experts used, as in `forward_hidden` ((logits, routes) with return_routes)."""
+  out = forward_hidden(
+    config, params, tokens, positions, attention_mask, routes_btsk=routes, return_routes=return_routes
+  )
+  if return_routes:
+    return unembed(config, params, out[0]), out[1]
+  return unembed(config, params, out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,8 +238,10 @@ def fill_cache_rows(
   *,
   page_table=None,
   write_from_n=None,
+  return_routes: bool = False,
 ):
-  """Writes the KV entries of a chunk of T tokens for n cache rows and returns the new cache; nothing else.
+  """Writes the KV entries of a chunk of T tokens for n cache rows and returns the new cache; nothing else (with
+  `return_routes`, a model with experts: (cache, the experts the chunk's tokens went to [n, T, L_sparse, k])).
 
   Row i's tokens_nt[i] sit at cache indices start_n[i] .. start_n[i] + T - 1 of cache row rows_n[i] and attend to
   that row's entries j <= their index (entries below start_n[i] must already be valid). The layers are scanned
@@ -227,6 +255,8 @@ def fill_cache_rows(
   size and T too. The entries of the page holding write_from_n[i] before it are rewritten with recomputed values
   (that page is the row's own, _pages.py's invariant); a page that ends before write_from_n[i] (the window was moved
   back to fit) is not written, it may be shared; pages not assigned take the writes on the null page."""
+  if return_routes and not config.has_experts:
+    raise ValueError(f"fill_cache_rows: routes are the experts of a sparse layer; {config.family!r} has none.")
   t = tokens_nt.shape[1]
   paged = page_table is not None
   if paged:
@@ -238,7 +268,7 @@ def fill_cache_rows(
   query_nt = start_n[:, None] + jnp.arange(t)[None, :]
   mask_nts = jnp.arange(attend_len)[None, None, :] <= query_nt[:, :, None]
   h_ntd = _layers.embed(params["embed_tokens"]["embedding"], tokens_nt, jnp.dtype(config.dtype))
-  block = Block(config)
+  block = Block(config, return_routes)
   window = jax.vmap(lambda c, i: jax.lax.dynamic_slice_in_dim(c, i, t, axis=0))  # [n, A, K, D] -> [n, T, K, D]
   idx_nt = query_nt
   if paged:  # whole pages: the window starts on a page and spans T / ps of them (the engine aligns it)
@@ -269,19 +299,23 @@ def fill_cache_rows(
     h_ntd, cache = carry
     layer_params, li = xs
     rows = {name: gather(c, li) for name, c in cache.items()}
-    h_ntd, new_rows = block.apply({"params": layer_params}, h_ntd, rows, positions_nt, mask_nts, start_n, li)
+    h_ntd, ys = block.apply({"params": layer_params}, h_ntd, rows, positions_nt, mask_nts, start_n, li)
+    new_rows, experts_ntk = ys if return_routes else (ys, None)
     cache = {name: scatter(c, li, window(new_rows[name], start_n)) for name, c in cache.items()}
-    return (h_ntd, cache), None
+    return (h_ntd, cache), experts_ntk
 
   if not paged:
-    (_, cache), _ = jax.lax.scan(
+    (_, cache), experts_lntk = jax.lax.scan(
       layer, (h_ntd, cache), (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32))
     )
-    return cache
-  new = {"k": [], "v": []}  # per-layer pools, layers unrolled: every write in place (aepo_jax/rollout/_pages.py)
-  for li in range(config.num_layers):
-    xs = (jax.tree.map(lambda x: x[li], params["layers"]), jnp.int32(li))
-    (h_ntd, c), _ = layer((h_ntd, {"k": cache["k"][li], "v": cache["v"][li]}), xs)
-    new["k"].append(c["k"])
-    new["v"].append(c["v"])
-  return {n: tuple(c) for n, c in new.items()}
+  else:
+    new, experts = {"k": [], "v": []}, []  # per-layer pools, layers unrolled: every write in place (_pages.py)
+    for li in range(config.num_layers):
+      xs = (jax.tree.map(lambda x: x[li], params["layers"]), jnp.int32(li))
+      (h_ntd, c), e = layer((h_ntd, {"k": cache["k"][li], "v": cache["v"][li]}), xs)
+      new["k"].append(c["k"])
+      new["v"].append(c["v"])
+      experts.append(e)
+    cache = {n: tuple(c) for n, c in new.items()}
+    experts_lntk = jnp.stack(experts) if return_routes else None
+  return (cache, _moe.sparse_routes(config, experts_lntk)) if return_routes else cache

@@ -21,6 +21,7 @@ runs the one its index names.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -217,34 +218,60 @@ def mlp(p, x, mm):
   return mm.down(p, swiglu(*mm.gate_up(p, x)))
 
 
-def feed_forward(config: ModelConfig, p, x, mm, mlp_fn=mlp, layer_index=None):
+def feed_forward(
+  config: ModelConfig, p, x, mm, mlp_fn=mlp, layer_index=None, *, routes=None, return_routes: bool = False
+):
   """The layer's MLP on the normed x: the dense `mlp_fn`, the sparse expert block (`_moe.moe`), or, in a model
-  with both kinds, the one `config.moe_layers[layer_index]` names (`layer_index` a traced int32)."""
+  with both kinds, the one `config.moe_layers[layer_index]` names (`layer_index` a traced int32).
+
+  routes [..., k]: the experts a sparse layer replays (`_moe.route`); a dense layer ignores them. return_routes
+  (a model with experts): returns (y, experts [..., k] int32), the experts used; -1 in a dense layer."""
   if not config.has_experts:
     return mlp_fn(p, x, mm)
+  moe = functools.partial(_moe.moe, config, p, x, routes=routes, return_routes=return_routes)
   if not config.has_dense_mlp:
-    return _moe.moe(config, p, x)
+    return moe()
   if layer_index is None:
     raise ValueError("feed_forward: a model with dense and sparse layers needs the layer index.")
-  sparse = jnp.asarray(config.moe_layers)[layer_index]
-  return jax.lax.cond(sparse, lambda: _moe.moe(config, p, x), lambda: mlp_fn(p, x, mm))
+
+  def dense():
+    y = mlp_fn(p, x, mm)
+    return (y, jnp.full((*x.shape[:-1], config.num_experts_per_tok), -1, jnp.int32)) if return_routes else y
+
+  return jax.lax.cond(jnp.asarray(config.moe_layers)[layer_index], moe, dense)
 
 
-def layer(config: ModelConfig, p, x, positions, attention, mm, mlp_fn=mlp, layer_index=None):
+def layer(
+  config: ModelConfig,
+  p,
+  x,
+  positions,
+  attention,
+  mm,
+  mlp_fn=mlp,
+  layer_index=None,
+  *,
+  routes=None,
+  return_routes: bool = False,
+):
   """One pre-norm decoder layer on x [..., D]: x + o(attention(q, k, v)) of the normed x, then x + mlp(norm(x)).
 
   attention(q [..., H, hd], k, v [..., K, hd]) -> (out [..., H, hd], aux): the caller's attention and KV cache;
   mlp_fn(p_mlp, x, mm) (default `mlp`; the modules pass the same forward with a backward rule for training);
-  layer_index: this layer's index (needed only by a model with both dense and sparse layers, `feed_forward`).
-  Returns (x, aux)."""
+  layer_index: this layer's index (needed only by a model with both dense and sparse layers, `feed_forward`);
+  routes / return_routes: the experts to replay / to return, see `feed_forward`.
+  Returns (x, aux), or with return_routes (x, aux, experts [..., k])."""
   eps, dt = config.rms_norm_eps, jnp.dtype(config.dtype)
   a = p["self_attn"]
   q, k, v = attention_inputs(config, a, rms_norm(x, p["input_layernorm"]["scale"], eps, dt), positions, mm)
   out, aux = attention(q, k, v)
   x = x + mm.out(a, out)
   h = rms_norm(x, p["post_attention_layernorm"]["scale"], eps, dt)
-  x = x + feed_forward(config, p["mlp"], h, mm, mlp_fn, layer_index)
-  return x, aux
+  y = feed_forward(config, p["mlp"], h, mm, mlp_fn, layer_index, routes=routes, return_routes=return_routes)
+  if return_routes:
+    y, experts = y
+    return x + y, aux, experts
+  return x + y, aux
 
 
 def embed(embedding, tokens, dtype):

@@ -24,6 +24,11 @@ the same sum (`ModelConfig.moe_impl`, tested equal):
     ragged dot). Faster on CPU at small shapes (docs/performance.md), and a reference.
 'auto' (`resolve_impl`): 'gmm' on TPU, 'dense' on CPU, 'ragged' elsewhere.
 The router logits are computed in float32 (HF: in the compute dtype), so a bf16 model routes as its float32 self.
+
+Routing replay (R3, arXiv 2510.11370): a forward may be given each token's experts ("routes", [..., L_sparse, k],
+the sparse layers in layer order) instead of choosing them, and may return the ones it used: the rollout engine
+records them (`Engine(record_routes=True)`) and the update replays them, so a token goes through the experts it went
+through when sampled whatever the trainer's numerics (`route`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from aepo_jax import parallel
@@ -83,13 +89,47 @@ def router_logits(p, x_nd):
   return x_nd.astype(jnp.float32) @ p["gate"]["kernel"].astype(jnp.float32)
 
 
-def route(config: ModelConfig, logits_ne):
-  """(gates [N, k] float32, experts [N, k] int32): each token's top-k experts and their weights."""
+def route(config: ModelConfig, logits_ne, replay_nk=None):
+  """(gates [N, k] float32, experts [N, k] int32): each token's top-k experts and their weights.
+
+  replay_nk [N, k] (routing replay, R3: arXiv 2510.11370): the experts to use instead of the top k (a token whose row
+  holds a negative index takes its own top k). The gates are this router's probabilities at those experts,
+  renormalised when `norm_topk_prob` as for its own choice, so the router keeps its gradient; R3's softmax over the
+  replayed experts' logits is the same thing for norm_topk_prob (Qwen3-MoE's checkpoints)."""
   probs = jax.nn.softmax(logits_ne, axis=-1)
   gates, experts = jax.lax.top_k(probs, config.num_experts_per_tok)
+  experts = experts.astype(jnp.int32)
+  if replay_nk is not None:
+    replay_nk = jnp.asarray(replay_nk, jnp.int32)
+    experts = jnp.where(jnp.any(replay_nk < 0, axis=-1, keepdims=True), experts, replay_nk)
+    gates = jnp.take_along_axis(probs, experts, axis=-1)
   if config.norm_topk_prob:
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-  return gates, experts.astype(jnp.int32)
+  return gates, experts
+
+
+def sparse_layer_index(config: ModelConfig) -> np.ndarray:
+  """[L] int32: layer i's index among the sparse layers (a dense layer: 0, never read). The routes of a forward are
+  [..., L_sparse, k], the sparse layers in layer order; the layer scans carry them as [L, ..., k]."""
+  return np.maximum(np.cumsum(config.moe_layers) - 1, 0).astype(np.int32)
+
+
+def routes_per_layer(config: ModelConfig, routes_xsk):
+  """Routes [..., L_sparse, k] -> [L, ..., k], the layer axis first for a layer scan (a dense layer gets a sparse
+  layer's routes, which it ignores)."""
+  routes = jnp.asarray(routes_xsk, jnp.int32)
+  num_sparse = sum(config.moe_layers)
+  if routes.shape[-2:] != (num_sparse, config.num_experts_per_tok):
+    raise ValueError(
+      f"routes {routes.shape}: the last two axes must be (sparse layers, num_experts_per_tok) = "
+      f"({num_sparse}, {config.num_experts_per_tok})."
+    )
+  return jnp.moveaxis(routes[..., sparse_layer_index(config), :], -2, 0)
+
+
+def sparse_routes(config: ModelConfig, experts_lxk):
+  """A layer scan's experts [L, ..., k] -> routes [..., L_sparse, k] (the sparse layers only)."""
+  return jnp.moveaxis(experts_lxk[np.flatnonzero(config.moe_layers)], 0, -2)
 
 
 def _expert_weights(p, dtype):
@@ -214,13 +254,16 @@ def experts_dense(p, x_nd, gates_nk, experts_nk, num_experts: int):
 EXPERTS = {"gmm": experts_gmm, "ragged": experts_ragged, "dense": experts_dense}
 
 
-def moe(config: ModelConfig, p, x, impl: str = ""):
-  """The sparse block on x [..., D] in x's dtype: route, then the experts (`impl`, default `resolve_impl`)."""
+def moe(config: ModelConfig, p, x, impl: str = "", *, routes=None, return_routes: bool = False):
+  """The sparse block on x [..., D] in x's dtype: route, then the experts (`impl`, default `resolve_impl`).
+
+  routes [..., k]: replayed experts (`route`'s replay_nk); return_routes: also return the experts used [..., k]."""
   lead, d = x.shape[:-1], x.shape[-1]
   x_nd = x.reshape(-1, d)
-  gates, experts = route(config, router_logits(p, x_nd))
-  y = EXPERTS[impl or resolve_impl(config)](p, x_nd, gates, experts, config.num_experts)
-  return y.reshape(*lead, d)
+  replay = None if routes is None else routes.reshape(-1, routes.shape[-1])
+  gates, experts = route(config, router_logits(p, x_nd), replay)
+  y = EXPERTS[impl or resolve_impl(config)](p, x_nd, gates, experts, config.num_experts).reshape(*lead, d)
+  return (y, experts.reshape(*lead, -1)) if return_routes else y
 
 
 def load_balancing_loss(router_logits_lne, top_k: int, mask_n=None):

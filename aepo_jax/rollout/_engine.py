@@ -58,6 +58,7 @@ class Engine(_SlotOps):
     page_size: int = 64,
     num_pages: int = 0,
     paged_kernel: Optional[str] = None,
+    record_routes: bool = False,
   ):
     """sampling: the settings of every slot; with per_slot_sampling=True, the default of a slot whose `add` gives
     none: each slot then samples with the settings `add` gave it (a server's requests in one decode call).
@@ -72,9 +73,14 @@ class Engine(_SlotOps):
     slots x max_len) or 'auto' (paged on TPU unless slots are split over devices; dense elsewhere, where the CPU
     kernels read dense rows). num_pages 0: enough for every slot at max_len (+ the null page).
     paged_kernel: the paged decode attention: None (JAX's Pallas paged-attention kernel on TPU when head_dim is a
-    multiple of 128, XLA's attention over gathered pages otherwise), '' (XLA's everywhere), 'tpu' or 'interpret' (the kernel in Pallas interpret mode)."""
+    multiple of 128, XLA's attention over gathered pages otherwise), '' (XLA's everywhere), 'tpu' or 'interpret' (the kernel in Pallas interpret mode).
+    record_routes (a model with experts): keep the experts every cached token went to in each sparse layer
+    (`DecodeState.routes`, read with `slot_routes`), for routing replay in the update (R3, arXiv 2510.11370)."""
     if max_slots < 1 or max_len < 2:
       raise ValueError(f"Engine: max_slots={max_slots} must be >= 1 and max_len={max_len} >= 2.")
+    if record_routes and not model_config.has_experts:
+      raise ValueError("Engine(record_routes=True): routes are the experts of a sparse layer; the model has none.")
+    self.record_routes = bool(record_routes)
     self.config = model_config
     self.max_slots, self.max_len = int(max_slots), int(max_len)
     self.eos_ids = tuple(int(e) for e in (model_config.eos_token_ids if eos_ids is None else eos_ids))
@@ -169,7 +175,14 @@ class Engine(_SlotOps):
   # ------------------------------------------------------------------------------------------------
   def _empty_state(self) -> st.DecodeState:
     return st.empty_state(
-      self.config, self.max_slots, self.max_len, self.tail_width, self.cache_dtype, self.page_size, self.num_pages
+      self.config,
+      self.max_slots,
+      self.max_len,
+      self.tail_width,
+      self.cache_dtype,
+      self.page_size,
+      self.num_pages,
+      self.record_routes,
     )
 
   def init_decode_state(self) -> st.DecodeState:
@@ -263,6 +276,18 @@ class Engine(_SlotOps):
     self._check_slots([slot], "slot")
     length = int(jax.device_get(state.length[slot]))
     return np.asarray(jax.device_get(state.tokens[slot, :length]))
+
+  def slot_routes(self, state: st.DecodeState, slot: int) -> np.ndarray:
+    """The experts each token of a slot went to, [length, L_sparse, k] int32 (sparse layers in order), aligned with
+    `slot_tokens`: those its KV entry was computed with; the last token's row is -1 (not run yet: a replay routes
+    it itself). Ready for `model.forward_hidden(..., routes_btsk=...)`. Needs `record_routes=True`."""
+    if state.routes is None:
+      raise ValueError("Engine.slot_routes: the engine does not record routes; build it with record_routes=True.")
+    self._check_slots([slot], "slot")
+    length = int(jax.device_get(state.length[slot]))
+    routes = np.asarray(jax.device_get(state.routes[slot, :length]), np.int32)
+    routes[length - 1 :] = -1
+    return routes
 
   # ------------------------------------------------------------------------------------------------
   # Input checks (before any compute)

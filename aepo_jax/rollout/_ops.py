@@ -33,9 +33,23 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
     write_page = jnp.where(act, table[rows, write_s // ps], _pages.NULL_PAGE)  # inactive rows write nowhere
     state = state.replace(page_table=table, page_refs=refs)
     paged = dict(page_table=table, write_page_s=write_page, paged_kernel=spec.paged_kernel)
-  logits_sv, cache = decode_forward(
-    config, params, state.last_token, write_s, state.cache, spec.attend_len, weights_t=weights_t, **paged
+  record = state.routes is not None  # the experts of the token fed at write_s (its KV entry's), per sparse layer
+  out = decode_forward(
+    config,
+    params,
+    state.last_token,
+    write_s,
+    state.cache,
+    spec.attend_len,
+    weights_t=weights_t,
+    return_routes=record,
+    **paged,
   )
+  logits_sv, cache = out[:2]
+  if record:
+    state = state.replace(
+      routes=state.routes.at[rows, jnp.where(act, write_s, max_len)].set(out[2].astype(st.ROUTES_DTYPE), mode="drop")
+    )
   # spec.sampling None: each slot samples with its own settings (the engine's per-slot mode).
   smp = sample_step(
     logits_sv,
@@ -176,8 +190,18 @@ def fill_chunk(config, chunk: int, attend_len: int, params, state, slots_n, star
   tok_nt = jax.vmap(lambda r, s: jax.lax.dynamic_slice(r, (s,), (chunk,)))(rows_tok, start_n)
   pos_nt = start_n[:, None] + jnp.arange(chunk)[None, :]
   paged = dict(page_table=state.page_table, write_from_n=from_n) if state.paged else {}
-  cache = fill_cache_rows(config, params, tok_nt, pos_nt, state.cache, slots_n, start_n, attend_len, **paged)
-  return state.replace(cache=cache)
+  record = state.routes is not None
+  out = fill_cache_rows(
+    config, params, tok_nt, pos_nt, state.cache, slots_n, start_n, attend_len, return_routes=record, **paged
+  )
+  if not record:
+    return state.replace(cache=out)
+  # The chunk's experts where its KV entries are written: paged, from the page holding from_n on; below max_len.
+  max_len = state.tokens.shape[1]
+  first_n = start_n if from_n is None else jnp.maximum(start_n, from_n // state.page_size * state.page_size)
+  put_nt = jnp.where(pos_nt >= first_n[:, None], pos_nt, max_len)
+  routes = state.routes.at[slots_n[:, None], put_nt].set(out[1].astype(st.ROUTES_DTYPE), mode="drop")
+  return state.replace(cache=out[0], routes=routes)
 
 
 # ----------------------------------------------------------------------------------------------------

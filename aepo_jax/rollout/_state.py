@@ -16,6 +16,8 @@ from aepo_jax.model import init_cache
 from aepo_jax.rollout import _pages
 from aepo_jax.rollout._sampling import SlotSampling
 
+ROUTES_DTYPE = jnp.int16  # expert indices (< 32768 experts), half the bytes of int32
+
 # stop_reason codes (contract: docs/rollout_contract.md)
 RUNNING, STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_CACHE_FULL, STOP_NO_PAGES = 0, 1, 2, 3, 4, 5
 STOP_REASON_NAMES = {
@@ -53,6 +55,10 @@ class DecodeState:
   sampling: SlotSampling  # [S] each: the slot's own sampling settings (set by add; read in per-slot mode)
   page_table: jax.Array = None  # [S, ceil(max_len / page_size)] int32 page ids (paged layout; None when dense)
   page_refs: jax.Array = None  # [pages] int32 slots holding each page (paged layout; None when dense)
+  # [S, max_len, L_sparse, k] int16: the experts the token at each position went to in each sparse layer, written
+  # where its KV entry is written (prefill, extend, decode), so routes[:length - 1] are those of the cached tokens
+  # (routing replay, `Engine(record_routes=True)`; None otherwise).
+  routes: jax.Array = None
 
   @property
   def paged(self) -> bool:
@@ -81,9 +87,17 @@ class StepOutputs:
 
 
 def empty_state(
-  config, max_slots: int, max_len: int, tail_width: int, cache_dtype=None, page_size: int = 0, num_pages: int = 0
+  config,
+  max_slots: int,
+  max_len: int,
+  tail_width: int,
+  cache_dtype=None,
+  page_size: int = 0,
+  num_pages: int = 0,
+  record_routes: bool = False,
 ) -> DecodeState:
-  """page_size 0: the dense layout; else a pool of `num_pages` pages (page 0 the null page, see _pages.py)."""
+  """page_size 0: the dense layout; else a pool of `num_pages` pages (page 0 the null page, see _pages.py).
+  record_routes (a model with experts): the `routes` buffer."""
   s = max_slots
 
   def zi():  # a fresh buffer per field: the state is donated, and a buffer may not be donated twice
@@ -122,6 +136,9 @@ def empty_state(
     sampling=SlotSampling.filled(s),
     page_table=table,
     page_refs=refs,
+    routes=jnp.zeros((s, max_len, sum(config.moe_layers), config.num_experts_per_tok), ROUTES_DTYPE)
+    if record_routes
+    else None,
   )
 
 
