@@ -286,9 +286,12 @@ def sweep(spec: dict) -> None:
       bar.update(start + _logged_steps(run) - bar.n)
       bar.set_postfix_str(eta(run))
 
+    logged_before = _logged_steps(run)  # a resumed run: only the steps this process ran time the ETA
     seconds = execute(run, poll)
     bar.update(start + _steps_of(run) - bar.n)
-    per_step[run["kind"]].append(seconds / max(_steps_of(run), 1))
+    ran = _logged_steps(run) - logged_before
+    if ran > 0:
+      per_step[run["kind"]].append(seconds / ran)
     bar.write(f"{label}: {seconds / 60:.1f} min; {eta()}")
     if run["kind"] == "rl" and not spec["keep_checkpoints"]:
       shutil.rmtree(os.path.join(run["config"].workdir, "checkpoints"), ignore_errors=True)
