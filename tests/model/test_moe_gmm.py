@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import os
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from aepo_jax import model, parallel, testing
 from aepo_jax.model import _moe
 
+import test_moe
+
 REL = 1e-5  # max |Δ| / max |reference|, float32, gmm against ragged and dense (values and every gradient)
 # bfloat16 x, weights and outputs: 2^-8 per rounding, a few of them; measured 0 (the same sums, the same roundings)
 REL_BF16 = 1e-2
@@ -28,16 +31,8 @@ SMALL_TILES = (16, 128, 128)  # several row tiles per matmul, groups starting an
 
 
 def _expert_params(d, e, f, seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-  normal = lambda k, s: 0.1 * jax.random.normal(k, s, jnp.float32)  # noqa: E731
-  return {
-    "gate": {"kernel": normal(ks[0], (d, e))},
-    "experts": {
-      "gate_proj": {"kernel": normal(ks[1], (e, d, f))},
-      "up_proj": {"kernel": normal(ks[2], (e, d, f))},
-      "down_proj": {"kernel": normal(ks[3], (e, f, d))},
-    },
-  }
+  shape = types.SimpleNamespace(hidden_size=d, num_experts=e, moe_intermediate_size=f)
+  return test_moe._expert_params(shape, seed)
 
 
 def _block_shardings(config, mesh):
