@@ -96,17 +96,19 @@ def aggregate(loss_bt, mask_bt, mode: str = "token-mean", normalizer=None):
   m = as_mask(mask_bt)
   if loss_bt.shape != m.shape:
     raise ValueError(f"loss_bt {loss_bt.shape} and mask_bt {m.shape} must have the same [B, T] shape")
+  per_seq = mode == "seq-mean-token-mean"
   if normalizer is not None and jnp.ndim(normalizer) == 1:  # one denominator per row (verl's dynamic micro-batches)
-    if mode == "seq-mean-token-mean":
-      row_b = masked_sum(loss_bt, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
-    else:
-      row_b = masked_sum(loss_bt, m, axis=-1)
+    row_b = _seq_means(loss_bt, m) if per_seq else masked_sum(loss_bt, m, axis=-1)
     return jnp.sum(jnp.where(normalizer > 0, row_b / jnp.where(normalizer > 0, normalizer, 1.0), 0.0))
   denom = loss_normalizer(m, mode) if normalizer is None else normalizer
-  if mode == "seq-mean-token-mean":
-    per_seq_b = masked_sum(loss_bt, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
-    return jnp.sum(per_seq_b) / denom
+  if per_seq:
+    return jnp.sum(_seq_means(loss_bt, m)) / denom
   return masked_sum(loss_bt, m) / denom
+
+
+def _seq_means(loss_bt, m):
+  """Each row's mean over its valid tokens (0 for an empty row)."""
+  return masked_sum(loss_bt, m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0)
 
 
 def dynamic_bsz_scale(micro_mask_bt, minibatch_num_sequences):
