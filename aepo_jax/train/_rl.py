@@ -32,6 +32,17 @@ def phase(run: Run, params):
   # The KL reference is the RL start (the SFT result or the loaded model), also when the run resumes.
   state, ref_params = resume(run, ckpt, params, optimizer, t.seed, keep_start=needs_reference(config))
   start, meta = state.step, state.meta
+  if start >= total and start and _after_rl_pending(config, start):
+    # Stopped after its last step was saved but before the after-RL evaluation finished (a kill or preemption
+    # inside it): finish that evaluation, nothing else.
+    log.info("RL finished at step %d; its after-RL evaluation did not: evaluating", start)
+    validation = _validation.Validation(run, _wiring.make_toolset(config))
+    try:
+      summary = _after_rl(validation, config, state.params, start)
+    finally:
+      validation.close()
+      ckpt.close()
+    return state.params, {**summary, "rl/steps": start}
   if start >= total:
     ckpt.close()
     raise NothingToDo(
@@ -199,11 +210,37 @@ def phase(run: Run, params):
       break
   bar.close()
   if not run.preempt.requested and config.eval.after_rl and config.data.val:
-    summary.update({f"after_rl/{k}": v for k, v in validation(params, step, "after_rl").items()})
+    summary.update(_after_rl(validation, config, params, step))
   validation.close()
   ckpt.close()
   summary["rl/steps"] = step
   return params, summary
+
+
+def _after_rl_marker(config, step: int):
+  from etils import epath
+
+  return epath.Path(f"{str(config.workdir).rstrip('/')}/eval/after_rl_{step}.done")
+
+
+def _after_rl(validation, config, params, step: int) -> dict:
+  """The after-RL evaluation, then its marker (workdir/eval/after_rl_<step>.done, process 0): a run stopped inside
+  the evaluation finishes it when resumed."""
+  summary = {f"after_rl/{k}": v for k, v in validation(params, step, "after_rl").items()}
+  if jax.process_index() == 0:
+    marker = _after_rl_marker(config, step)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("finished\n")
+  return summary
+
+
+def _after_rl_pending(config, step: int) -> bool:
+  """Whether a run that finished its steps still owes its after-RL evaluation (eval.after_rl with validation data,
+  and no marker), as process 0 sees it: every host takes the same branch."""
+  if not (config.eval.after_rl and config.data.val):
+    return False
+  pending = not _after_rl_marker(config, step).exists() if jax.process_index() == 0 else False
+  return bool(parallel.allgather_json(pending)[0])
 
 
 def _stop_kw(should_stop) -> dict:

@@ -1,0 +1,67 @@
+"""A run stopped inside its after-RL evaluation (its last step already saved) finishes that evaluation when the same
+command runs again, and trains nothing; once it has, a rerun says there is nothing to do. Before, the rerun found the
+steps done and stopped, and the after-RL evaluation's missing part (e.g. its Pass@k sampling) was silently lost.
+
+The driver is the trainer's entry on configs/testing/tiny_rl.py (RL only, real tools, random tiny model); the stop is
+an exception raised by the evaluation of phase 'after_rl', as a kill there would leave it."""
+
+import json
+import os
+
+import pytest
+
+from aepo_jax.train import _validation, load_config, run
+from aepo_jax.train._trainer import NothingToDo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+  from aepo_jax.testing import tiny_tokenizer
+
+  return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _config(workdir, tok_dir):
+  overrides = {
+    "workdir": str(workdir),
+    "model.tokenizer": tok_dir,
+    "mode": "rl",
+    "sft.enabled": False,
+    "train.steps": 1,
+    "eval.before_rl": False,
+    "eval.after_rl": True,
+  }
+  return load_config(os.path.join(ROOT, "configs", "testing", "tiny_rl.py"), overrides=overrides)
+
+
+def _rows(workdir):
+  return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+def test_a_run_stopped_inside_its_after_rl_evaluation_finishes_it_on_rerun(tmp_path, tok_dir, monkeypatch):
+  workdir = tmp_path / "run"
+  evaluate = _validation.Validation.__call__
+
+  def stopped(self, params, step, phase="rl"):
+    if phase == "after_rl":
+      raise KeyboardInterrupt("stopped inside the after-RL evaluation")
+    return evaluate(self, params, step, phase)
+
+  monkeypatch.setattr(_validation.Validation, "__call__", stopped)
+  with pytest.raises(KeyboardInterrupt):
+    run(_config(workdir, tok_dir))
+  monkeypatch.setattr(_validation.Validation, "__call__", evaluate)
+  trained = [r for r in _rows(workdir) if "reward/mean" in r]
+  assert [r["step"] for r in trained] == [1]
+  assert not (workdir / "eval" / "after_rl_1.jsonl").exists()
+
+  summary = run(_config(workdir, tok_dir))  # the same command: the evaluation, no training
+  assert summary["rl/steps"] == 1
+  assert any(k.startswith("after_rl/eval/") for k in summary), sorted(summary)
+  assert (workdir / "eval" / "after_rl_1.jsonl").exists() and (workdir / "eval" / "after_rl_1.done").exists()
+  assert [r for r in _rows(workdir) if "reward/mean" in r] == trained  # no step trained again
+
+  with pytest.raises(NothingToDo, match="already finished at step 1"):
+    run(_config(workdir, tok_dir))
