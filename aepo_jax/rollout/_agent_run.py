@@ -324,6 +324,15 @@ class _Scheduling:
     slots = [s for s in slots if s in run.slot_rec]
     if not slots:
       return
+    # Routing replay (Engine(record_routes=True)): a record takes its slot's routes at every release (end, round
+    # close, eviction, preemption), the last one winning: a trajectory re-prefilled after an eviction keeps the routes
+    # of the recomputed KV, which its latest tokens attended to (those sampled before attended to the first one's:
+    # one route per position, the newest). A fork's slot carries its parent's routes with the copied KV.
+    if getattr(self.engine, "record_routes", False):
+      for s in slots:
+        rec = run.records[run.slot_rec[s]]
+        if rec.kind != "probe":
+          rec.routes = self.engine.slot_routes(run.state, s)
     run.state = self.engine.release(run.state, slots)
     for s in slots:
       run.records[run.slot_rec.pop(s)].slot = -1

@@ -284,9 +284,9 @@ class Engine(_SlotOps):
     if state.routes is None:
       raise ValueError("Engine.slot_routes: the engine does not record routes; build it with record_routes=True.")
     self._check_slots([slot], "slot")
-    length = int(jax.device_get(state.length[slot]))
-    routes = np.asarray(jax.device_get(state.routes[slot, :length]), np.int32)
-    routes[length - 1 :] = -1
+    length, row = jax.device_get((state.length[slot], state.routes[slot]))  # the whole row: one program, any length
+    routes = np.asarray(row[: int(length)], np.int32)
+    routes[int(length) - 1 :] = -1
     return routes
 
   # ------------------------------------------------------------------------------------------------

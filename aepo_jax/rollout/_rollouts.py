@@ -51,6 +51,7 @@ class RolloutSettings:
   max_calls_per_turn: int = 1  # the official engine's continuation of a call that hit max_tokens_per_call
   sample_timeout_s: float = 0.0  # wall-clock seconds per trajectory, then it ends ('timeout'); 0: no limit
   dtype: Optional[str] = None  # rollout weights' dtype (None: the model config's param_dtype)
+  record_routes: bool = False  # keep each token's experts (a model with experts; routing replay, Trajectories)
 
   def __post_init__(self):
     for key in ("max_slots", "max_prompt_len", "max_response_len", "chunk_steps", "max_calls_per_turn"):
@@ -103,6 +104,7 @@ def build_engine(
     kv_layout=settings.kv_layout,
     page_size=settings.page_size,
     num_pages=num_pages_for(settings.kv_tokens, settings.page_size),
+    record_routes=settings.record_routes,
   )
 
 
@@ -122,6 +124,7 @@ def describe_engine(engine: Engine) -> dict:
     "page_size": engine.page_size,
     "num_pages": engine.num_pages,
     "param_dtype": str(engine.config.param_dtype),
+    "record_routes": engine.record_routes,
   }
 
 

@@ -66,6 +66,9 @@ class TrajectoryRecord:
   # (one mark per weight update a trajectory lives through; partial rollouts, aepo_jax.rollout.PartialRollouts).
   version_marks: list = dataclasses.field(default_factory=list)
   started: float = 0.0  # time.monotonic() after its first decode chunk (AgentConfig.sample_timeout_s); 0: not yet
+  # [len(prompt) + tokens held, L_sparse, k] int32: the experts of prompt + response tokens as its slot held them
+  # when last released (`Engine.slot_routes`; -1: not run); None unless the engine records routes.
+  routes: Optional[np.ndarray] = None
 
   @property
   def response_len(self) -> int:
@@ -148,6 +151,10 @@ class Trajectories:
   response_text: list
   kind_b: list
   stats: dict
+  # [N, T, L_sparse, k] int32: the experts each token went to in each sparse layer in the rollout (routing replay,
+  # `Engine(record_routes=True)`), -1 on padding and where none was recorded (the update routes those itself);
+  # None when the engine does not record routes.
+  routes_btsk: Optional[np.ndarray] = None
 
   def __len__(self) -> int:
     return int(self.tokens_bt.shape[0])
@@ -202,7 +209,21 @@ def assemble(
     response_text=[decode(r.tokens) if decode is not None else "" for r in records],
     kind_b=[r.kind for r in records],
     stats=dict(stats or {}),
+    routes_btsk=_routes(records, t, total),
   )
+
+
+def _routes(records, t: int, total: list) -> Optional[np.ndarray]:
+  """[N, T, L_sparse, k] int32 of the records' routes (-1 where none), or None when no record has any."""
+  held = [r.routes for r in records if r.routes is not None]
+  if not held:
+    return None
+  out = np.full((len(records), t) + held[0].shape[1:], -1, np.int32)
+  for i, r in enumerate(records):
+    if r.routes is not None:
+      n = min(len(r.routes), total[i])
+      out[i, :n] = r.routes[:n]
+  return out
 
 
 def concat_groups(parts: list, *, pad_id: int) -> Trajectories:
@@ -233,12 +254,16 @@ def concat_groups(parts: list, *, pad_id: int) -> Trajectories:
         gid.append(new_g)
       new_g += 1
 
-  def stack(name, fill, dtype):
-    out = np.full((len(rows), width), fill, dtype)
+  def stack(name, fill, dtype, trailing=()):
+    out = np.full((len(rows), width) + tuple(trailing), fill, dtype)
     for i, (tr, r) in enumerate(rows):
-      x = np.asarray(getattr(tr, name))[r]
-      out[i, : x.shape[0]] = x
+      x = getattr(tr, name)
+      if x is not None:  # routes: -1 for a part that has none
+        x = np.asarray(x)[r]
+        out[i, : x.shape[0]] = x
     return out
+
+  with_routes = [tr.routes_btsk for tr, _ in parts if tr.routes_btsk is not None]
 
   def pick(name, dtype=None):
     vals = [getattr(tr, name)[r] for tr, r in rows]
@@ -260,4 +285,5 @@ def concat_groups(parts: list, *, pad_id: int) -> Trajectories:
     response_text=pick("response_text"),
     kind_b=pick("kind_b"),
     stats=dict(parts[0][0].stats),
+    routes_btsk=stack("routes_btsk", -1, np.int32, with_routes[0].shape[2:]) if with_routes else None,
   )

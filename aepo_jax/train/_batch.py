@@ -9,6 +9,8 @@ Every array of a batch is aligned with `tokens` (column t describes token t, as 
   old_log_prob    float32  log-prob of token t under the rollout policy (RL; filled by `make_logprob_fn`)
   ref_log_prob    float32  reference-policy log-prob (RL with a KL term)
   sampler_log_prob float32 the engine's log-prob (for sampler/trainer mismatch metrics)
+  routes          int32    [.., T, L_sparse, k]: the experts token t went to in each sparse layer in the rollout
+                           (routing replay, algo.routing_replay='rollout'), -1 on padding and where none was recorded
 Rows are padded up to whole micro-batches with empty rows (all masks 0), which no aggregation counts.
 `T` is padded to `seq_len` so one compiled step serves every batch. Batches are numpy until
 `shard_batch` puts them on the mesh; in a multi-process run each process keeps the rows its devices hold
@@ -29,9 +31,11 @@ from jax.sharding import PartitionSpec
 from aepo_jax import parallel
 from aepo_jax.parallel import DEFAULT_RULES, logical_to_mesh
 
-_INT_KEYS = ("tokens", "attention_mask", "loss_mask", "segment_ids")
+_INT_KEYS = ("tokens", "attention_mask", "loss_mask", "segment_ids", "routes")
+_FILL = {"routes": -1}  # padding of a key other than tokens (pad_id) and 0
 
-# A batch is [micro-batch index, rows, T]; rows are split over the batch mesh axes.
+# A batch is [micro-batch index, rows, T, ...]; rows are split over the batch mesh axes, trailing axes (routes'
+# L_sparse, k) replicated.
 BATCH_LOGICAL_SPEC = PartitionSpec(None, "batch", None)
 
 
@@ -48,7 +52,9 @@ def micro_batches(
   rows_multiple: int = 1,
   seq_multiple: int = 64,
 ) -> dict[str, np.ndarray]:
-  """{name: [N, T]} -> {name: [K, micro_batch_size, seq_len]}, K·micro_batch_size a multiple of rows_multiple.
+  """{name: [N, T, ...]} -> {name: [K, micro_batch_size, seq_len, ...]}, K·micro_batch_size a multiple of
+  rows_multiple. Trailing axes (routes [N, T, L_sparse, k]) are kept; padding is pad_id for tokens, -1 for routes,
+  else 0.
 
   seq_len: the padded length T (default: the longest row rounded up to `seq_multiple`). Give a fixed
   value in training so every step has the same shape and the update step compiles once.
@@ -60,8 +66,8 @@ def micro_batches(
     raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1")
   n, t = np.shape(arrays_nt["tokens"])
   for name, x in arrays_nt.items():
-    if np.shape(x) != (n, t):
-      raise ValueError(f"batch array {name!r} has shape {np.shape(x)}; every array must be [N={n}, T={t}]")
+    if np.shape(x)[:2] != (n, t):
+      raise ValueError(f"batch array {name!r} has shape {np.shape(x)}; every array must be [N={n}, T={t}, ...]")
   if n == 0:
     raise ValueError("micro_batches got 0 rows; there is nothing to train on")
   mask = np.asarray(arrays_nt.get("attention_mask", np.ones((n, t))))
@@ -79,10 +85,10 @@ def micro_batches(
   for name, x in arrays_nt.items():
     x = np.asarray(x)[:, : min(t, seq_len)]
     dtype = np.int32 if name in _INT_KEYS else np.float32
-    fill = pad_id if name == "tokens" else 0
-    padded = np.full((n_pad, seq_len), fill, dtype)
+    fill = pad_id if name == "tokens" else _FILL.get(name, 0)
+    padded = np.full((n_pad, seq_len) + x.shape[2:], fill, dtype)
     padded[:n, : x.shape[1]] = x
-    out[name] = padded.reshape(n_pad // micro_batch_size, micro_batch_size, seq_len)
+    out[name] = padded.reshape((n_pad // micro_batch_size, micro_batch_size, seq_len) + x.shape[2:])
   return out
 
 
@@ -102,6 +108,7 @@ def trajectories_batch(
   `old_log_prob` is left out: recompute it with `make_logprob_fn` on the device batch (spec §1.5: verl's
   actor recomputes old log-probs; the sampler's are kept as `sampler_log_prob` for mismatch metrics).
   layout: a `_verl_batching.VerlLayout`: the rows in its order, with its per-row `loss_denominator` (every column).
+  `routes` [K, mb, T, L_sparse, k] comes along when the trajectories hold them (`routes_btsk`, routing replay).
   """
   tokens = np.asarray(_field(traj, "tokens_bt"))
   arrays = {
@@ -113,6 +120,9 @@ def trajectories_batch(
   }
   if ref_log_prob_bt is not None:
     arrays["ref_log_prob"] = np.asarray(ref_log_prob_bt, np.float32)
+  routes = traj.get("routes_btsk") if isinstance(traj, Mapping) else getattr(traj, "routes_btsk", None)
+  if routes is not None:
+    arrays["routes"] = np.asarray(routes, np.int32)
   if layout is not None:
     arrays = {k: v[layout.order] for k, v in arrays.items()}
     arrays["loss_denominator"] = np.broadcast_to(layout.denominator[:, None], tokens.shape).astype(np.float32)
@@ -218,7 +228,8 @@ def split_updates(batch: Mapping[str, jax.Array], micro_batches_per_update: int)
 
 
 def batch_sharding(mesh, rules=DEFAULT_RULES):
-  """NamedSharding of every [K, mb, T] batch array: rows over the batch axes ('data', 'fsdp')."""
+  """NamedSharding of every [K, mb, T, ...] batch array: rows over the batch axes ('data', 'fsdp'), the rest
+  replicated."""
   return jax.sharding.NamedSharding(mesh, logical_to_mesh(BATCH_LOGICAL_SPEC, rules))
 
 
@@ -298,6 +309,11 @@ _ROW_FIELDS = (
 )
 
 
+def _row_fields(traj) -> tuple:
+  """The per-row fields of `traj` and their padding (routes when the rollout recorded them)."""
+  return _ROW_FIELDS + ((("routes_btsk", -1),) if getattr(traj, "routes_btsk", None) is not None else ())
+
+
 def gather_trajectories(traj, rewards_b, *, pad_id: int):
   """(trajectories, rewards) of every host, concatenated in process order, on every host (a few small collectives
   per RL step, none inside a rollout). Each host rolled out its own prompts on its own devices; from here on every
@@ -312,14 +328,14 @@ def gather_trajectories(traj, rewards_b, *, pad_id: int):
   sizes = np.asarray(multihost_utils.process_allgather(np.asarray([n, t], np.int64))).reshape(-1, 2)
   rows, width = int(sizes[:, 0].max()), int(sizes[:, 1].max())
   hosts: list = [dict() for _ in range(len(sizes))]
-  fields = [(name, pad_id if fill is None else fill, getattr(traj, name)) for name, fill in _ROW_FIELDS]
+  fields = [(name, pad_id if fill is None else fill, getattr(traj, name)) for name, fill in _row_fields(traj)]
   for name, fill, x in fields + [("rewards", 0, np.asarray(rewards_b, np.float32))]:
     x = np.asarray(x)
-    padded = np.full((rows,) + ((width,) if x.ndim == 2 else ()), fill, x.dtype)
+    padded = np.full((rows,) + ((width,) + x.shape[2:] if x.ndim >= 2 else ()), fill, x.dtype)
     padded[tuple(slice(0, k) for k in x.shape)] = x
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape((len(sizes),) + padded.shape)
     for p, host in enumerate(hosts):
-      host[name] = every[p, : sizes[p, 0], : sizes[p, 1]] if x.ndim == 2 else every[p, : sizes[p, 0]]
+      host[name] = every[p, : sizes[p, 0], : sizes[p, 1]] if x.ndim >= 2 else every[p, : sizes[p, 0]]
   stats = parallel.allgather_json(dict(traj.stats))
   parts = [
     dataclasses.replace(traj, stats=s, **{k: v for k, v in h.items() if k != "rewards"}) for h, s in zip(hosts, stats)
@@ -337,13 +353,13 @@ def merge_hosts(parts: Sequence, *, pad_id: int):
   group_off, row_off = np.cumsum([0] + groups)[:-1], np.cumsum([0] + rows)[:-1]
   width = max(np.shape(tr.tokens_bt)[1] for tr in parts)
   out = {}
-  for name, fill in _ROW_FIELDS:
+  for name, fill in _row_fields(parts[0]):
     fill = pad_id if fill is None else fill
     xs = []
     for tr, g0, r0 in zip(parts, group_off, row_off):
       x = np.asarray(getattr(tr, name))
-      if x.ndim == 2:
-        x = np.concatenate([x, np.full((x.shape[0], width - x.shape[1]), fill, x.dtype)], axis=1)
+      if x.ndim >= 2:
+        x = np.concatenate([x, np.full((x.shape[0], width - x.shape[1]) + x.shape[2:], fill, x.dtype)], axis=1)
       if name == "group_id_b":
         x = x + g0
       elif name == "parent_b":

@@ -250,11 +250,14 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
 
   b_sh = batch_sharding(mesh)
 
+  # routes (routing replay): the experts of each token in each sparse layer, [k, rows, length, L_sparse, top-k]
+  routes_axes = (sum(model_cfg.moe_layers), model_cfg.num_experts_per_tok)
+
   def batch(k, keys, rows=t.micro_batch_size, length=seq_len):
     return {
       name: jax.ShapeDtypeStruct(
-        (k, rows, length),
-        jnp.int32 if name in ("tokens", "attention_mask", "loss_mask", "segment_ids") else jnp.float32,
+        (k, rows, length) + (routes_axes if name == "routes" else ()),
+        jnp.int32 if name in ("tokens", "attention_mask", "loss_mask", "segment_ids", "routes") else jnp.float32,
         sharding=b_sh,
       )
       for name in keys
@@ -279,13 +282,14 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
     )
 
   if "logprob" in programs:
-    fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
+    replay = a.routing_replay == "rollout"
+    fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature, with_routes=replay)
     rows = config.data.prompts_per_step * r.n
     k = -(-rows // (t.micro_batch_size * mb_per_update)) * mb_per_update
-    b = batch(k, ["tokens", "attention_mask"])
+    b = batch(k, ["tokens", "attention_mask"] + (["routes"] if replay else []))
     out["programs"]["logprob"] = _memory(
       "logprob",
-      fn.lower(params, b["tokens"], b["attention_mask"]),
+      fn.lower(params, b["tokens"], b["attention_mask"], *([b["routes"]] if replay else [])),
       opt_gb + ref_gb,
       len(devices),
       params_gb + _per_chip_gb(b),

@@ -93,6 +93,36 @@ def _model_override_errors(config) -> list[str]:
   return errs
 
 
+ROUTING_REPLAY = ("none", "rollout")
+
+
+def routing_replay_error(model_name: str) -> str:
+  return (
+    f"algo.routing_replay='rollout' replays the experts of sparse layers, and the model {model_name!r} has none; "
+    "set algo.routing_replay='none' (a dense model has no routing to replay)."
+  )
+
+
+def model_has_experts(config) -> Optional[bool]:
+  """Whether config.model has sparse (expert) layers, where its shape is known without loading it: a preset
+  (model.shape or model.name) or a local Hugging Face directory's config.json, with model.overrides; None otherwise
+  (the trainer checks again once the model config is built)."""
+  import os
+
+  from aepo_jax import model as model_lib
+
+  mc = config.model
+  name = str(mc.shape or mc.name)
+  try:
+    if name in model_lib.PRESETS:
+      return model_lib.preset(name, **dict(mc.overrides)).has_experts
+    if os.path.isfile(os.path.join(name, "config.json")):
+      return model_lib.read_hf_config(name).replace(**dict(mc.overrides)).has_experts
+  except (ValueError, OSError, TypeError):  # a bad override or file: reported by its own check
+    return None
+  return None
+
+
 def mesh_shape(mesh_cfg, num_devices: int) -> dict:
   """The (data, fsdp, tensor) sizes for `num_devices`, resolving one -1; raises ConfigError naming the key."""
   sizes = {a: int(mesh_cfg[a]) for a in ("data", "fsdp", "tensor")}
@@ -268,6 +298,12 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
       f"algo.verl_max_token_len={a.verl_max_token_len}: verl needs room for the longest row ({longest} = "
       "rollout.max_prompt_len + max_response_len); raise it, or 0 for 2 x that.",
     )
+  need(
+    a.routing_replay in ROUTING_REPLAY,
+    f"algo.routing_replay={a.routing_replay!r}: use one of {ROUTING_REPLAY} ('rollout': a model with experts).",
+  )
+  if a.routing_replay == "rollout" and model_has_experts(config) is False:
+    errs.append(routing_replay_error(config.model.shape or config.model.name))
   need(
     a.off_policy_cap == 0 or (a.off_policy_cap >= 1 if a.off_policy == "tis" else a.off_policy_cap > 1),
     f"algo.off_policy_cap={a.off_policy_cap}: a cap on pi_old/pi_sampler must be "

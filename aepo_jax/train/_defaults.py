@@ -188,6 +188,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.algo.max_num_gen_batches = 10
   c.algo.overlong_buffer = 0  # DAPO overlong shaping; 0 = off
   c.algo.overlong_factor = 1.0
+  # Routing replay for a model with experts (R3, arXiv 2510.11370): none | rollout (the engine records the experts
+  # each token went to in each sparse layer, and the old-log-prob recomputation and the update route every token
+  # through those experts, the gates still the current router's probabilities at them, so the router keeps learning;
+  # the reference log-probs keep their own routing). Use it for an MoE policy whose engine and trainer numerics differ
+  # (bf16 rollouts, another kernel, partial rollouts): a flipped top-k there moves a token's log-prob by a whole
+  # expert and destabilises RL. Costs 4 x L_sparse x k bytes per token in the batch. A dense model refuses 'rollout'.
+  c.algo.routing_replay = "none"
 
   c.optim = ml_collections.ConfigDict()
   c.optim.lr = 1e-6

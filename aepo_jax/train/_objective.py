@@ -161,6 +161,8 @@ def update_batch_keys(config) -> list:
     keys.append("sampler_log_prob")
   if a.verl_dynamic_bsz:
     keys.append("loss_denominator")
+  if a.routing_replay == "rollout":
+    keys.append("routes")
   return keys
 
 

@@ -15,6 +15,7 @@ from aepo_jax import checkpoint as _checkpoint
 from aepo_jax import parallel
 from aepo_jax.rollout import RolloutInterrupted
 from aepo_jax.train import _batch, _inputs, _metrics, _objective, _optim, _step, _validation, _wiring
+from aepo_jax.train._config_checks import ConfigError, routing_replay_error
 from aepo_jax.train._phase import NothingToDo, Run, TrainState, check_finite, needs_reference, resume, save
 
 log = logging.getLogger("aepo_jax.train")
@@ -25,6 +26,8 @@ def phase(run: Run, params):
   during and after as eval.* says: (params, summary)."""
   config, model_cfg, tokenizer, mesh, writer = run.config, run.model_cfg, run.tokenizer, run.mesh, run.writer
   t, r, a = config.train, config.rollout, config.algo
+  if a.routing_replay == "rollout" and not model_cfg.has_experts:  # validate() cannot tell for every model.name
+    raise ConfigError(routing_replay_error(config.model.name))
   ckpt = run.checkpointer("rl")
   loader, num_train = _inputs.prompt_loader(config, tokenizer)
   total = t.steps or t.epochs * math.ceil(num_train / config.data.prompts_per_step)
@@ -72,7 +75,8 @@ def phase(run: Run, params):
   seq_len = r.max_prompt_len + r.max_response_len
   mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
   update_step = _objective.make_rl_update_step(config, model_cfg, optimizer, mesh)
-  logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature)
+  replay = a.routing_replay == "rollout"
+  logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature, with_routes=replay)
 
   validation = _validation.Validation(run, tools)  # its rollout and judge are built on first use
   params, opt_state, rng = state.params, state.opt_state, state.rng
@@ -143,10 +147,14 @@ def phase(run: Run, params):
         rows_multiple=rows_multiple,
         layout=layout,
       )
+      if replay:
+        gen_metrics.update(routing_replay_metrics(traj))
       batch = _batch.shard_batch(_batch.process_rows(batch_np, mesh), mesh)
-      batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"])
+      # Routing replay: pi_old through the rollout's experts too; the reference keeps its own routing (None).
+      routes, own = ((batch["routes"],), (None,)) if replay else ((), ())
+      batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"], *routes)
       if ref_params is not None:
-        batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"])
+        batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"], *own)
       mismatch = _step.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"], batch["loss_mask"])
     if a.kl.use_in_reward:  # verl apply_kl_penalty: token rewards -coef * KL(old, ref), then the advantages again
       with timer("reward"):
@@ -257,6 +265,20 @@ def _save_step_start(run: Run, ckpt, state: TrainState, data_state, nan_count: i
   log.warning("preempted during the rollout of RL step %d: saving step %d.", state.step + 1, state.step)
   extra = {"phase": "rl", "nan_count": nan_count, "tokens_total": perf.tokens_total}
   save(run, ckpt, state, data_state, extra, force=True)
+
+
+def routing_replay_metrics(traj) -> dict:
+  """train/routing_replay_token_fraction: the share of the step's tokens (prompt and response) that go through the
+  rollout's experts in the update (the rest, each row's last token and tool results appended after its slot was
+  released, route themselves). Raises when the rollout recorded no routes."""
+  if traj.routes_btsk is None:
+    raise RuntimeError(
+      "algo.routing_replay='rollout' but the rollout returned no routes (Trajectories.routes_btsk is None): its "
+      "engine does not record them (Engine(record_routes=True), rollout_settings(record_routes=))."
+    )
+  attended = np.asarray(traj.attention_mask_bt) > 0
+  replayed = attended & (np.asarray(traj.routes_btsk)[..., 0, 0] >= 0)
+  return {"train/routing_replay_token_fraction": float(replayed.sum() / max(attended.sum(), 1))}
 
 
 def host_rollout_metrics(rollout_s: float, trajectories: int, step: int) -> dict:

@@ -114,13 +114,17 @@ def next_token_logprobs(
   where_bt=None,
   capacity: int = 0,
   saved_logits_mb: float = 0.0,
+  routes_btsk=None,
 ):
   """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target).
   With `segment_ids_bt` (packed rows) the column before a segment's first token is meaningless too; callers mask
   it (an SFT segment starts with untrained prompt tokens). where_bt / capacity: only those columns are computed
   (the others are 0), see `objectives.token_logprobs_and_entropy`. saved_logits_mb: a backward pass keeps the
-  float32 logits of the forward when they take at most this many MiB (else it recomputes them)."""
-  h_btd = forward_hidden(model_config, params, tokens_bt, None, attention_mask_bt, segment_ids_bt)
+  float32 logits of the forward when they take at most this many MiB (else it recomputes them). routes_btsk
+  [B, T, L_sparse, k]: routing replay (a model with experts), each token through these experts (-1: its own)."""
+  h_btd = forward_hidden(
+    model_config, params, tokens_bt, None, attention_mask_bt, segment_ids_bt, routes_btsk=routes_btsk
+  )
   w, layout = unembed_matrix(model_config, params)
   return objectives.token_logprobs_and_entropy(
     h_btd,
@@ -176,9 +180,12 @@ def make_logprob_fn(
   *,
   temperature: float = 1.0,
   chunk: int = DEFAULT_LOGPROB_CHUNK,
+  with_routes: bool = False,
 ):
   """Jitted `fn(params, tokens [K, mb, T], attention_mask [K, mb, T]) -> (log_prob, entropy) [K, mb, T]`.
 
+  with_routes (routing replay, a model with experts): `fn(params, tokens, attention_mask, routes)`, routes
+  [K, mb, T, L_sparse, k] the experts each token goes through (None: the model routes itself).
   Aligned with the tokens (column t: log π(token t | tokens < t) at logits / temperature; column 0 is 0).
   Micro-batches run one after another (lax.map), so memory is that of one [mb, T] forward. Outputs keep
   the batch sharding, ready to be put into the batch as `old_log_prob` / `ref_log_prob`.
@@ -188,14 +195,18 @@ def make_logprob_fn(
   p_sh, b_sh = param_shardings(model_config, mesh, rules), batch_sharding(mesh, rules)
 
   def one(params, xs):
-    logp, ent = next_token_logprobs(model_config, params, xs[0], xs[1], temperature=temperature, chunk=chunk)
+    tokens, mask, routes = xs
+    logp, ent = next_token_logprobs(
+      model_config, params, tokens, mask, temperature=temperature, chunk=chunk, routes_btsk=routes
+    )
     return _unshift(logp), _unshift(ent)
 
-  def fn(params, tokens, attention_mask):
+  def fn(params, tokens, attention_mask, routes=None):
     with sharding_context(mesh, rules):  # the model's activation constraints take effect while tracing
-      return jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask))
+      return jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask, routes))
 
-  return jax.jit(fn, in_shardings=(p_sh, b_sh, b_sh), out_shardings=(b_sh, b_sh))
+  in_shardings = (p_sh, b_sh, b_sh) + ((b_sh,) if with_routes else ())  # jit takes no keyword with in_shardings
+  return jax.jit(fn, in_shardings=in_shardings, out_shardings=(b_sh, b_sh))
 
 
 @jax.jit
@@ -338,7 +349,8 @@ def make_update_step(
 ):
   """The RL update step. batch: tokens, attention_mask, loss_mask, old_log_prob, advantages (+ ref_log_prob
   when kl_coef != 0, + sampler_log_prob with an off-policy correction), each [micro_batches, mb, T] and aligned
-  with the tokens (see `_batch`).
+  with the tokens (see `_batch`); + routes [micro_batches, mb, T, L_sparse, k] for routing replay (a model with
+  experts: every token through the experts the rollout chose, R3).
 
   loss_fn: a registered policy-loss name (`objectives.policy_loss`) or a callable with its signature
     fn(log_prob, old_log_prob, advantages, mask, entropy=None, **loss_hp) -> (loss, metrics).
@@ -377,6 +389,7 @@ def make_update_step(
       where_bt=mask > 0,
       capacity=logit_capacity,
       saved_logits_mb=saved_logits_mb,
+      routes_btsk=mb.get("routes"),
     )
     pg_loss, metrics = fn(
       logp,

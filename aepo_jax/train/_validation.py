@@ -55,6 +55,7 @@ def make_eval_rollout(config, model_cfg, tokenizer, tools, temperature=None) -> 
     n=1,
     prompts_per_call=max(host_share(e.batch_size or config.data.prompts_per_step), 1),
     max_response_len=e.max_response_len or None,
+    record_routes=False,  # validation trains on nothing: no routes to replay
   )
 
 

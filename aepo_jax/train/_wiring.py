@@ -69,13 +69,15 @@ def rollout_settings(
   prompts_per_call: Optional[int] = None,
   max_response_len: Optional[int] = None,
   hosts: Optional[int] = None,
+  record_routes: Optional[bool] = None,
 ):
   """config -> `aepo_jax.rollout.RolloutSettings` of this host's rollouts: the one conversion of a training config
   into rollout settings (the trainer, its validation and launch/compile.py use it).
 
   prompts_per_call: default this host's share of data.prompts_per_step (`hosts` processes: default
   jax.process_count()); the slots are rollout.max_slots, else prompts_per_call x n (at least that many when
-  prompts_per_call is given)."""
+  prompts_per_call is given). record_routes: default algo.routing_replay='rollout' (the engine keeps each token's
+  experts for the update)."""
   import dataclasses
 
   from aepo_jax import rollout as rollout_lib
@@ -112,6 +114,7 @@ def rollout_settings(
     max_tool_calls=config.tools.call_limit,
     result_mode=result_mode,
     dtype=r.dtype or config.model.dtype,
+    record_routes=config.algo.routing_replay == "rollout" if record_routes is None else record_routes,
   )
 
 
