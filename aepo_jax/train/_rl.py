@@ -88,7 +88,7 @@ def phase(run: Run, params):
   bar = _metrics.progress(total, "rl", initial=start, enabled=run.progress)
   timer = _metrics.Timer()
   perf = _metrics.Throughput(total, start, meta.get("tokens_total", 0.0), t.peak_tflops)
-  step = start
+  step, ev = start, {}
   while step < total:
     ckpt.check()  # a failed async save stops the run here, naming its step
     # -- rollout ------------------------------------------------------------------------------------------
@@ -218,7 +218,9 @@ def phase(run: Run, params):
       break
   bar.close()
   if not run.preempt.requested and config.eval.after_rl and config.data.val:
-    summary.update(_after_rl(validation, config, params, step))
+    # The periodic evaluation of the last step (eval_every dividing the steps) evaluated these same parameters.
+    same = ("rl", ev) if ev and step == total else None
+    summary.update(_after_rl(validation, config, params, step, same_as=same))
   validation.close()
   ckpt.close()
   summary["rl/steps"] = step
@@ -231,10 +233,10 @@ def _after_rl_marker(config, step: int):
   return epath.Path(f"{str(config.workdir).rstrip('/')}/eval/after_rl_{step}.done")
 
 
-def _after_rl(validation, config, params, step: int) -> dict:
+def _after_rl(validation, config, params, step: int, same_as=None) -> dict:
   """The after-RL evaluation, then its marker (workdir/eval/after_rl_<step>.done, process 0): a run stopped inside
-  the evaluation finishes it when resumed."""
-  summary = {f"after_rl/{k}": v for k, v in validation(params, step, "after_rl").items()}
+  the evaluation finishes it when resumed. same_as: `Validation`'s, an evaluation of these parameters to reuse."""
+  summary = {f"after_rl/{k}": v for k, v in validation(params, step, "after_rl", same_as=same_as).items()}
   if jax.process_index() == 0:
     marker = _after_rl_marker(config, step)
     marker.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import jax
 
@@ -104,6 +105,17 @@ def _short(source: str) -> str:
   return os.path.splitext(os.path.basename(str(source)))[0] or "val"
 
 
+def _copy_records(src: str, dst: str) -> None:
+  """Every process's answers file of one evaluation (`evaluate`'s records_path, '.p<N>' per process with several)
+  copied under another phase's name."""
+  from etils import epath
+
+  n, p = jax.process_count(), jax.process_index()
+  src, dst = (src, dst) if n == 1 else (f"{src}.p{p}", f"{dst}.p{p}")
+  if epath.Path(src).exists():
+    epath.Path(dst).write_bytes(epath.Path(src).read_bytes())
+
+
 class Validation:
   """The run's validation: `validation(params, step, phase)` evaluates every validation source, writes the metrics
   at `step` and every answer to workdir/eval/<phase>_<step>.jsonl, and returns the metrics; with eval.pass_k = k
@@ -118,26 +130,38 @@ class Validation:
     self._judge = None
     self._sampled = None  # the pass@k rollout (eval.pass_k), built at its first use
 
-  def __call__(self, params, step: int, phase: str = "rl") -> dict:
+  def __call__(self, params, step: int, phase: str = "rl", *, same_as: Optional[tuple] = None) -> dict:
+    """same_as: (phase, metrics) of an evaluation of these same parameters at this step (the periodic one at the
+    last step, before the after-RL one): its greedy answers and metrics are taken over (its records copied to this
+    phase's file, the metrics not logged again) instead of evaluated twice; pass@k is still sampled."""
     run, tools = self.run, self.tools
     config = run.config
     if self._rollout is None:
       self._rollout = make_eval_rollout(config, run.model_cfg, run.tokenizer, tools)
       self._config, self._judge = serve_judge(config)
-    log.info("evaluating (%s, step %d) on %s", phase, step, ", ".join(map(str, config.data.val)))
     records = f"{str(config.workdir).rstrip('/')}/eval/{phase}_{step}.jsonl"  # every answer, to read back
-    ev = evaluate(self._config, self._rollout, params, records)
+    logged = {}
+    if same_as is not None:
+      log.info("%s at step %d: the greedy answers of the %s evaluation of the same parameters", phase, step, same_as[0])
+      ev = {k: v for k, v in same_as[1].items() if not k.startswith("eval/tools/")}
+      _copy_records(f"{str(config.workdir).rstrip('/')}/eval/{same_as[0]}_{step}.jsonl", records)
+    else:
+      log.info("evaluating (%s, step %d) on %s", phase, step, ", ".join(map(str, config.data.val)))
+      ev = logged = evaluate(self._config, self._rollout, params, records)
     k = config.eval.get("pass_k", 0)
     if k and phase != "rl":  # pass@k before and after RL only: k sampled answers per question cost k evaluations
       if self._sampled is None:
         t = config.eval.get("pass_k_temperature", 0.0) or config.rollout.temperature
         self._sampled = make_eval_rollout(config, run.model_cfg, run.tokenizer, tools, temperature=t)
-      ev.update(evaluate(self._config, self._sampled, params, records[: -len(".jsonl")] + f"_pass{k}.jsonl", k))
+      sampled = evaluate(self._config, self._sampled, params, records[: -len(".jsonl")] + f"_pass{k}.jsonl", k)
+      ev, logged = {**ev, **sampled}, {**logged, **sampled}
     if tools:  # the evaluation's own tool calls, kept out of the next RL step's tools/* counters
-      ev.update({f"eval/tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()})
+      own = {f"eval/tools/{k.split('/', 1)[-1]}": v for k, v in tools.metrics().items()}
+      ev, logged = {**ev, **own}, {**logged, **own}
       tools.reset_metrics()
-    run.writer.scalars(step, ev)
-    run.writer.flush()
+    if logged:
+      run.writer.scalars(step, logged)
+      run.writer.flush()
     return ev
 
   def close(self) -> None:

@@ -44,10 +44,10 @@ def test_a_run_stopped_inside_its_after_rl_evaluation_finishes_it_on_rerun(tmp_p
   workdir = tmp_path / "run"
   evaluate = _validation.Validation.__call__
 
-  def stopped(self, params, step, phase="rl"):
+  def stopped(self, params, step, phase="rl", **kw):
     if phase == "after_rl":
       raise KeyboardInterrupt("stopped inside the after-RL evaluation")
-    return evaluate(self, params, step, phase)
+    return evaluate(self, params, step, phase, **kw)
 
   monkeypatch.setattr(_validation.Validation, "__call__", stopped)
   with pytest.raises(KeyboardInterrupt):
@@ -65,3 +65,27 @@ def test_a_run_stopped_inside_its_after_rl_evaluation_finishes_it_on_rerun(tmp_p
 
   with pytest.raises(NothingToDo, match="already finished at step 1"):
     run(_config(workdir, tok_dir))
+
+
+def test_the_after_rl_evaluation_takes_over_the_periodic_one_of_the_last_step(tmp_path, tok_dir, monkeypatch):
+  """eval_every dividing the steps: the last step's periodic evaluation and the after-RL one are of the same
+  parameters; the greedy answers are evaluated once (the after-RL records a copy, its metrics not logged twice)."""
+  workdir = tmp_path / "run"
+  calls = []
+  evaluate = _validation.evaluate
+
+  def counted(config, rollout, params, records_path="", samples=1):
+    calls.append(os.path.basename(records_path))
+    return evaluate(config, rollout, params, records_path, samples)
+
+  monkeypatch.setattr(_validation, "evaluate", counted)
+  config = _config(workdir, tok_dir)
+  config.unlock()
+  config.train.steps, config.train.eval_every = 2, 1
+  summary = run(config)
+  assert calls == ["rl_1.jsonl", "rl_2.jsonl"], calls
+  eval_dir = workdir / "eval"
+  assert (eval_dir / "after_rl_2.jsonl").read_bytes() == (eval_dir / "rl_2.jsonl").read_bytes()
+  rows = [r for r in _rows(workdir) if "eval/accuracy" in r]
+  assert [r["step"] for r in rows] == [1, 2]
+  assert summary["after_rl/eval/accuracy"] == rows[-1]["eval/accuracy"]

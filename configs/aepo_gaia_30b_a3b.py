@@ -1,0 +1,42 @@
+r"""AEPO on Qwen3-30B-A3B (mixture of experts: 128 experts, 8 per token, 3.3B of 30.5B parameters active) for deep
+search (GAIA + HLE validation): the 14B recipe of configs/aepo_gaia.py on the sparse model, with routing replay.
+
+Command (every host of the pod):
+  python launch/tpu_pod.py --config=configs/aepo_gaia_30b_a3b.py --config.workdir=gs://BUCKET/aepo_gaia_30b_a3b \
+      --config.model.name=gs://BUCKET/models/Qwen3-30B-A3B-SFT
+  (':released' / ':cold_start' as in configs/aepo_gaia.py)
+Hardware: a TPU v5p-64 (`v5p:4x4x2`, 32 chips) or a v6e-64 (`v6e:8x8`): fsdp x tensor 4 over all chips for the
+  update; each host (4 chips) rolls out its own prompts with the weights in bfloat16 over its chips.
+Expert layout: the stacked expert weights [128, D, F] of every layer are split like a dense MLP's: D (the hidden
+  size) over 'fsdp' in the update, F (768 per expert) over 'tensor' (192 per chip at tensor 4), every chip holding
+  a slice of all 128 experts (no expert axis: the rules table maps 'expert' to none). The update all-gathers a
+  layer's experts over fsdp as FSDP does any layer. The expert matmuls are the Pallas grouped matmul (megablox
+  gmm/tgmm, `model.moe_impl` 'auto' on TPU) inside shard_map: tokens over the batch axes, F over 'tensor'.
+Routing replay (`algo.routing_replay='rollout'`, R3): the engine records each token's 8 experts in each of the 48
+  sparse layers (48 x 8 x 4 bytes = 1.5 KB per token in the batch), and the old log-probs and the update route every
+  token through them: the rollout runs bfloat16 weights with another attention kernel than the update, and a flipped
+  top-8 choice moves a token's log-prob by a whole expert (docs/objectives.md, "Routing replay").
+Memory: compiled with `python bench/compile_table.py --configs=aepo_gaia_30b_a3b` (docs/compiled.md). The same
+  paged KV pool as the 14B run (393,216 tokens per host): Qwen3-30B-A3B has 4 KV heads of 128 over 48 layers,
+  96 KiB per token in bfloat16: 38.7 GB per host, 9.7 GB per chip (one KV head per chip at tensor 4).
+Needs: a Qwen3-30B-A3B cold-start SFT checkpoint (ARPO-SFT-54K) as an HF directory; hard_search_1k, gaia_test,
+  hle_test (bundled); a search backend (default: replay of search_cache.json).
+Time: 85 RL steps (5 epochs x 17 steps of 64 prompts x 12 rollouts), as the 14B run. A token's forward costs the
+  FLOPs of 3.3B parameters, but at a host's decode batch (96 slots x 8 experts over 128) nearly every expert is
+  picked, so a decode step still reads all 30.5B parameters' weights.
+Expected: no paper reports ARPO or AEPO on Qwen3-30B-A3B; compare with configs/aepo_gaia.py (Qwen3-14B) on the same
+  slice and benchmarks (launch/evaluate.py --judge_url).
+"""
+
+from aepo_jax.train import load_sibling
+
+common = load_sibling(__file__, "common")
+
+
+def get_config(arg: str = "paper"):
+  v = common.variants(arg, "configs/aepo_gaia_30b_a3b.py")
+  c = common.aepo(common.deep_search_14b())
+  c.model.name = "gs://YOUR_BUCKET/models/Qwen3-30B-A3B-SFT"
+  c.model.shape = "qwen3-30b-a3b"
+  c.algo.routing_replay = "rollout"
+  return common.apply(c, v, "gs://YOUR_BUCKET/models/Qwen3-30B-A3B")
