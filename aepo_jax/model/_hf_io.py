@@ -1,7 +1,10 @@
 """Hugging Face safetensors checkpoints <-> our parameter tree.
 
 `load_hf` streams tensor by tensor: with a mesh, each parameter is placed straight onto its NamedSharding
-through `jax.make_array_from_callback`, so a host holds its own shards plus at most one full HF tensor.
+through `jax.make_array_from_callback`, so a host holds its own shards plus at most one HF tensor. A local
+directory is read with safetensors' `safe_open`; a gs:// one in place (`RemoteSafetensors`: each shard's header,
+then one ranged read per tensor of only the rows this host's shards need, `_host_rows`), so no weight file is ever
+copied to local disk.
 Our layout (flax DenseGeneral) vs HF (torch Linear, weight [out, in]):
   q/k/v kernel [L, D, N, hd] <- weight [N*hd, D] transposed;   o kernel [L, H, hd, D] <- weight [D, H*hd].T
   q/k/v bias   [L, N, hd]    <- bias [N*hd];                   mlp kernels [L, in, out] <- weight.T
@@ -25,6 +28,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from aepo_jax.model._remote_safetensors import RemoteSafetensors
 from aepo_jax.model._config import ModelConfig
 from aepo_jax.model._hf_config import from_hf_config, to_hf_config
 from aepo_jax.model._sharding import param_shapes, param_shardings
@@ -117,49 +121,65 @@ def _set(tree: dict, keys: tuple, value):
 # ----------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------
+# Files of an HF directory that hold weights: what a copy of only its tokenizer and config files leaves out.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def _remote(path) -> bool:
+  return str(path).startswith("gs://")
+
+
+def _dir(path: str):
+  """`path` as an etils Path: config.json, the index and the listing are read through it, local or gs://."""
+  from etils import epath
+
+  return epath.Path(path)
+
+
 def read_hf_config(path: str, dtype: str = "float32") -> ModelConfig:
-  if not os.path.isdir(path):
+  if not _dir(path).is_dir():
     raise FileNotFoundError(f"load_hf: checkpoint directory {path!r} does not exist.")
-  cfg_path = os.path.join(path, "config.json")
-  if not os.path.isfile(cfg_path):
+  cfg_path = _dir(path) / "config.json"
+  if not cfg_path.is_file():
     raise FileNotFoundError(f"load_hf: {cfg_path} is missing; a Hugging Face checkpoint directory needs it.")
   try:
-    with open(cfg_path) as f:
-      hf = json.load(f)
+    hf = json.loads(cfg_path.read_text())
   except json.JSONDecodeError as e:
     raise ValueError(f"load_hf: {cfg_path} is not valid JSON ({e}).") from None
-  return from_hf_config(hf, dtype=dtype, source=cfg_path)
+  return from_hf_config(hf, dtype=dtype, source=str(cfg_path))
 
 
 def _weight_files(path: str) -> dict:
   """HF tensor name -> safetensors file, from the index file or the files' own headers."""
-  index = os.path.join(path, _INDEX)
-  if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map")
+  root = _dir(path)
+  index = root / _INDEX
+  if index.is_file():
+    weight_map = json.loads(index.read_text()).get("weight_map")
     if not weight_map:
       raise ValueError(f"load_hf: {index} has no 'weight_map'.")
-    files = {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+    files = {name: str(root / fname) for name, fname in weight_map.items()}
     for fname in sorted(set(files.values())):
-      if not os.path.isfile(fname):
+      if not _dir(fname).is_file():
         raise FileNotFoundError(f"load_hf: {fname} is listed in {index} but does not exist (partial download?).")
     for fname in sorted(set(files.values())):  # validate every header up front
       with _open(fname):
         pass
     return files
-  names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+  names = sorted(p.name for p in root.iterdir() if p.name.endswith(".safetensors"))
   if not names:
     raise FileNotFoundError(
       f"load_hf: no *.safetensors weights in {path} (expected model.safetensors or shards with {_INDEX})."
     )
   files = {}
   for fname in names:
-    with _open(os.path.join(path, fname)) as f:
-      files.update({k: os.path.join(path, fname) for k in f.keys()})
+    with _open(str(root / fname)) as f:
+      files.update({k: str(root / fname) for k in f.keys()})
   return files
 
 
 def _open(fname: str):
+  if _remote(fname):
+    return RemoteSafetensors(fname)
   try:
     return safe_open(fname, framework="numpy")
   except (SafetensorError, OSError) as e:
@@ -169,14 +189,15 @@ def _open(fname: str):
 
 
 class _Reader:
-  """Reads one HF tensor at a time, keeping the open file handles."""
+  """Reads one HF tensor at a time, keeping the open file handles (safe_open, or `RemoteSafetensors` for gs://)."""
 
   def __init__(self, files: dict, path: str):
     self.files, self.path, self._open = files, path, {}
 
   def _handle(self, name: str):
     if name not in self.files:
-      where = os.path.join(self.path, _INDEX) if os.path.isfile(os.path.join(self.path, _INDEX)) else self.path
+      index = _dir(self.path) / _INDEX
+      where = index if index.is_file() else self.path
       raise KeyError(
         f"load_hf: tensor {name!r} is missing from the checkpoint ({where}); the checkpoint is "
         "partial or does not match config.json."
@@ -188,10 +209,13 @@ class _Reader:
 
   def check_shape(self, name: str, expected: tuple):
     handle, fname = self._handle(name)
-    try:
-      found = tuple(handle.get_slice(name).get_shape())
-    except SafetensorError as e:
-      raise KeyError(f"load_hf: tensor {name!r} is missing from {fname} ({e}).") from None
+    if isinstance(handle, RemoteSafetensors):
+      found = handle.shape(name)
+    else:
+      try:
+        found = tuple(handle.get_slice(name).get_shape())
+      except SafetensorError as e:
+        raise KeyError(f"load_hf: tensor {name!r} is missing from {fname} ({e}).") from None
     if found != tuple(expected):
       raise ValueError(
         f"load_hf: tensor {name!r} in {fname} has shape {list(found)} but config.json implies {list(expected)}."
@@ -202,19 +226,26 @@ class _Reader:
       handle.__exit__(None, None, None)
     self._open.clear()
 
-  def get(self, name: str) -> np.ndarray:
+  def get(self, name: str, rows: Optional[tuple] = None) -> np.ndarray:
+    """Tensor `name`, or its rows [lo, hi) along axis 0: a gs:// file reads only those; a local one reads it whole
+    (safe_open's fast path) and returns a view."""
     handle, fname = self._handle(name)
+    if isinstance(handle, RemoteSafetensors):
+      return handle.get_tensor(name, rows)
     try:
-      return handle.get_tensor(name)
+      w = handle.get_tensor(name)
     except SafetensorError as e:
       raise ValueError(f"load_hf: could not read tensor {name!r} from {fname} ({e}); the file is corrupt.") from None
+    return w if rows is None else w[rows[0] : rows[1]]
 
 
 def load_hf(path: str, dtype: str = "float32", mesh=None, rules=None):
-  """(config, params) from a local Hugging Face directory of a Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint.
+  """(config, params) from a Hugging Face directory (local or gs://) of a Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint.
 
-  `dtype` sets both parameter and compute dtype of the returned config. With `mesh`, each parameter lands on
-  the NamedSharding that `param_logical_axes` + `rules` (default `DEFAULT_RULES`) give it.
+  A gs:// directory is read in place: config.json and the index through etils epath, each safetensors shard by
+  its header and one ranged read per tensor (with `mesh`, of only the rows this host's shards need); nothing is
+  copied to local disk. `dtype` sets both parameter and compute dtype of the returned config. With `mesh`, each
+  parameter lands on the NamedSharding that `param_logical_axes` + `rules` (default `DEFAULT_RULES`) give it.
   """
   config = read_hf_config(path, dtype)
   reader = _Reader(_weight_files(path), path)
@@ -239,24 +270,55 @@ def _read_params(config: ModelConfig, reader: _Reader, dtype: str, mesh, rules) 
   params = {}
   for keys, items, kind, shape in entries:
     full_shape = flat_shapes[keys]
-
-    def tensors(items=items, kind=kind, shape=shape):
-      for index, name in items:
-        yield index, _to_ours(reader.get(name), kind, shape).astype(np_dtype)
-
     if flat_shardings is None:
       value = np.zeros(full_shape, np_dtype)  # zeros: the tensors a layer's kind lacks
-      for index, w in tensors():
-        value[index] = w
+      for index, name in items:
+        value[index] = _to_ours(reader.get(name), kind, shape).astype(np_dtype)
       _set(params, keys, jnp.asarray(value))
-    else:
-      _set(params, keys, _place(tensors(), full_shape, np_dtype, flat_shardings[keys]))
+      continue
+    sharding = flat_shardings[keys]
+    indices = sharding.addressable_devices_indices_map(full_shape).values()
+    rows, part, origin = _host_rows(kind, shape, full_shape, indices) or (None, shape, (0,) * len(shape))
+
+    def tensors(items=items, kind=kind, rows=rows, part=part):
+      for index, name in items:
+        yield index, _to_ours(reader.get(name, rows), kind, part).astype(np_dtype)
+
+    _set(params, keys, _place(tensors(), full_shape, np_dtype, sharding, origin))
   return params
 
 
-def _place(tensors, full_shape, np_dtype, sharding):
+def _row_axes(kind: str, ndim: int) -> tuple:
+  """Our axes (of the part of the leaf one HF tensor fills) that the HF tensor's axis 0 runs over, outermost first."""
+  if kind == "in_heads":  # [N*hd, D] -> [D, N, hd]
+    return (1, 2)
+  if kind == "transpose":  # [out, in] -> [in..., out]
+    return (ndim - 1,)
+  return tuple(range(ndim)) if kind == "reshape" else (0,)
+
+
+def _host_rows(kind: str, shape: tuple, full_shape: tuple, indices) -> Optional[tuple]:
+  """(HF rows (lo, hi), our shape of those rows, their offset in our `shape`): the one block of HF rows that covers
+  every shard in `indices` (this host's), or None when that is every row or the shards are not a block of rows. With
+  fsdp across hosts, a host then reads its part of e.g. o_proj / down_proj instead of the whole tensor."""
+  if not shape:
+    return None
+  lead, axes = len(full_shape) - len(shape), _row_axes(kind, len(shape))
+  spans = {axis: {idx[lead + axis].indices(shape[axis])[:2] for idx in indices} for axis in axes}
+  if any(s != {(0, shape[axis])} for axis, s in spans.items() if axis != axes[0]):
+    return None
+  lo, hi = min(a for a, _ in spans[axes[0]]), max(b for _, b in spans[axes[0]])
+  if (lo, hi) == (0, shape[axes[0]]):
+    return None
+  stride = math.prod(shape[axis] for axis in axes[1:])
+  part = shape[: axes[0]] + (hi - lo,) + shape[axes[0] + 1 :]
+  return (lo * stride, hi * stride), part, tuple(lo if axis == axes[0] else 0 for axis in range(len(shape)))
+
+
+def _place(tensors, full_shape, np_dtype, sharding, origin: tuple):
   """Fill only this host's (unique) shards, one HF tensor at a time, then build the global array. `tensors` yields
-  (index of the leading axes of our leaf, value of the remaining axes)."""
+  (index of the leading axes of our leaf, value of a block of the remaining axes that starts at `origin` and covers
+  this host's shards)."""
   index_map = sharding.addressable_devices_indices_map(full_shape)
   buffers = {}
   for index in index_map.values():
@@ -272,7 +334,8 @@ def _place(tensors, full_shape, np_dtype, sharding):
           break
         local.append(i - lo)
       else:
-        buf[tuple(local)] = w[index[len(lead) :]]
+        tail = zip(index[len(lead) :], full_shape[len(lead) :], origin)
+        buf[tuple(local)] = w[tuple(slice(s.indices(n)[0] - o, s.indices(n)[1] - o) for s, n, o in tail)]
   return jax.make_array_from_callback(
     full_shape, sharding, lambda index: buffers[tuple((s.start, s.stop) for s in index)][1]
   )

@@ -23,9 +23,10 @@ def load_model(config, mesh=None):
 
   init='random': the preset `model.name` with `model.overrides` (tokenizer only if `model.tokenizer`), drawn by one
   jitted program into its shardings. init='pretrained': a named checkpoint (`aepo_jax.model.load_pretrained`), a
-  local HF directory, or a gs:// HF directory (streamed file by file to a local temporary directory that is removed
-  after loading). HF and named checkpoints are read tensor by tensor into each host's own shards
-  (`model.load_hf(mesh=)`): no parameter is ever whole on one device, and no host copy outlives the load.
+  local HF directory, or a gs:// HF directory (its safetensors shards read in place by ranged reads, never copied to
+  local disk; only its small tokenizer files go through a local temporary directory, removed after loading). HF and
+  named checkpoints are read tensor by tensor into each host's own shards (`model.load_hf(mesh=)`): no parameter is
+  ever whole on one device, and no host copy outlives the load.
   init='checkpoint': the parameters of another run's Orbax checkpoint at `model.name` (a step directory, a phase
   directory or a training workdir, local or gs://; e.g. RL from an SFT run), read into their shardings; its
   model config and tokenizer are the ones that run saved (`model.tokenizer` overrides the tokenizer).
@@ -56,9 +57,10 @@ def load_model(config, mesh=None):
     log.info("model: %s", policy.source)
     return policy.config.replace(**kw), policy.params, policy.tokenizer
   elif str(mc.name).startswith("gs://") or os.path.isdir(mc.name):
-    with _local_files(mc.name) as path:
-      cfg, params = model_lib.load_hf(path, dtype=mc.param_dtype, mesh=mesh)
-      tokenizer = None if mc.tokenizer else _tokenizer(path)
+    cfg, params = model_lib.load_hf(mc.name, dtype=mc.param_dtype, mesh=mesh)  # a gs:// directory in place
+    if not mc.tokenizer:
+      with _local_files(mc.name) as path:
+        tokenizer = _tokenizer(path)
     cfg = cfg.replace(**kw)
   else:
     cfg, params = model_lib.load_pretrained(mc.name, dtype=mc.param_dtype, mesh=mesh)
@@ -78,17 +80,19 @@ def _tokenizer(path: str):
 
 @contextlib.contextmanager
 def _local_files(path: str):
-  """`path` itself, or for gs:// a local temporary copy of the directory's files (streamed in 64 MiB pieces, never
-  whole in memory), removed on exit."""
+  """`path` itself, or for gs:// a local temporary copy of the directory's files other than weights (the tokenizer
+  and config files; streamed in 64 MiB pieces, never whole in memory), removed on exit."""
   if not str(path).startswith("gs://"):
     yield path
     return
   from etils import epath
 
+  from aepo_jax import model as model_lib
+
   local = tempfile.mkdtemp(prefix="aepo_jax_model_")
   try:
     for f in epath.Path(path).iterdir():
-      if f.is_file():
+      if f.is_file() and not f.name.endswith(model_lib.WEIGHT_SUFFIXES):
         with f.open("rb") as src, open(os.path.join(local, f.name), "wb") as dst:
           shutil.copyfileobj(src, dst, 64 << 20)
     yield local
