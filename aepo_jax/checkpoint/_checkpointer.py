@@ -6,8 +6,9 @@ into a temporary directory and commits by rename (local) or a commit marker (gs:
 mid-save is never returned by `latest_step()`.
 
 Integrity (`_integrity.py`): a save records a checksum of every array (in `meta`) and the size and hash
-of every file (`integrity.json`); a restore checks both, and that every value is finite, and raises
-`CheckpointCorruptError` naming the damaged files or arrays. `restore_newest_intact` then moves a damaged step aside
+of every file (`integrity.json`; with several hosts each hashes the files it wrote); a restore checks both (each
+host its share of the files), and that every value is finite, and raises `CheckpointCorruptError` naming the damaged
+files or arrays, the same on every host. `restore_newest_intact` then moves a damaged step aside
 (`<step>.damaged`) and resumes from the newest intact one, which `keep` never deletes while this run lasts.
 
   ckpt = Checkpointer(workdir + "/checkpoints/rl", keep=3, best_metric="eval/accuracy")
@@ -114,7 +115,12 @@ class Checkpointer:
       best_mode=best_mode,
       keep_checkpoints_without_metrics=True,
       # The file manifest is written in the save's background thread, after the data and before the commit.
-      async_options=ocp.AsyncOptions(post_finalization_callback=self._manifest_before_commit) if async_save else None,
+      async_options=ocp.AsyncOptions(
+        post_finalization_callback=self._manifest_before_commit,
+        barrier_sync_fn=self._barrier_hashing_own_files() if jax.process_count() > 1 else None,
+      )
+      if async_save
+      else None,
     )
     try:
       self._mgr = ocp.CheckpointManager(
@@ -193,24 +199,58 @@ class Checkpointer:
       raise self._save_failed(int(step), e) from e
     if saved and self._async:
       self._pending = int(step)
-    if saved and not self._async and jax.process_index() == 0:  # committed: a kill before this costs the manifest
-      self._write_manifest(self._step_dir(step))
+    if saved and not self._async:  # committed: a kill before this costs the manifest
+      self._manifest_after_commit(self._step_dir(step))
     return saved
 
   def _step_dir(self, step: int) -> str:
     return f"{self.directory}/{step}"
 
+  def _saving_dir(self) -> str:
+    """Where the async save of step `_saving` writes: its tmp directory (local), the step itself (gs://)."""
+    tmp = sorted(epath.Path(self.directory).glob(f"{self._saving}.orbax-checkpoint-tmp*"))
+    return str(tmp[-1]) if tmp else self._step_dir(self._saving)
+
+  def _barrier_hashing_own_files(self):
+    """Orbax's barrier for its save thread, where each host first hashes the files it wrote (`integrity.p<N>.json`).
+
+    Its 'async_write_complete' barrier is the last point at which every host runs (this host's data is written;
+    process 0 finalizes and runs `_manifest_before_commit` after all have passed it). Should Orbax rename that
+    barrier, no part is written and process 0 hashes every file, as with one process."""
+    barrier = ocp.multihost.get_barrier_sync_fn()
+
+    def sync(*, key: str, timeout_ms: int) -> None:
+      if "async_write_complete" in key and self._saving is not None and not is_remote(self.directory):
+        try:
+          integrity.write_part(self._saving_dir(), jax.process_index())
+        except Exception as e:  # noqa: BLE001 - never skip the barrier: process 0 hashes these files instead
+          log.warning("step %s: this host's files not hashed (%s); process 0 hashes them.", self._saving, e)
+      barrier(key=key, timeout_ms=timeout_ms)
+
+    return sync
+
   def _manifest_before_commit(self):
-    """Runs in Orbax's save thread once every process has written its data, before the commit."""
+    """Runs in Orbax's save thread (process 0) once every process has written its data, before the commit."""
     if self._saving is None or jax.process_index() != 0:
       return
-    base = epath.Path(self.directory)
-    tmp = sorted(base.glob(f"{self._saving}.orbax-checkpoint-tmp*"))  # local; gs:// commits in place
-    self._write_manifest(str(tmp[-1]) if tmp else self._step_dir(self._saving))
+    self._write_manifest(self._saving_dir())
 
-  def _write_manifest(self, step_dir: str):
+  def _manifest_after_commit(self, step_dir: str):
+    """A sync save's manifest: each host hashes its own files, process 0 gathers them and writes it."""
+    parts = None
+    if jax.process_count() > 1 and not is_remote(step_dir):  # gs://: the listing has every crc32c
+      own = {}
+      try:
+        own = integrity.hash_own_files(step_dir, jax.process_index())
+      except Exception as e:  # noqa: BLE001 - every host must reach the gather; process 0 hashes them instead
+        log.warning("%s: this host's files not hashed (%s); process 0 hashes them.", step_dir, e)
+      parts = parallel.allgather_json(own)
+    if jax.process_index() == 0:
+      self._write_manifest(step_dir, parts)
+
+  def _write_manifest(self, step_dir: str, parts=None):
     try:
-      integrity.write_manifest(step_dir)
+      integrity.write_manifest(step_dir, parts)
     except Exception as e:  # noqa: BLE001 - the array checksums still guard this checkpoint
       log.warning(
         "%s: no %s written (%s); its restore checks the array checksums only.", step_dir, integrity.MANIFEST, e
@@ -230,7 +270,7 @@ class Checkpointer:
       raise CheckpointError(f"no committed checkpoint in {self.directory!r}.")
     if is_remote(self.directory):
       self._refresh()
-    problems = integrity.file_problems(self._step_dir(step)) if check_files else []
+    problems = integrity.agreed_file_problems(self._step_dir(step)) if check_files else []
     if problems:
       raise self._corrupt(step, problems)
     try:
@@ -303,11 +343,11 @@ class Checkpointer:
     damaged = []
     for step in sorted(self.all_steps(), reverse=True):
       # Every host must resume from the same step, and Orbax's reads are collective (a barrier per restore): the
-      # hosts first agree on the files (each checks its own view, e.g. a read error on its own disk or network
-      # path), and only then read; a step that fails on one host is damaged for all.
-      problems = integrity.file_problems(self._step_dir(step))
+      # hosts first agree on the files (each hashes its share, in its own view: a read error on its own disk or
+      # network path counts), and only then read; a step that fails on one host is damaged for all.
+      problems = integrity.agreed_file_problems(self._step_dir(step))
       err = self._corrupt(step, problems) if problems else None
-      agreed = parallel.every_host(err is None)
+      agreed = err is None
       if agreed:
         try:
           state, meta = self.restore(step, abstract_state, config, check_files=False)
