@@ -256,39 +256,6 @@ class Engine(_SlotOps):
     span = self.pages_per_slot * self.page_size
     return min(-(-chunk // self.page_size) * self.page_size, span), span
 
-  def host_info(self, state: st.DecodeState) -> dict:
-    """Per-slot summaries as numpy arrays (one small device-to-host transfer)."""
-    names = (
-      "length",
-      "active",
-      "stop_reason",
-      "n_generated",
-      "budget",
-      "seg_start",
-      "seg_count",
-      "seg_entropy_sum",
-      "seg_topk_entropy_sum",
-    )
-    return dict(zip(names, jax.device_get([getattr(state, n) for n in names])))
-
-  def slot_tokens(self, state: st.DecodeState, slot: int) -> np.ndarray:
-    """The tokens of one slot (prompt, generated and inserted), as numpy."""
-    self._check_slots([slot], "slot")
-    length = int(jax.device_get(state.length[slot]))
-    return np.asarray(jax.device_get(state.tokens[slot, :length]))
-
-  def slot_routes(self, state: st.DecodeState, slot: int) -> np.ndarray:
-    """The experts each token of a slot went to, [length, L_sparse, k] int32 (sparse layers in order), aligned with
-    `slot_tokens`: those its KV entry was computed with; the last token's row is -1 (not run yet: a replay routes
-    it itself). Ready for `model.forward_hidden(..., routes_btsk=...)`. Needs `record_routes=True`."""
-    if state.routes is None:
-      raise ValueError("Engine.slot_routes: the engine does not record routes; build it with record_routes=True.")
-    self._check_slots([slot], "slot")
-    length, row = jax.device_get((state.length[slot], state.routes[slot]))  # the whole row: one program, any length
-    routes = np.asarray(row[: int(length)], np.int32)
-    routes[int(length) - 1 :] = -1
-    return routes
-
   # ------------------------------------------------------------------------------------------------
   # Input checks (before any compute)
   # ------------------------------------------------------------------------------------------------

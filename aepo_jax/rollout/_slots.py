@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from aepo_jax.rollout import _pages
+from aepo_jax.rollout._state import DecodeState
 from aepo_jax.rollout._compiled import _copy, _free_pages, _page_needs, _release, _resume, _set_segment, _truncate
 
 
@@ -30,7 +31,40 @@ def num_pages_for(kv_tokens: int, page_size: int) -> int:
 
 class _SlotOps:
   """Slot and page methods of `Engine` (they use its max_len, page_size, num_pages, entropy_window, tail_width,
-  `_check_slots` and `host_info`)."""
+  and `_check_slots`); its host-side reads of a state (`host_info`, `slot_tokens`, `slot_routes`)."""
+
+  def host_info(self, state: DecodeState) -> dict:
+    """Per-slot summaries as numpy arrays (one small device-to-host transfer)."""
+    names = (
+      "length",
+      "active",
+      "stop_reason",
+      "n_generated",
+      "budget",
+      "seg_start",
+      "seg_count",
+      "seg_entropy_sum",
+      "seg_topk_entropy_sum",
+    )
+    return dict(zip(names, jax.device_get([getattr(state, n) for n in names])))
+
+  def slot_tokens(self, state: DecodeState, slot: int) -> np.ndarray:
+    """The tokens of one slot (prompt, generated and inserted), as numpy."""
+    self._check_slots([slot], "slot")
+    length = int(jax.device_get(state.length[slot]))
+    return np.asarray(jax.device_get(state.tokens[slot, :length]))
+
+  def slot_routes(self, state: DecodeState, slot: int) -> np.ndarray:
+    """The experts each token of a slot went to, [length, L_sparse, k] int32 (sparse layers in order), aligned with
+    `slot_tokens`: those its KV entry was computed with; the last token's row is -1 (not run yet: a replay routes
+    it itself). Ready for `model.forward_hidden(..., routes_btsk=...)`. Needs `record_routes=True`."""
+    if state.routes is None:
+      raise ValueError("Engine.slot_routes: the engine does not record routes; build it with record_routes=True.")
+    self._check_slots([slot], "slot")
+    length, row = jax.device_get((state.length[slot], state.routes[slot]))  # the whole row: one program, any length
+    routes = np.asarray(row[: int(length)], np.int32)
+    routes[int(length) - 1 :] = -1
+    return routes
 
   def copy_slots(self, state, src, dst, seeds=None):
     """Forks src slots into dst slots on device. seeds: one int per child for a fresh key, or None (or a

@@ -19,7 +19,7 @@ Metrics     create_writer(workdir, metrics_cfg) -> MetricWriter (scalars, histog
 """
 
 from aepo_jax.checkpoint import Checkpointer, CheckpointCorruptError, CheckpointError, check_writable
-from aepo_jax.train._compile import check as compile_check
+from aepo_jax.train._compile_report import check as compile_check
 from aepo_jax.train._config import (
   ConfigError,
   apply_model_overrides,
