@@ -16,9 +16,14 @@ Routing replay (`algo.routing_replay='rollout'`, R3): the engine records each to
   sparse layers (48 x 8 x 4 bytes = 1.5 KB per token in the batch), and the old log-probs and the update route every
   token through them: the rollout runs bfloat16 weights with another attention kernel than the update, and a flipped
   top-8 choice moves a token's log-prob by a whole expert (docs/objectives.md, "Routing replay").
-Memory: compiled with `python bench/compile_table.py --configs=aepo_gaia_30b_a3b` (docs/compiled.md). The same
-  paged KV pool as the 14B run (393,216 tokens per host): Qwen3-30B-A3B has 4 KV heads of 128 over 48 layers,
-  96 KiB per token in bfloat16: 38.7 GB per host, 9.7 GB per chip (one KV head per chip at tensor 4).
+Memory: the same paged KV pool as the 14B run (393,216 tokens per host): Qwen3-30B-A3B has 4 KV heads of 128 over
+  48 layers, 96 KiB per token in bfloat16: 38.7 GB per host, 9.7 GB per chip (one KV head per chip at tensor 4).
+  Compiled at full depth for v5p:4x4x2 (`python bench/compile_table.py --configs=aepo_gaia_30b_a3b
+  --topologies=v5p:4x4x2 --programs=update,logprob,weight_copy,decode`, docs/compiled.md): every program fits
+  (peaks: update 37.2, logprob 16.6, weight copy 44.8, decode 57.3 GB of 95). Decode moves 3.2x its bound: each call
+  copies the stacked gate/up expert kernels (bf16[48,128,2048,192], 4.8 GB each per chip) and the recorded routes
+  (s16[96,8192,48,8], twice) to another layout. v6e:8x8 and prefill are not compiled yet; with those copies decode
+  would not fit a v6e chip (32 GB: 15.3 GB of rollout weights and 9.7 GB of KV pool before them).
 Needs: a Qwen3-30B-A3B cold-start SFT checkpoint (ARPO-SFT-54K) as an HF directory; hard_search_1k, gaia_test,
   hle_test (bundled); a search backend (default: replay of search_cache.json).
 Time: 85 RL steps (5 epochs x 17 steps of 64 prompts x 12 rollouts), as the 14B run. A token's forward costs the
