@@ -155,6 +155,9 @@ def phase(run: Run, params):
       batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"], *routes)
       if ref_params is not None:
         batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"], *own)
+      batch["sampler_log_prob"] = _step.behaviour_log_prob(
+        batch["old_log_prob"], batch["sampler_log_prob"], batch["loss_mask"]
+      )  # the call-limit EOS was never sampled: its behaviour log-prob is the old one
       mismatch = _step.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"], batch["loss_mask"])
     if a.kl.use_in_reward:  # verl apply_kl_penalty: token rewards -coef * KL(old, ref), then the advantages again
       with timer("reward"):

@@ -210,6 +210,17 @@ def make_logprob_fn(
 
 
 @jax.jit
+def behaviour_log_prob(old_log_prob, sampler_log_prob, loss_mask):
+  """The sampler's log-probs, with the trained tokens the host inserted given the recomputed old log-prob: the EOS
+  appended at the tool-call limit (spec §1.2 2.3) is trained, as the official code trains it, but was never sampled
+  and carries log-prob 0. So its importance ratio (algo.off_policy) is 1 and it adds nothing to the mismatch
+  metrics. A sampled token whose log-prob is exactly 0 (probability 1 in float32) is treated the same, which moves
+  its behaviour log-prob by the trainer's own rounding (~1e-6) at most."""
+  inserted = (loss_mask > 0) & (sampler_log_prob == 0.0)
+  return jnp.where(inserted, old_log_prob, sampler_log_prob)
+
+
+@jax.jit
 def logprob_mismatch_metrics(trainer_log_prob, sampler_log_prob, loss_mask):
   """Sampler vs trainer log-probs on the same tokens (two code paths: the engine samples, the trainer recomputes)."""
   valid = loss_mask > 0

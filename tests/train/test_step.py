@@ -9,7 +9,13 @@ import pytest
 
 from aepo_jax.train._batch import shard_batch
 from aepo_jax.train._optim import make_optimizer
-from aepo_jax.train._step import init_train_state, make_logprob_fn, make_update_step
+from aepo_jax.train._step import (
+  behaviour_log_prob,
+  init_train_state,
+  logprob_mismatch_metrics,
+  make_logprob_fn,
+  make_update_step,
+)
 from test_step_fixtures import (
   CFG,
   M,
@@ -284,3 +290,16 @@ def test_off_policy_correction_in_the_step_weights_each_token():
   weighted = jax.tree.map(lambda g: 1.5 * g, base)
   assert max_abs_diff(g_lower, weighted) <= 1e-5 * scale
   assert abs(m_lower["offpolicy/weight_mean"] - 1.5) < 1e-5 and m_lower["offpolicy/capped_frac"] == 0.0
+
+
+def test_the_call_limit_eos_gets_the_old_log_prob_as_its_behaviour_log_prob():
+  """The EOS the host appends at the tool-call limit is trained (mask 1, as the official code does) but was never
+  sampled (sampler log-prob 0): it takes the recomputed old log-prob, so its importance ratio is 1 and the mismatch
+  metrics do not count it; sampled tokens and untrained ones keep the sampler's."""
+  old = jnp.asarray([[-0.5, -1.2, -3.0, -0.7]])
+  sampler = jnp.asarray([[-0.4, -1.25, 0.0, 0.0]])  # column 2: the appended EOS; column 3: a tool-result token
+  mask = jnp.asarray([[1, 1, 1, 0]])
+  got = behaviour_log_prob(old, sampler, mask)
+  np.testing.assert_array_equal(np.asarray(got), np.float32([[-0.4, -1.25, -3.0, 0.0]]))
+  m = logprob_mismatch_metrics(old, got, mask)
+  assert abs(float(m["mismatch/logprob_abs_diff_max"]) - 0.1) < 1e-6  # not 3.0 from the EOS
