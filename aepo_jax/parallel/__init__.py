@@ -5,6 +5,7 @@ local_mesh(shape=(1, 1, -1))                           a Mesh over this process'
 emulate_topology(slice) / emulated_topology()          CPU meshes in a TPU slice's device order (e.g. "v5p:2x2x2")
 topology_devices(slice) / slice_hosts(slice)           a TPU slice's chips with their process_index / (hosts, chips each)
 DEFAULT_RULES                                          logical axis -> mesh axis table
+expert_parallel_rules(axis='fsdp', rules)              the table with MoE experts split over a batch axis
 logical_sharding(logical_specs, shapes, mesh, rules)   NamedShardings for a pytree
 shard_params(params, logical_axes, mesh, rules)        device_put a pytree onto those shardings
 sharding_context(mesh, rules) / constrain(x, axes)     activation constraints by logical axis, active while tracing
@@ -38,6 +39,7 @@ from aepo_jax.parallel._mesh import (
   current_mesh,
   emulate_topology,
   emulated_topology,
+  expert_parallel_rules,
   local_mesh,
   logical_sharding,
   logical_to_mesh,

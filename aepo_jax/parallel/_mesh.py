@@ -25,6 +25,10 @@ DEFAULT_RULES = (
   ("activation_mlp", "tensor"),
   ("activation_vocab", "tensor"),
   ("batch", ("data", "fsdp")),
+  # Qwen3-MoE's stacked experts [E, D, F]: None keeps every expert on every device (F over tensor); a mesh axis
+  # (`expert_parallel_rules`) splits them over it, whole, for expert parallelism (model/_moe.py). Ahead of 'embed',
+  # so it takes that axis before D does (a mesh axis shards one dimension; the first row naming it wins).
+  ("expert", None),
   ("embed", "fsdp"),
   ("vocab", "tensor"),
   ("mlp", "tensor"),
@@ -32,12 +36,18 @@ DEFAULT_RULES = (
   ("kv_heads", "tensor"),
   ("head_dim", None),
   ("layers", None),
-  ("expert", None),  # Qwen3-MoE's stacked experts: no expert-parallel mesh axis yet (replicated, F over tensor)
   ("cache_batch", ("data", "fsdp")),
   ("cache_length", None),
   ("cache_kv_heads", "tensor"),
   ("cache_pages", None),  # the paged pool: every slot of a host draws from it (the engine refuses data x fsdp > 1)
 )
+
+
+def expert_parallel_rules(axis: str | tuple = "fsdp", rules=DEFAULT_RULES) -> tuple:
+  """`rules` with the stacked experts over the mesh axis (or axes) `axis`: each device of it holds E / n whole
+  experts, and the sparse block sends each (token, expert) pair to its expert by an all-to-all over it. The axis must
+  be one the batch rows are split over ('fsdp', 'data' or both): no new mesh axis, so every mesh keeps working."""
+  return tuple((name, axis if name == "expert" else mesh_axes) for name, mesh_axes in rules)
 
 
 def make_mesh(shape: Mapping[str, int] | Sequence[int], devices: Optional[Sequence] = None) -> Mesh:
