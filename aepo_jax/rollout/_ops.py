@@ -48,7 +48,9 @@ def decode_step(config, params, state: st.DecodeState, spec, weights_t=None):
   logits_sv, cache = out[:2]
   if record:
     state = state.replace(
-      routes=state.routes.at[rows, jnp.where(act, write_s, max_len)].set(out[2].astype(st.ROUTES_DTYPE), mode="drop")
+      routes=state.routes.at[rows, jnp.where(act, write_s, max_len)].set(
+        out[2].reshape(out[2].shape[0], -1).astype(st.ROUTES_DTYPE), mode="drop"
+      )
     )
   # spec.sampling None: each slot samples with its own settings (the engine's per-slot mode).
   smp = sample_step(
@@ -200,7 +202,8 @@ def fill_chunk(config, chunk: int, attend_len: int, params, state, slots_n, star
   max_len = state.tokens.shape[1]
   first_n = start_n if from_n is None else jnp.maximum(start_n, from_n // state.page_size * state.page_size)
   put_nt = jnp.where(pos_nt >= first_n[:, None], pos_nt, max_len)
-  routes = state.routes.at[slots_n[:, None], put_nt].set(out[1].astype(st.ROUTES_DTYPE), mode="drop")
+  flat = out[1].reshape(out[1].shape[:2] + (-1,)).astype(st.ROUTES_DTYPE)  # [n, t, L_sparse * k]: see DecodeState
+  routes = state.routes.at[slots_n[:, None], put_nt].set(flat, mode="drop")
   return state.replace(cache=out[0], routes=routes)
 
 

@@ -62,7 +62,7 @@ class _SlotOps:
       raise ValueError("Engine.slot_routes: the engine does not record routes; build it with record_routes=True.")
     self._check_slots([slot], "slot")
     length, row = jax.device_get((state.length[slot], state.routes[slot]))  # the whole row: one program, any length
-    routes = np.asarray(row[: int(length)], np.int32)
+    routes = np.asarray(row[: int(length)], np.int32).reshape(int(length), -1, self.config.num_experts_per_tok)
     routes[int(length) - 1 :] = -1
     return routes
 
