@@ -93,12 +93,13 @@ def _model_override_errors(config) -> list[str]:
   return errs
 
 
-ROUTING_REPLAY = ("none", "rollout")
+ROUTING_REPLAY = ("none", "rollout", "measure")
 
 
 def routing_replay_error(model_name: str) -> str:
   return (
-    f"algo.routing_replay='rollout' replays the experts of sparse layers, and the model {model_name!r} has none; "
+    f"algo.routing_replay='rollout' / 'measure' replays / measures the experts of sparse layers, and the model "
+    f"{model_name!r} has none; "
     "set algo.routing_replay='none' (a dense model has no routing to replay)."
   )
 
@@ -300,9 +301,10 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     )
   need(
     a.routing_replay in ROUTING_REPLAY,
-    f"algo.routing_replay={a.routing_replay!r}: use one of {ROUTING_REPLAY} ('rollout': a model with experts).",
+    f"algo.routing_replay={a.routing_replay!r}: use one of {ROUTING_REPLAY} ('rollout', 'measure': a model with "
+    "experts).",
   )
-  if a.routing_replay == "rollout" and model_has_experts(config) is False:
+  if a.routing_replay != "none" and model_has_experts(config) is False:
     errs.append(routing_replay_error(config.model.shape or config.model.name))
   need(
     a.off_policy_cap == 0 or (a.off_policy_cap >= 1 if a.off_policy == "tis" else a.off_policy_cap > 1),

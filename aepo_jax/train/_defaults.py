@@ -194,6 +194,8 @@ def base_config() -> ml_collections.ConfigDict:
   # the reference log-probs keep their own routing). Use it for an MoE policy whose engine and trainer numerics differ
   # (bf16 rollouts, another kernel, partial rollouts): a flipped top-k there moves a token's log-prob by a whole
   # expert and destabilises RL. Costs 4 x L_sparse x k bytes per token in the batch. A dense model refuses 'rollout'.
+  # 'measure': the engine records the routes and the trainer only measures how often its own top-k differs from
+  # them (train/routing_disagreement; one extra forward per step), without replaying: what replay would change.
   c.algo.routing_replay = "none"
 
   c.optim = ml_collections.ConfigDict()

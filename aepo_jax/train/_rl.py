@@ -26,7 +26,7 @@ def phase(run: Run, params):
   during and after as eval.* says: (params, summary)."""
   config, model_cfg, tokenizer, mesh, writer = run.config, run.model_cfg, run.tokenizer, run.mesh, run.writer
   t, r, a = config.train, config.rollout, config.algo
-  if a.routing_replay == "rollout" and not model_cfg.has_experts:  # validate() cannot tell for every model.name
+  if a.routing_replay != "none" and not model_cfg.has_experts:  # validate() cannot tell for every model.name
     raise ConfigError(routing_replay_error(config.model.name))
   ckpt = run.checkpointer("rl")
   loader, num_train = _inputs.prompt_loader(config, tokenizer)
@@ -77,6 +77,7 @@ def phase(run: Run, params):
   update_step = _objective.make_rl_update_step(config, model_cfg, optimizer, mesh)
   replay = a.routing_replay == "rollout"
   logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature, with_routes=replay)
+  disagreement_fn = _step.make_routing_disagreement_fn(model_cfg, mesh) if a.routing_replay == "measure" else None
 
   validation = _validation.Validation(run, tools)  # its rollout and judge are built on first use
   params, opt_state, rng = state.params, state.opt_state, state.rng
@@ -147,9 +148,12 @@ def phase(run: Run, params):
         rows_multiple=rows_multiple,
         layout=layout,
       )
-      if replay:
+      if a.routing_replay != "none":
         gen_metrics.update(routing_replay_metrics(traj))
       batch = _batch.shard_batch(_batch.process_rows(batch_np, mesh), mesh)
+      if disagreement_fn is not None:  # measured, not replayed: the update routes every token itself
+        rollout_routes = batch.pop("routes")
+        gen_metrics.update(_step.routing_disagreement(disagreement_fn, params, batch, rollout_routes))
       # Routing replay: pi_old through the rollout's experts too; the reference keeps its own routing (None).
       routes, own = ((batch["routes"],), (None,)) if replay else ((), ())
       batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"], *routes)
@@ -273,12 +277,13 @@ def _save_step_start(run: Run, ckpt, state: TrainState, data_state, nan_count: i
 
 
 def routing_replay_metrics(traj) -> dict:
-  """train/routing_replay_token_fraction: the share of the step's tokens (prompt and response) that go through the
-  rollout's experts in the update (the rest, each row's last token and tool results appended after its slot was
-  released, route themselves). Raises when the rollout recorded no routes."""
+  """train/routing_replay_token_fraction: the share of the step's tokens (prompt and response) whose rollout experts
+  were recorded, which the update replays ('rollout') or compares with its own ('measure'; the rest, each row's last
+  token and tool results appended after its slot was released, route themselves). Raises when the rollout recorded
+  no routes."""
   if traj.routes_btsk is None:
     raise RuntimeError(
-      "algo.routing_replay='rollout' but the rollout returned no routes (Trajectories.routes_btsk is None): its "
+      "algo.routing_replay is on but the rollout returned no routes (Trajectories.routes_btsk is None): its "
       "engine does not record them (Engine(record_routes=True), rollout_settings(record_routes=))."
     )
   attended = np.asarray(traj.attention_mask_bt) > 0

@@ -209,6 +209,37 @@ def make_logprob_fn(
   return jax.jit(fn, in_shardings=in_shardings, out_shardings=(b_sh, b_sh))
 
 
+def make_routing_disagreement_fn(model_config: ModelConfig, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
+  """Jitted `fn(params, tokens, attention_mask, routes) -> (differing, compared)` over a [K, mb, T] batch (routes
+  [K, mb, T, L_sparse, k], the rollout's): how many (token, sparse layer) pairs the trainer's own top-k routes to
+  another set of experts than the rollout did, of how many it compares (tokens with recorded routes). One forward
+  without the LM head per micro-batch (algo.routing_replay='measure')."""
+  mesh = _mesh(mesh)
+  model_config = resolve_attention_impl(model_config, mesh)
+  p_sh, b_sh = param_shardings(model_config, mesh, rules), batch_sharding(mesh, rules)
+
+  def one(params, xs):
+    tokens, mask, rollout = xs
+    _, own = forward_hidden(model_config, params, tokens, None, mask, return_routes=True)
+    recorded = (rollout[..., 0] >= 0) & (mask[..., None] > 0)  # [mb, T, L_sparse]
+    differ = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(rollout, axis=-1), axis=-1) & recorded
+    return jnp.sum(differ), jnp.sum(recorded)
+
+  def fn(params, tokens, attention_mask, routes):
+    with sharding_context(mesh, rules):
+      d, n = jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask, routes))
+    return jnp.sum(d), jnp.sum(n)
+
+  return jax.jit(fn, in_shardings=(p_sh, b_sh, b_sh, b_sh))
+
+
+def routing_disagreement(fn, params, batch, routes) -> dict:
+  """train/routing_disagreement: the share of recorded (token, sparse layer) pairs whose experts the trainer would
+  choose differently from the rollout (`make_routing_disagreement_fn`); 0 with none recorded."""
+  differing, compared = jax.device_get(fn(params, batch["tokens"], batch["attention_mask"], routes))
+  return {"train/routing_disagreement": float(differing) / max(float(compared), 1.0)}
+
+
 @jax.jit
 def behaviour_log_prob(old_log_prob, sampler_log_prob, loss_mask):
   """The sampler's log-probs, with the trained tokens the host inserted given the recomputed old log-prob: the EOS

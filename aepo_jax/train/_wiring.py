@@ -77,7 +77,7 @@ def rollout_settings(
   prompts_per_call: default this host's share of data.prompts_per_step (`hosts` processes: default
   jax.process_count()); the slots are rollout.max_slots, else prompts_per_call x n (at least that many when
   prompts_per_call is given). record_routes: default algo.routing_replay='rollout' (the engine keeps each token's
-  experts for the update)."""
+  experts for the update: algo.routing_replay 'rollout' or 'measure')."""
   import dataclasses
 
   from aepo_jax import rollout as rollout_lib
@@ -114,7 +114,7 @@ def rollout_settings(
     max_tool_calls=config.tools.call_limit,
     result_mode=result_mode,
     dtype=r.dtype or config.model.dtype,
-    record_routes=config.algo.routing_replay == "rollout" if record_routes is None else record_routes,
+    record_routes=config.algo.routing_replay != "none" if record_routes is None else record_routes,
   )
 
 

@@ -150,6 +150,41 @@ def test_the_logprob_fn_and_the_update_step_route_every_token_through_the_given_
   assert np.max(np.abs(gate(other_p) - params["layers"]["mlp"]["gate"]["kernel"])) > 1e-6  # the router learns
 
 
+def test_routing_disagreement_counts_the_pairs_routed_elsewhere():
+  """algo.routing_replay='measure': the trainer's own top-k against the rollout's recorded experts, per (token, sparse
+  layer) with routes recorded: none differ for the routes the same model picks (the sets, in any order), every pair
+  differs for other experts, and unrecorded tokens (-1) and padding are not compared."""
+  params = jax.tree.map(lambda x: np.asarray(x) * 4.0 if x.ndim >= 2 else np.asarray(x), init_params(MOE, PRNGKey(0)))
+  rng = np.random.default_rng(1)
+  n, t = 4, 12
+  tokens = rng.integers(3, MOE.vocab_size, (n, t)).astype(np.int32)
+  attn = (np.arange(t)[None] < np.asarray([[12], [9], [12], [6]])).astype(np.int32)
+  _, own = forward(MOE, params, tokens, attention_mask=attn, return_routes=True)
+  own = np.where(attn[..., None, None] > 0, np.asarray(own), -1).astype(np.int32)
+  own[:, -1] = -1  # each row's last position: not recorded
+  mesh = make_mesh((1, 1, 1), jax.devices()[:1])
+  fn = _step.make_routing_disagreement_fn(MOE, mesh)
+
+  def share(routes):
+    b = _batch.shard_batch(
+      _batch.micro_batches(
+        {"tokens": tokens, "attention_mask": attn, "routes": routes}, micro_batch_size=2, pad_id=0, seq_len=t
+      ),
+      mesh,
+    )
+    return _step.routing_disagreement(fn, params, b, b.pop("routes"))["train/routing_disagreement"]
+
+  assert share(own) == 0.0
+  assert share(own[..., ::-1].copy()) == 0.0  # the same experts in another order
+  other = np.where(own >= 0, (own + 1) % MOE.num_experts, -1).astype(np.int32)  # k=2 of 6: never the same set
+  assert share(other) == 1.0
+  half = own.copy()
+  half[:2] = other[:2]
+  recorded = (own[..., 0, 0] >= 0).sum(1)
+  want = recorded[:2].sum() / recorded.sum()
+  assert abs(share(half) - want) < 1e-6, (share(half), want)
+
+
 # ----------------------------------------------------------------------------------------------------------- config
 def _moe(config):
   config.model.name = "qwen3-30b-a3b"
@@ -193,7 +228,8 @@ def tok_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_rl_with_routing_replay_recomputes_the_samplers_log_probs(tmp_path, tok_dir):
+@pytest.mark.parametrize("mode", ["rollout", "measure"])
+def test_rl_with_routing_replay_recomputes_the_samplers_log_probs(tmp_path, tok_dir, mode):
   """Two RL steps of a tiny random Qwen3-MoE policy (2 sparse layers, 4 experts, top 2) with AEPO's rollouts, routing
   replay and a KL loss (the reference routes itself): the update replays the rollout's experts for all but each row's
   last token, and the old log-probs the trainer recomputes through them equal the engine's on every loss token to
@@ -210,7 +246,7 @@ def test_rl_with_routing_replay_recomputes_the_samplers_log_probs(tmp_path, tok_
     "sft.enabled": False,
     "eval.before_rl": False,
     "eval.after_rl": False,
-    "algo.routing_replay": "rollout",
+    "algo.routing_replay": mode,
     "algo.kl.name": "k3",  # the reference's log-probs: the same program without routes (its own routing)
     "algo.kl.coef": 0.1,
     "train.steps": 2,
@@ -222,5 +258,7 @@ def test_rl_with_routing_replay_recomputes_the_samplers_log_probs(tmp_path, tok_
   for r in rl:
     assert r["train/routing_replay_token_fraction"] > 0.9, r["train/routing_replay_token_fraction"]
     assert r["mismatch/logprob_abs_diff_max"] < 1e-4, r["mismatch/logprob_abs_diff_max"]
+    if mode == "measure":  # float32 on one backend: the trainer's own top-k is the rollout's
+      assert r["train/routing_disagreement"] == 0.0, r["train/routing_disagreement"]
     assert np.isfinite(r["train/grad_norm"]) and r["train/nonfinite_skipped"] == 0.0
   assert os.path.isdir(os.path.join(config.workdir, "checkpoints", "rl", "2"))
