@@ -1,9 +1,8 @@
-"""The whole main job on several JAX processes standing in for the hosts of a pod (gloo collectives, 2 fake CPU
-devices each): `launch/tpu_pod.py --config=configs/testing/tiny_rl.py` runs SFT, evaluation and agentic RL with
+"""The whole main job on several JAX processes standing in for the hosts of a pod (gloo collectives, fake CPU
+devices): `launch/tpu_pod.py --config=configs/testing/tiny_rl.py` runs SFT, evaluation and agentic RL with
 real tools (sandboxed Python, local search) and checkpoints; every host rolls out its own prompts on its own
-devices, and the trajectories of all hosts make one global batch. Here the hosts' devices are in process order
-with unequal shares of prompts; the main job with resume on a TPU slice's device order (a harder order than this
-one) is tests/parallel/test_slice_order.py's.
+devices, and the trajectories of all hosts make one global batch. Here 4 hosts in v6e:4x4's device order with
+unequal shares of prompts; 2 hosts of v5p:2x2x2 with resume are tests/parallel/test_slice_order.py's.
 """
 
 import json
@@ -30,10 +29,15 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _launch(num_hosts, workdir, tok_dir, *overrides, timeout=900):
-  """Runs the main job as `num_hosts` processes; returns their logs (each asserted to have exited 0)."""
+def _launch(num_hosts, workdir, tok_dir, *overrides, timeout=900, topology=None):
+  """Runs the main job as `num_hosts` processes; returns their logs (each asserted to have exited 0). topology: the
+  TPU slice whose device order the processes stand in for (`--emulate_topology`, its chips per host each); else 2
+  CPU devices per process, in process order."""
   port = _free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  if topology:
+    env.pop("XLA_FLAGS")  # the launcher gives each process the slice's devices per host
+    overrides += (f"--emulate_topology={topology}",)
   cmd = [
     sys.executable,
     os.path.join(ROOT, "launch", "tpu_pod.py"),
@@ -74,21 +78,27 @@ def _steps(workdir, phase):
 
 @pytest.mark.slow
 def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
-  """6 prompts per step over 4 hosts (2, 2, 1, 1): hosts finish their rollouts at different times and hold
-  different numbers of trajectories; the update still sees all 24, in mini-batches of 8 sequences, with ARPO's
-  hard advantage attribution over every host's branching trees."""
+  """6 prompts per step over the 4 hosts of an emulated v6e:4x4 slice (4 devices each, in the slice's device order;
+  training mesh fsdp 8 x tensor 2 over all 16) with 2, 2, 1, 1 prompts: hosts finish their rollouts at different
+  times and hold different numbers of trajectories; the update still sees all 24, in mini-batches of 8 sequences,
+  with ARPO's hard advantage attribution over every host's branching trees."""
   workdir = str(tmp_path / "run")
-  _launch(
+  logs = _launch(
     4,
     workdir,
     tok_dir,
+    "--config.mesh.data=1",
+    "--config.mesh.fsdp=8",
+    "--config.mesh.tensor=2",
     "--config.data.prompts_per_step=6",
     "--config.train.steps=1",
     "--config.sft.steps=1",
     "--config.eval.before_rl=False",
     "--config.eval.batch_size=3",
     "--config.algo.attribution=hard",
+    topology="v6e:4x4",
   )  # the branching trees of all hosts, renumbered, reach the advantages
+  assert "meshes in the order of the TPU slice v6e:4x4: 4 hosts x 4 devices" in logs[0], logs[0][-3000:]
   records = _metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
   assert len(rl) == 1 and rl[0]["rollout/trajectories"] == 24, rl
