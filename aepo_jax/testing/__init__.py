@@ -10,9 +10,11 @@ tiny_tokenizer(path, vocab_size=300) -> path            a byte-level BPE tokeniz
 FAMILIES                                               ('llama', 'llama_rope', 'qwen2', 'qwen3')
 MOE_FAMILIES                                           ('qwen3_moe',): 3 layers (the middle one dense), 8 experts, top 2
 chat_server(reply) -> (base_url, requests)             a fake OpenAI-compatible chat server (context manager)
+free_port() / run_processes(cmds, timeout, env, cwd)   several processes at once (hosts of a pod), none left behind
 """
 
 from aepo_jax.testing._chat_server import chat_server
 from aepo_jax.testing._hf import FAMILIES, MOE_FAMILIES, tiny_hf_checkpoint, tiny_hf_config, tiny_hf_model
 from aepo_jax.testing._model import TINY_MODEL, tiny_model_config
+from aepo_jax.testing._processes import free_port, run_processes
 from aepo_jax.testing._tokenizer import CHATML_TEMPLATE, tiny_tokenizer

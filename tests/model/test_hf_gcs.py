@@ -315,36 +315,18 @@ print(json.dumps({"bytes_read": read[0]}))
 def test_two_hosts_each_read_only_their_rows_from_the_bucket(gcs_emulator, checkpoints, tmp_path):
   """Two JAX processes (4 fake CPU devices each) load one gs:// checkpoint onto a mesh whose fsdp axis spans them:
   each holds the right shards and reads less than the whole checkpoint from the bucket."""
-  import subprocess
-  import socket
+  from aepo_jax.testing import free_port, run_processes
 
   local = checkpoints["float32"]
   remote = _upload(local, f"gs://{BUCKET}/two-hosts")
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-c", _WORKER, str(port), str(i), remote, local],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  try:
-    results = [p.communicate(timeout=300) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
+  cmds = [[sys.executable, "-c", _WORKER, str(port), str(i), remote, local] for i in range(2)]
+  results = run_processes(cmds, env=env, timeout=300, merge_stderr=False)
   tensors = {k: t for shard in _shards(local) for k, t in load_file(os.path.join(local, shard)).items()}
   data = sum(t.nbytes for t in tensors.values())
   # o_proj [D, H*hd] and down_proj [D, F] have their fsdp axis (D) along HF rows: each process reads half of them.
   split = sum(t.nbytes for k, t in tensors.items() if k.endswith(("o_proj.weight", "down_proj.weight")))
-  for p, (out, err) in zip(procs, results):
-    assert p.returncode == 0, err[-3000:]
+  for _, out, _ in results:
     read = json.loads(out.strip().splitlines()[-1])["bytes_read"]  # tensor bytes plus the shards' headers
     assert read < data - 0.4 * split, (read, data, split)

@@ -23,7 +23,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -36,6 +35,7 @@ import pytest
 from aepo_jax import model as model_lib
 from aepo_jax import parallel
 from aepo_jax.checkpoint import model_config_from_json
+from aepo_jax.testing import free_port, run_processes
 from aepo_jax.train import Checkpointer, from_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,12 +88,6 @@ DRIVER = textwrap.dedent(inspect.getsource(hashed_rewards)) + textwrap.dedent(""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _flags(tmp_path, workdir):
   from aepo_jax.testing import tiny_tokenizer
 
@@ -124,22 +118,9 @@ def _run_pod(tmp_path, workdir, batch_file):
   env = _env()
   env.pop("XLA_FLAGS", None)  # the launcher gives each process the slice's 4 devices per host
   cmd = [sys.executable, "-c", DRIVER, "pod", str(batch_file), *_flags(tmp_path, workdir)]
-  cmd += ["--emulate_topology=v5p:2x2x2", f"--coordinator_address=127.0.0.1:{_free_port()}", "--num_processes=2"]
-  procs = [
-    subprocess.Popen(
-      cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    for i in range(2)
-  ]
-  try:
-    logs = [p.communicate(timeout=1500)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-5000:]}"
+  cmd += ["--emulate_topology=v5p:2x2x2", f"--coordinator_address=127.0.0.1:{free_port()}", "--num_processes=2"]
+  results = run_processes([cmd + [f"--process_id={i}"] for i in range(2)], cwd=ROOT, env=env, timeout=1500)
+  logs = [out for _, out, _ in results]
   return logs
 
 

@@ -40,6 +40,7 @@ def _rows(workdir):
   return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_a_run_stopped_inside_its_after_rl_evaluation_finishes_it_on_rerun(tmp_path, tok_dir, monkeypatch):
   workdir = tmp_path / "run"
   evaluate = _validation.Validation.__call__
@@ -67,6 +68,7 @@ def test_a_run_stopped_inside_its_after_rl_evaluation_finishes_it_on_rerun(tmp_p
     run(_config(workdir, tok_dir))
 
 
+@pytest.mark.slow
 def test_the_after_rl_evaluation_takes_over_the_periodic_one_of_the_last_step(tmp_path, tok_dir, monkeypatch):
   """eval_every dividing the steps: the last step's periodic evaluation and the after-RL one are of the same
   parameters; the greedy answers are evaluated once (the after-RL records a copy, its metrics not logged twice)."""

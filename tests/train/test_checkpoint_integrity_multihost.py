@@ -9,8 +9,6 @@ Run as a script, this file is one worker: `python test_checkpoint_integrity_mult
 import json
 import os
 import re
-import socket
-import subprocess
 import sys
 
 HERE = os.path.abspath(__file__)
@@ -118,27 +116,13 @@ def _by(results, phase, step) -> list[dict]:
 def test_each_host_hashes_the_files_it_wrote_and_all_stop_on_one_damaged_file(tmp_path):
   from aepo_jax.checkpoint._integrity import MANIFEST, writer
 
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  from aepo_jax.testing import free_port, run_processes
+
+  port = free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
-  procs = [
-    subprocess.Popen(
-      [sys.executable, HERE, str(i), str(port), str(tmp_path), str(tmp_path / f"out{i}.json")],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  try:
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+  cmds = [[sys.executable, HERE, str(i), str(port), str(tmp_path), str(tmp_path / f"out{i}.json")] for i in range(2)]
+  run_processes(cmds, env=env, timeout=300)
   results = [json.loads((tmp_path / f"out{i}.json").read_text()) for i in range(2)]
 
   for phase, step_dir, step in [

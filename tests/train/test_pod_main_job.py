@@ -7,11 +7,11 @@ unequal shares of prompts; 2 hosts of v5p:2x2x2 with resume are tests/parallel/t
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
+
+from aepo_jax.testing import free_port, run_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,17 +23,11 @@ def tok_dir(tmp_path_factory):
   return tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _launch(num_hosts, workdir, tok_dir, *overrides, timeout=900, topology=None):
   """Runs the main job as `num_hosts` processes; returns their logs (each asserted to have exited 0). topology: the
   TPU slice whose device order the processes stand in for (`--emulate_topology`, its chips per host each); else 2
   CPU devices per process, in process order."""
-  port = _free_port()
+  port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
   if topology:
     env.pop("XLA_FLAGS")  # the launcher gives each process the slice's devices per host
@@ -49,21 +43,8 @@ def _launch(num_hosts, workdir, tok_dir, *overrides, timeout=900, topology=None)
     f"--coordinator_address=127.0.0.1:{port}",
     f"--num_processes={num_hosts}",
   ]
-  procs = [
-    subprocess.Popen(
-      cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    for i in range(num_hosts)
-  ]
-  try:
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i} exited {p.returncode}:\n{log[-5000:]}"
+  results = run_processes([cmd + [f"--process_id={i}"] for i in range(num_hosts)], cwd=ROOT, env=env, timeout=timeout)
+  logs = [out for _, out, _ in results]
   return logs
 
 
