@@ -188,6 +188,20 @@ def test_missing_gs_directory(gcs_emulator):
     model.load_hf(f"gs://{BUCKET}/nothing-here")
 
 
+def _spy_local_copies(monkeypatch, module, name) -> list:
+  """The listing of every local temporary copy `module.name` (a context manager yielding a local directory) makes."""
+  copied, real = [], getattr(module, name)
+
+  @contextlib.contextmanager
+  def spy(path):
+    with real(path) as tmp:
+      copied.append(sorted(os.listdir(tmp)))
+      yield tmp
+
+  monkeypatch.setattr(module, name, spy)
+  return copied
+
+
 def test_load_model_reads_a_gs_directory_in_place(gcs_emulator, checkpoints, monkeypatch):
   """model.init='pretrained' with a gs:// model.name: the weights go straight to load_hf on the mesh; only the
   tokenizer files are copied to a local temporary directory."""
@@ -198,15 +212,7 @@ def test_load_model_reads_a_gs_directory_in_place(gcs_emulator, checkpoints, mon
   remote = _upload(local, f"gs://{BUCKET}/train-model")
   config = train.base_config()
   config.model.init, config.model.name, config.model.tokenizer = "pretrained", remote, ""
-  copied, real = [], _inputs._local_files
-
-  @contextlib.contextmanager
-  def spy(path):
-    with real(path) as tmp:
-      copied.append(sorted(os.listdir(tmp)))
-      yield tmp
-
-  monkeypatch.setattr(_inputs, "_local_files", spy)
+  copied = _spy_local_copies(monkeypatch, _inputs, "_local_files")
   mesh = make_mesh((2, 2, 2))
   cfg, params, tok = _inputs.load_model(config, mesh)
   assert tok is not None and tok.vocab_size == model.Tokenizer.from_dir(local).vocab_size
@@ -225,15 +231,7 @@ def test_load_policy_reads_a_gs_directory_in_place(gcs_emulator, checkpoints, mo
 
   local = checkpoints["float32"]
   remote = _upload(local, f"gs://{BUCKET}/eval-model")
-  copied, real = [], _loading._local_dir
-
-  @contextlib.contextmanager
-  def spy(path):
-    with real(path) as tmp:
-      copied.append(sorted(os.listdir(tmp)))
-      yield tmp
-
-  monkeypatch.setattr(_loading, "_local_dir", spy)
+  copied = _spy_local_copies(monkeypatch, _loading, "_local_dir")
   policy = checkpoint.load_policy(remote)
   assert copied and all("tokenizer.json" in c for c in copied)
   assert not [f for c in copied for f in c if f.endswith(".safetensors")]  # no weights on local disk
