@@ -236,11 +236,23 @@ def _experts_gmm_local(x_nd, gates_nk, experts_nk, wg, wu, wd, *, num_experts, m
 
 def _gmm_matmul(dtype, max_tiling, interpret: bool):
   """`grouped_matmul(rows [M, K], w [E, K, N'], group_sizes [E]) -> [M, N']` through the Pallas gmm kernel, its
-  tiles `gmm_tiling` of each matmul's shape (M a multiple of the row tile)."""
+  tiles `gmm_tiling` of each matmul's shape (M a multiple of the row tile).
+
+  A weight whose N' is no multiple of the TPU lane width while K is (the gate/up kernels [E, D, F] with F per chip
+  e.g. 768 / 4 = 192) is given to the kernel transposed ([E, N', K], `transpose_rhs`): XLA:TPU stores such an array
+  with K minor (no padding of N' to 256), and the kernel's row-major [E, K, N'] operand was then a relayout copy of
+  the whole stacked weight on every call (2 x 4.8 GB per chip per decode call at Qwen3-30B-A3B); transposed, the
+  operand is the stored bytes."""
   from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas: imported when first used
 
   def grouped_matmul(lhs, w, sizes):
-    tiling = gmm_tiling(lhs.shape[0], w.shape[1], w.shape[2], max_tiling)
+    k, n = w.shape[1], w.shape[2]
+    tiling = gmm_tiling(lhs.shape[0], k, n, max_tiling)
+    if n % _LANES and not k % _LANES:
+      rhs = jnp.swapaxes(w, 1, 2)
+      return gmm(
+        lhs, rhs, sizes, preferred_element_type=lhs.dtype, tiling=tiling, transpose_rhs=True, interpret=interpret
+      )
     return gmm(lhs, w, sizes, preferred_element_type=lhs.dtype, tiling=tiling, interpret=interpret)
 
   return _at_default_precision(grouped_matmul) if dtype == jnp.bfloat16 else grouped_matmul

@@ -68,8 +68,9 @@ def test_tiling_is_clamped_to_the_shape():
     (13, 32, 4, 16, 1, range(4), _moe.GMM_TILING),  # top 1; 13 rows padded to one tile of 16
     (21, 32, 8, 16, 2, [1, 4, 5], SMALL_TILES),  # top 2; experts 0, 2, 3, 6, 7 get no token (7: the padding's)
     (7, 160, 8, 136, 8, range(8), SMALL_TILES),  # top 8 of 8; D and F past one 128 tile (the kernel's k remainder)
+    (19, 128, 4, 72, 2, range(4), SMALL_TILES),  # D lane-aligned, F not: gate/up through the transposed operand
   ],
-  ids=["top1", "top2_empty_experts", "top8_k_remainder"],
+  ids=["top1", "top2_empty_experts", "top8_k_remainder", "transposed_rhs"],
 )
 def test_gmm_equals_ragged_and_dense_with_gradients(n, d, e, f, k, used, tiling):
   """Outputs and the gradients of a scalar loss w.r.t. x, the gates and the three expert weights; row counts that
