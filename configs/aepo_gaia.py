@@ -13,8 +13,8 @@ Hardware: a TPU v5p-64 (`v5p:4x4x2`, 32 chips) or a v6e-64 (`v6e:8x8`): fsdp x t
 Memory: every program of the run compiled at full depth (`python bench/compile_table.py`, through
   `launch/compile.py`): docs/compiled.md, per-chip peaks and the HBM and collective bytes per call (prompt 2,000 +
   response 6,192 tokens; splash attention in update and logprob; a paged KV pool of 393,216 tokens per host,
-  decode through the Pallas paged-attention kernel). v5p:4x4x2 fits there; v6e:8x8 (32 GB per chip) fit when last
-  compiled (update 12.0, logprob 3.7, prefill 27.3, decode 26.8 GB, 48 slots per host: docs/benchmarks.md).
+  decode through the Pallas paged-attention kernel). Both fit there: v5p:4x4x2, and v6e:8x8 (32 GB per chip; update
+  15.1, logprob 3.8, prefill 27.3, decode 26.7 GB, 48 slots per host).
   Longer trajectories fit too (20,480 tokens, `--config.rollout.max_response_len=18432`, on v6e:8x8; 32,768 on
   v5p:4x4x2): docs/performance.md, section "Paged KV cache".
 Needs: a Qwen3-14B cold-start SFT checkpoint (ARPO-SFT-54K, spec §2.4) as an HF directory; ARPO's

@@ -20,10 +20,10 @@ Memory: the same paged KV pool as the 14B run (393,216 tokens per host): Qwen3-3
   48 layers, 96 KiB per token in bfloat16: 38.7 GB per host, 9.7 GB per chip (one KV head per chip at tensor 4).
   Compiled at full depth for v5p:4x4x2 (`python bench/compile_table.py --configs=aepo_gaia_30b_a3b
   --topologies=v5p:4x4x2 --programs=update,logprob,weight_copy,decode`, docs/compiled.md): every program fits
-  (peaks: update 37.2, logprob 16.6, weight copy 44.8, decode 57.3 GB of 95). Decode moves 3.2x its bound: each call
-  copies the stacked gate/up expert kernels (bf16[48,128,2048,192], 4.8 GB each per chip) and the recorded routes
-  (s16[96,8192,48,8], twice) to another layout. v6e:8x8 and prefill are not compiled yet; with those copies decode
-  would not fit a v6e chip (32 GB: 15.3 GB of rollout weights and 9.7 GB of KV pool before them).
+  (peaks: update 37.2, logprob 16.6, weight copy 44.8, decode 42.9 GB of 95). Decode moves 2.3x its bound (the
+  rollout weights and KV pool per chip, 25 GB): the grouped matmul reads F = 192 per chip in 256-wide tiles, and
+  each expert's weights once per group of rows. v6e:8x8 (15.3 GB of rollout weights and 9.7 GB of KV pool per
+  32 GB chip), prefill and 20,480-token trajectories are not compiled yet.
 Needs: a Qwen3-30B-A3B cold-start SFT checkpoint (ARPO-SFT-54K) as an HF directory; hard_search_1k, gaia_test,
   hle_test (bundled); a search backend (default: replay of search_cache.json).
 Time: 85 RL steps (5 epochs x 17 steps of 64 prompts x 12 rollouts), as the 14B run. A token's forward costs the
