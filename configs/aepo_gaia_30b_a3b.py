@@ -18,8 +18,9 @@ Routing replay (`algo.routing_replay='rollout'`, R3): the engine records each to
   top-8 choice moves a token's log-prob by a whole expert (docs/objectives.md, "Routing replay").
 Memory: the same paged KV pool as the 14B run (393,216 tokens per host): Qwen3-30B-A3B has 4 KV heads of 128 over
   48 layers, 96 KiB per token in bfloat16: 38.7 GB per host, 9.7 GB per chip (one KV head per chip at tensor 4).
-  Compiled at full depth for v5p:4x4x2 (`python bench/compile_table.py --configs=aepo_gaia_30b_a3b
-  --topologies=v5p:4x4x2 --programs=update,logprob,weight_copy,decode`, docs/compiled.md): every program fits
+  Compiled at full depth for v5p:4x4x2 (`python launch/compile.py --config=configs/aepo_gaia_30b_a3b.py
+  --topology=v5p:4x4x2 --programs=update,logprob,weight_copy,decode`; the table: `python bench/compile_table.py
+  --configs=aepo_gaia_30b_a3b`, docs/compiled.md): every program fits
   (peaks: update 37.2, logprob 16.6, weight copy 44.8, decode 42.9 GB of 95). Decode moves 2.3x its bound (the
   rollout weights and KV pool per chip, 25 GB): the grouped matmul reads F = 192 per chip in 256-wide tiles, and
   each expert's weights once per group of rows. v6e:8x8 (15.3 GB of rollout weights and 9.7 GB of KV pool per

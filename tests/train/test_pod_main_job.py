@@ -62,23 +62,21 @@ def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
   """6 prompts per step over the 4 hosts of an emulated v6e:4x4 slice (4 devices each, in the slice's device order;
   training mesh fsdp 8 x tensor 2 over all 16) with 2, 2, 1, 1 prompts: hosts finish their rollouts at different
   times and hold different numbers of trajectories; the update still sees all 24, in mini-batches of 8 sequences,
-  with ARPO's hard advantage attribution over every host's branching trees."""
+  with ARPO's hard advantage attribution over every host's branching trees. Then the same command with one more
+  step resumes from the checkpoint written on that mesh and trains step 2 only."""
   workdir = str(tmp_path / "run")
-  logs = _launch(
-    4,
-    workdir,
-    tok_dir,
+  flags = [
     "--config.mesh.data=1",
     "--config.mesh.fsdp=8",
     "--config.mesh.tensor=2",
     "--config.data.prompts_per_step=6",
-    "--config.train.steps=1",
     "--config.sft.steps=1",
     "--config.eval.before_rl=False",
     "--config.eval.batch_size=3",
     "--config.algo.attribution=hard",
-    topology="v6e:4x4",
-  )  # the branching trees of all hosts, renumbered, reach the advantages
+  ]
+  # the branching trees of all hosts, renumbered, reach the advantages
+  logs = _launch(4, workdir, tok_dir, *flags, "--config.train.steps=1", topology="v6e:4x4")
   assert "meshes in the order of the TPU slice v6e:4x4: 4 hosts x 4 devices" in logs[0], logs[0][-3000:]
   records = _metrics(workdir)
   rl = [r for r in records if "reward/mean" in r]
@@ -88,6 +86,14 @@ def test_four_hosts_with_unequal_prompt_counts(tmp_path, tok_dir):
   assert rl[0]["train/sequences"] == 8.0  # ppo_mini_batch_size 2 prompts x n 4, as on one host
   assert [r["step"] for r in records if "eval/suite/accuracy" in r] == [1]
   assert _steps(workdir, "rl") == [1]
+
+  logs = _launch(
+    4, workdir, tok_dir, *flags, "--config.train.steps=2", "--config.eval.after_rl=False", topology="v6e:4x4"
+  )
+  assert "resuming from step 1" in logs[0], logs[0][-3000:]
+  rl = [r for r in _metrics(workdir) if "reward/mean" in r]
+  assert [r["step"] for r in rl] == [1, 2] and rl[1]["rollout/trajectories"] == 24, rl
+  assert _steps(workdir, "rl") == [1, 2]
 
 
 def test_merge_hosts_renumbers_groups_and_parents():
