@@ -12,6 +12,10 @@ Expert layout: the stacked expert weights [128, D, F] of every layer are split l
   a slice of all 128 experts (no expert axis: the rules table maps 'expert' to none). The update all-gathers a
   layer's experts over fsdp as FSDP does any layer. The expert matmuls are the Pallas grouped matmul (megablox
   gmm/tgmm, `model.moe_impl` 'auto' on TPU) inside shard_map: tokens over the batch axes, F over 'tensor'.
+  `--config.mesh.expert_axis=fsdp` switches the update to expert parallelism instead (16 whole experts per fsdp
+  device, each (token, expert) pair sent to its expert by a ragged all-to-all; model/_moe.py); the rollout engine
+  keeps every expert on every chip of its host. No load-balancing loss (`model.overrides.router_aux_loss_coef` 0,
+  the RL papers' practice: ModelConfig says why).
 Routing replay (`algo.routing_replay='rollout'`, R3): the engine records each token's 8 experts in each of the 48
   sparse layers (48 x 8 x 4 bytes = 1.5 KB per token in the batch), and the old log-probs and the update route every
   token through them: the rollout runs bfloat16 weights with another attention kernel than the update, and a flipped

@@ -69,7 +69,7 @@ def get_config(arg=None):
   c.rollout.max_response_len = 144  # KNOB: the longest demo response is 129 tokens
   c.rollout.temperature = 0.7  # the 135M model breaks the tag format too often at T=1 (log-probs use it too)
   c.rollout.decode_chunk = 16
-  c.rollout.max_slots = 16
+  c.rollout.max_slots = 0  # every trajectory its slot: 4 x 4 = 16; partial rollouts (train.max_staleness=k): 16(k + 1)
 
   c.algo.loss = "aepo"
   c.algo.entropy_advantage_coef = 0.2

@@ -153,22 +153,25 @@ def training_config(ref: CheckpointRef | str) -> Optional[dict]:
   return json.loads(cfg) if isinstance(cfg, str) else cfg
 
 
-def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype: str = "float32", mesh=None) -> Policy:
+def load_policy(
+  ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype: str = "float32", mesh=None, rules=None
+) -> Policy:
   """(config, params, tokenizer) of a checkpoint; `tokenizer` (name or dir) overrides the checkpoint's own.
 
   mesh: the parameters are read straight into their shardings on it (each host reads its own shards; a training
-  run that starts from another run's checkpoint, `model.init='checkpoint'`); None: host arrays."""
+  run that starts from another run's checkpoint, `model.init='checkpoint'`), through `rules` (default
+  `parallel.DEFAULT_RULES`); None: host arrays."""
   import jax
 
   from aepo_jax import model as model_lib
 
   ref = resolve_checkpoint(ref) if isinstance(ref, str) else ref
   if ref.kind == "pretrained":
-    cfg, params = model_lib.load_pretrained(ref.path, dtype=dtype, mesh=mesh)
+    cfg, params = model_lib.load_pretrained(ref.path, dtype=dtype, mesh=mesh, rules=rules)
     tok = load_tokenizer(tokenizer or ref.path)
     return Policy(cfg, params, tok, f"pretrained {ref.path}")
   if ref.kind == "hf":
-    cfg, params = model_lib.load_hf(ref.path, dtype=dtype, mesh=mesh)  # gs:// in place
+    cfg, params = model_lib.load_hf(ref.path, dtype=dtype, mesh=mesh, rules=rules)  # gs:// in place
     with _local_dir(ref.path) as local:
       try:
         tok = load_tokenizer(tokenizer) if tokenizer else model_lib.Tokenizer.from_dir(local)
@@ -194,7 +197,7 @@ def load_policy(ref: CheckpointRef | str, tokenizer: Optional[str] = None, dtype
       if dtype:  # a checkpoint saved in bfloat16 evaluates in the requested compute dtype
         params = jax.tree.map(lambda x: x.astype(dtype), params)
     else:
-      shardings = model_lib.param_shardings(cfg, mesh)
+      shardings = model_lib.param_shardings(cfg, mesh, rules)
       abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
       params = ckpt.restore_params(step, abstract)
   except CheckpointCorruptError as e:

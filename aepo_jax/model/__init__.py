@@ -19,6 +19,7 @@ Public API:
                                                 'splash' on TPU, else 'xla')
   load_balancing_loss(router_logits_lne, top_k, mask_n=None)   the MoE router's Switch-style auxiliary loss
                                                 (transformers' formula; off for RL: ModelConfig.router_aux_loss_coef)
+  balance_loss(stats, top_k)                    the same loss from forward_hidden(router_stats=True)'s statistics
   param_logical_axes(config)                    logical axis names of every parameter (for sharding)
   param_shapes(config) / param_shardings(config, mesh, rules=None)   ShapeDtypeStructs / NamedShardings
   from_hf_config(dict) / to_hf_config(config)   HF config.json (transformers 4 and 5 forms) <-> ModelConfig
@@ -51,7 +52,7 @@ from aepo_jax.model._functional import (
 )
 from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
 from aepo_jax.model._hf_io import WEIGHT_SUFFIXES, load_hf, read_hf_config, save_hf
-from aepo_jax.model._moe import load_balancing_loss
+from aepo_jax.model._moe import balance_loss, load_balancing_loss
 from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir
 from aepo_jax.model._sharding import param_shapes, param_shardings
 from aepo_jax.model._tokenizer import TOKENIZER_FILES, Tokenizer, copy_tokenizer_files

@@ -31,6 +31,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from aepo_jax.model import _cpu_attention, _layers, _moe, _splash
 from aepo_jax.model._config import ModelConfig
@@ -227,13 +228,24 @@ class _Kernel(nn.Module):
 
 class Block(nn.Module):
   """One decoder layer: the parameters of `_layers.layer_spec`, `_layers.layer` with the modules' attention.
-  Returns (h, new layer cache), or with `return_routes` (h, (new layer cache, experts [B, T, k]))."""
+  Returns (h, new layer cache), or (h, (new layer cache, experts [B, T, k] with `return_routes`, the router's
+  balance statistics [2, E] given `token_weights_bt`))."""
 
   config: ModelConfig
   return_routes: bool = False
 
   @nn.compact
-  def __call__(self, h_btd, layer_cache, positions_bt, mask_bts, write_index_b, layer_index=None, routes_btk=None):
+  def __call__(
+    self,
+    h_btd,
+    layer_cache,
+    positions_bt,
+    mask_bts,
+    write_index_b,
+    layer_index=None,
+    routes_btk=None,
+    token_weights_bt=None,
+  ):
     cfg = self.config
     p = {name: _Params(spec, cfg.param_dtype, name=name)() for name, spec in _layers.layer_spec(cfg)}
 
@@ -252,9 +264,10 @@ class Block(nn.Module):
       layer_index=layer_index,
       routes=routes_btk,
       return_routes=self.return_routes,
+      token_weights=token_weights_bt,
     )
     h_btd = constrain(out[0], _BTD)
-    return (h_btd, (out[1], out[2])) if self.return_routes else (h_btd, out[1])
+    return (h_btd, tuple(out[1:])) if len(out) > 2 else (h_btd, out[1])
 
 
 class Decoder(nn.Module):
@@ -279,7 +292,7 @@ class Decoder(nn.Module):
       block,
       variable_axes={"params": 0},
       split_rngs={"params": True},
-      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0),
+      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, 0, 0, nn.broadcast),
       out_axes=0,
       length=cfg.num_layers,
       unroll=min(cfg.scan_unroll, cfg.num_layers),
@@ -289,19 +302,29 @@ class Decoder(nn.Module):
     if not cfg.tie_word_embeddings:
       self.lm_head = _Kernel((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
 
-  def __call__(self, tokens_bt, positions_bt, mask_bts, cache=None, write_index_b=None, routes_btsk=None):
-    """Returns (final hidden states [B,T,D] after the last norm, new cache or None), and with `return_routes` the
-    experts used [B, T, L_sparse, k] third. routes_btsk: experts to replay (`_moe.route`), sparse layers in order."""
+  def __call__(
+    self, tokens_bt, positions_bt, mask_bts, cache=None, write_index_b=None, routes_btsk=None, token_weights_bt=None
+  ):
+    """Returns (final hidden states [B,T,D] after the last norm, new cache or None), then the experts used
+    [B, T, L_sparse, k] with `return_routes`, then given `token_weights_bt` [B, T] the router's balance statistics
+    of the sparse layers [L_sparse, 2, E] (`_moe.router_stats`, tokens weighted so). routes_btsk: experts to replay
+    (`_moe.route`), sparse layers in order."""
     cfg = self.config
     h_btd = _layers.embed(self.embed_tokens.embedding, tokens_bt, _dtype(cfg.dtype))
     h_btd = constrain(h_btd, _BTD)
     layer_index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     routes_lbtk = None if routes_btsk is None else _moe.routes_per_layer(cfg, routes_btsk)
-    h_btd, ys = self.layers(h_btd, cache, positions_bt, mask_bts, write_index_b, layer_index, routes_lbtk)
-    if not self.return_routes:
+    h_btd, ys = self.layers(
+      h_btd, cache, positions_bt, mask_bts, write_index_b, layer_index, routes_lbtk, token_weights_bt
+    )
+    if not self.return_routes and token_weights_bt is None:
       return self.norm(h_btd), ys
-    new_cache, experts_lbtk = ys
-    return self.norm(h_btd), new_cache, _moe.sparse_routes(cfg, experts_lbtk)
+    new_cache, *extras = ys
+    if self.return_routes:
+      extras[0] = _moe.sparse_routes(cfg, extras[0])
+    if token_weights_bt is not None:
+      extras[-1] = extras[-1][np.flatnonzero(cfg.moe_layers)]
+    return (self.norm(h_btd), new_cache, *extras)
 
   def unembed(self, h_btd):
     params = {"embed_tokens": {"embedding": self.embed_tokens.embedding}}

@@ -134,6 +134,7 @@ def forward_hidden(
   *,
   routes_btsk=None,
   return_routes: bool = False,
+  router_stats: bool = False,
 ):
   """Final-norm hidden states [B, T, D] (compute dtype) of a full (uncached) forward.
 
@@ -143,8 +144,11 @@ def forward_hidden(
 
   Routing replay (a model with experts; R3, arXiv 2510.11370): `routes_btsk` [B, T, L_sparse, k] int, the experts
   each token goes to in each sparse layer (in layer order; `_moe.route`: a token whose row holds a negative index
-  routes itself); `return_routes=True` returns (hidden, routes [B, T, L_sparse, k] int32), the experts used."""
-  if (routes_btsk is not None or return_routes) and not config.has_experts:
+  routes itself); `return_routes=True` returns (hidden, routes [B, T, L_sparse, k] int32), the experts used.
+  `router_stats=True` (a model with experts) also returns, last, the router's balance statistics of the sparse
+  layers over the valid tokens [L_sparse, 2, E] (`_moe.router_stats`; `_moe.balance_loss` makes them the
+  load-balancing loss)."""
+  if (routes_btsk is not None or return_routes or router_stats) and not config.has_experts:
     raise ValueError(f"forward_hidden: routes are the experts of a sparse layer; {config.family!r} has none.")
   if attention_mask_bt is None:
     attention_mask_bt = jnp.ones(tokens_bt.shape, jnp.int32)
@@ -158,8 +162,9 @@ def forward_hidden(
     positions_bt,
     _full_mask(config, attention_mask_bt, segment_ids_bt),
     routes_btsk=routes_btsk,
+    token_weights_bt=attention_mask_bt.astype(jnp.float32) if router_stats else None,
   )
-  return (out[0], out[2]) if return_routes else out[0]
+  return (out[0], *out[2:]) if len(out) > 2 else out[0]
 
 
 def unembed(config: ModelConfig, params, h_btd):

@@ -219,16 +219,29 @@ def mlp(p, x, mm):
 
 
 def feed_forward(
-  config: ModelConfig, p, x, mm, mlp_fn=mlp, layer_index=None, *, routes=None, return_routes: bool = False
+  config: ModelConfig,
+  p,
+  x,
+  mm,
+  mlp_fn=mlp,
+  layer_index=None,
+  *,
+  routes=None,
+  return_routes: bool = False,
+  token_weights=None,
 ):
   """The layer's MLP on the normed x: the dense `mlp_fn`, the sparse expert block (`_moe.moe`), or, in a model
   with both kinds, the one `config.moe_layers[layer_index]` names (`layer_index` a traced int32).
 
   routes [..., k]: the experts a sparse layer replays (`_moe.route`); a dense layer ignores them. return_routes
-  (a model with experts): returns (y, experts [..., k] int32), the experts used; -1 in a dense layer."""
+  (a model with experts): also returns the experts used [..., k] int32 (-1 in a dense layer). token_weights [...]
+  (a model with experts): also returns the router's balance statistics [2, E] (`_moe.router_stats`; 0 in a dense
+  layer). Returns y, or (y, experts if return_routes, statistics if token_weights)."""
   if not config.has_experts:
     return mlp_fn(p, x, mm)
-  moe = functools.partial(_moe.moe, config, p, x, routes=routes, return_routes=return_routes)
+  moe = functools.partial(
+    _moe.moe, config, p, x, routes=routes, return_routes=return_routes, token_weights=token_weights
+  )
   if not config.has_dense_mlp:
     return moe()
   if layer_index is None:
@@ -236,7 +249,10 @@ def feed_forward(
 
   def dense():
     y = mlp_fn(p, x, mm)
-    return (y, jnp.full((*x.shape[:-1], config.num_experts_per_tok), -1, jnp.int32)) if return_routes else y
+    extras = (jnp.full((*x.shape[:-1], config.num_experts_per_tok), -1, jnp.int32),) if return_routes else ()
+    if token_weights is not None:
+      extras += (jnp.zeros((2, config.num_experts), jnp.float32),)
+    return (y, *extras) if extras else y
 
   return jax.lax.cond(jnp.asarray(config.moe_layers)[layer_index], moe, dense)
 
@@ -253,24 +269,35 @@ def layer(
   *,
   routes=None,
   return_routes: bool = False,
+  token_weights=None,
 ):
   """One pre-norm decoder layer on x [..., D]: x + o(attention(q, k, v)) of the normed x, then x + mlp(norm(x)).
 
   attention(q [..., H, hd], k, v [..., K, hd]) -> (out [..., H, hd], aux): the caller's attention and KV cache;
   mlp_fn(p_mlp, x, mm) (default `mlp`; the modules pass the same forward with a backward rule for training);
   layer_index: this layer's index (needed only by a model with both dense and sparse layers, `feed_forward`);
-  routes / return_routes: the experts to replay / to return, see `feed_forward`.
-  Returns (x, aux), or with return_routes (x, aux, experts [..., k])."""
+  routes / return_routes / token_weights: the experts to replay / to return, the router statistics to return, see
+  `feed_forward`. Returns (x, aux), or (x, aux, experts [..., k] if return_routes, statistics if token_weights)."""
   eps, dt = config.rms_norm_eps, jnp.dtype(config.dtype)
   a = p["self_attn"]
   q, k, v = attention_inputs(config, a, rms_norm(x, p["input_layernorm"]["scale"], eps, dt), positions, mm)
   out, aux = attention(q, k, v)
   x = x + mm.out(a, out)
   h = rms_norm(x, p["post_attention_layernorm"]["scale"], eps, dt)
-  y = feed_forward(config, p["mlp"], h, mm, mlp_fn, layer_index, routes=routes, return_routes=return_routes)
-  if return_routes:
-    y, experts = y
-    return x + y, aux, experts
+  y = feed_forward(
+    config,
+    p["mlp"],
+    h,
+    mm,
+    mlp_fn,
+    layer_index,
+    routes=routes,
+    return_routes=return_routes,
+    token_weights=token_weights,
+  )
+  if isinstance(y, tuple):
+    y, *extras = y
+    return (x + y, aux, *extras)
   return x + y, aux
 
 

@@ -466,19 +466,49 @@ def _local_experts(rows_rd, ids_r, *, weights, num_local: int, grouped_matmul, r
   return jnp.zeros_like(y).at[order].set(y)
 
 
-def moe(config: ModelConfig, p, x, impl: str = "", *, routes=None, return_routes: bool = False):
+def moe(config: ModelConfig, p, x, impl: str = "", *, routes=None, return_routes: bool = False, token_weights=None):
   """The sparse block on x [..., D] in x's dtype: route, then the experts (`impl`, default `resolve_impl`).
 
-  routes [..., k]: replayed experts (`route`'s replay_nk); return_routes: also return the experts used [..., k]."""
+  routes [..., k]: replayed experts (`route`'s replay_nk); return_routes: also return the experts used [..., k].
+  token_weights [...]: also return the router's balance statistics over the tokens so weighted (`router_stats`).
+  Returns y, or (y, experts if return_routes, statistics if token_weights) in that order."""
   lead, d = x.shape[:-1], x.shape[-1]
   x_nd = x.reshape(-1, d)
   replay = None if routes is None else routes.reshape(-1, routes.shape[-1])
-  gates, experts = route(config, router_logits(p, x_nd), replay)
+  logits = router_logits(p, x_nd)
+  gates, experts = route(config, logits, replay)
   impl = impl or resolve_impl(config)
   axes = expert_parallel_axes(config, x_nd.shape[0]) if impl != "dense" else ()
   experts_fn = functools.partial(experts_parallel, axes=axes, impl=impl) if axes else EXPERTS[impl]
   y = experts_fn(p, x_nd, gates, experts, config.num_experts).reshape(*lead, d)
-  return (y, experts.reshape(*lead, -1)) if return_routes else y
+  extras = (experts.reshape(*lead, -1),) if return_routes else ()
+  if token_weights is not None:
+    extras += (router_stats(logits, experts, jnp.reshape(token_weights, (-1,))),)
+  return (y, *extras) if extras else y
+
+
+def router_stats(logits_ne, experts_nk, w_n):
+  """[2, E] float32, one sparse layer's share of the load-balancing loss: row 0 the weighted count of (token,
+  expert) assignments per expert (the experts the tokens went to: their top k, or the replayed ones), row 1 the
+  weighted sum of the router's probabilities per expert (the row that carries the gradient). Summed over layers
+  and given to `balance_loss`."""
+  num_experts = logits_ne.shape[-1]
+  w_n = jnp.asarray(w_n, jnp.float32)
+  counts = jnp.einsum("nke,n->e", jax.nn.one_hot(experts_nk, num_experts, dtype=jnp.float32), w_n)
+  probs = jnp.einsum("ne,n->e", jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1), w_n)
+  return jnp.stack([jax.lax.stop_gradient(counts), probs])
+
+
+def balance_loss(stats_s2e, top_k: int):
+  """The Switch Transformer auxiliary loss (arXiv 2101.03961, eqs. 4-6), transformers' `load_balancing_loss_func`
+  for Qwen3-MoE, from the sparse layers' `router_stats` [L_sparse, 2, E]: E * sum_e f_e * P_e, f_e the fraction
+  of top-k assignments to expert e and P_e its mean router probability, both over every sparse layer's (weighted)
+  tokens; 0 where no token has weight."""
+  stats = jnp.asarray(stats_s2e, jnp.float32)
+  num_experts = stats.shape[-1]
+  counts, probs = jnp.sum(stats[:, 0], axis=0), jnp.sum(stats[:, 1], axis=0)
+  rows = jnp.sum(counts) / top_k  # sparse layers x weighted tokens
+  return num_experts * jnp.sum(counts * probs) / jnp.maximum(rows * rows, 1e-30)
 
 
 def load_balancing_loss(router_logits_lne, top_k: int, mask_n=None):
@@ -486,8 +516,9 @@ def load_balancing_loss(router_logits_lne, top_k: int, mask_n=None):
   computes it for Qwen3-MoE: E * sum_e f_e * P_e, f_e the fraction of top-k assignments to expert e and P_e its mean
   router probability, both over every sparse layer's tokens (valid ones where `mask_n` [N] is given).
 
-  router_logits_lne: [L, N, E] (the sparse layers' logits, N = B * T tokens). Not part of any training loss here
-  (`ModelConfig.router_aux_loss_coef` says why)."""
+  router_logits_lne: [L, N, E] (the sparse layers' logits, N = B * T tokens). The reference form: training adds the
+  same loss from per-layer statistics (`router_stats`, `balance_loss`) when `ModelConfig.router_aux_loss_coef` > 0
+  (0 by default: that field says why)."""
   logits = jnp.asarray(router_logits_lne, jnp.float32)
   num_experts = logits.shape[-1]
   probs = jax.nn.softmax(logits, axis=-1)

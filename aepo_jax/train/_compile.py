@@ -215,8 +215,9 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
   seq_len = r.max_prompt_len + r.max_response_len
   # The RL phase's optimizer, exactly (its schedule's length does not change the compiled program's shape).
   optimizer = _rl.make_optimizer(config, max(int(t.steps), 1))
-  p_sh = model_lib.param_shardings(model_cfg, mesh)
-  o_sh = _step.opt_state_shardings(model_cfg, optimizer, mesh)
+  rules = _config.mesh_rules(config)  # expert parallelism (mesh.expert_axis), as the trainer places the weights
+  p_sh = model_lib.param_shardings(model_cfg, mesh, rules)
+  o_sh = _step.opt_state_shardings(model_cfg, optimizer, mesh, rules)
   params = _abstract(model_lib.param_shapes(model_cfg), p_sh)
   opt_state = _abstract(jax.eval_shape(optimizer.init, model_lib.param_shapes(model_cfg)), o_sh)
   with_ref = a.kl.coef > 0 or a.kl.use_in_reward
@@ -269,7 +270,7 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
 
   if "logprob" in programs:
     replay = a.routing_replay == "rollout"
-    fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature, with_routes=replay)
+    fn = _step.make_logprob_fn(model_cfg, mesh, rules, temperature=r.temperature, with_routes=replay)
     rows = config.data.prompts_per_step * r.n
     k = -(-rows // (t.micro_batch_size * mb_per_update)) * mb_per_update
     b = batch(k, ["tokens", "attention_mask"] + (["routes"] if replay else []))

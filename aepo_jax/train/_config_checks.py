@@ -148,6 +148,24 @@ def mesh_shape(mesh_cfg, num_devices: int) -> dict:
   return sizes
 
 
+EXPERT_AXES = ("", "data", "fsdp", "data,fsdp")
+
+
+def mesh_rules(config) -> tuple:
+  """The logical-axis rules table of the training mesh: `parallel.DEFAULT_RULES`, with a model's stacked experts
+  split whole over `mesh.expert_axis` (expert parallelism, `parallel.expert_parallel_rules`) when it names one.
+  Parameters, optimizer state, checkpoints and the update and log-prob programs all follow it; the rollout engine's
+  per-host mesh keeps the default (its batch is not split over hosts' devices)."""
+  from aepo_jax import parallel
+
+  axis = str(config.mesh.get("expert_axis", "") or "")
+  if axis not in EXPERT_AXES:
+    raise ConfigError(f"mesh.expert_axis={axis!r}: use one of {EXPERT_AXES} ('' keeps every expert on every device).")
+  if not axis:
+    return parallel.DEFAULT_RULES
+  return parallel.expert_parallel_rules(tuple(axis.split(",")) if "," in axis else axis)
+
+
 def _choices(config) -> list:
   """(key, value, known names) for every key whose choices a registry or a part's own table holds."""
   from aepo_jax import objectives, tools
@@ -306,6 +324,23 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   )
   if a.routing_replay != "none" and model_has_experts(config) is False:
     errs.append(routing_replay_error(config.model.shape or config.model.name))
+  expert_axis = str(config.mesh.get("expert_axis", "") or "")
+  need(
+    expert_axis in EXPERT_AXES,
+    f"mesh.expert_axis={expert_axis!r}: use one of {EXPERT_AXES} ('' keeps every expert on every device).",
+  )
+  aux_coef = float(config.model.overrides.get("router_aux_loss_coef", 0.0) or 0.0)
+  need(aux_coef >= 0, f"model.overrides.router_aux_loss_coef={aux_coef}: use a weight >= 0 (0: off).")
+  if aux_coef > 0 and model_has_experts(config) is False:
+    errs.append(
+      f"model.overrides.router_aux_loss_coef={aux_coef}, but model {config.model.shape or config.model.name!r} has "
+      "no experts (no router to balance): leave it 0."
+    )
+  if expert_axis and model_has_experts(config) is False:
+    errs.append(
+      f"mesh.expert_axis={expert_axis!r}, but model {config.model.shape or config.model.name!r} has no experts: "
+      "leave mesh.expert_axis=''."
+    )
   need(
     a.off_policy_cap == 0 or (a.off_policy_cap >= 1 if a.off_policy == "tis" else a.off_policy_cap > 1),
     f"algo.off_policy_cap={a.off_policy_cap}: a cap on pi_old/pi_sampler must be "

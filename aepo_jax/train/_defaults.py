@@ -35,6 +35,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.overrides = ml_collections.ConfigDict()
 
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 allowed once: the rest
+  # Expert parallelism for models with experts (Qwen3-MoE): '' keeps every expert on every device, its hidden units
+  # over 'tensor'; 'fsdp' | 'data' | 'data,fsdp' splits the stacked experts whole over those axes, each (token,
+  # expert) pair sent to its expert's device by an all-to-all (model/_moe.py; `_config_checks.mesh_rules`).
+  c.mesh.expert_axis = ""
 
   c.data = ml_collections.ConfigDict()
   # Sources: 'suite' (the generated task suite: its train split; its held-out split in `val`), an ARPO RL
@@ -123,7 +127,7 @@ def base_config() -> ml_collections.ConfigDict:
   # min_p: keep tokens with probability >= min_p x the top one; 0 = off. The evaluation protocol uses 1.1 and 0.
   c.rollout.repetition_penalty = 1.0
   c.rollout.min_p = 0.0
-  c.rollout.max_slots = 0  # 0 = prompts_per_step * n
+  c.rollout.max_slots = 0  # 0 = this host's prompts_per_step * n, times 1 + train.max_staleness (partial rollouts)
   c.rollout.decode_chunk = 32
   # Each host rolls out its own prompts on its own devices, independently of the other hosts: the policy weights
   # are copied once per RL step from the training mesh onto this per-host mesh (-1 once: the rest of the host's

@@ -33,6 +33,9 @@ def load_model(config, mesh=None):
   """
   from aepo_jax import model as model_lib
 
+  from aepo_jax.train import _config
+
+  rules = _config.mesh_rules(config)  # expert parallelism (mesh.expert_axis) places the experts as they load
   mc = config.model
   overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in mc.overrides.items()}  # a config read from JSON
   kw = dict(dtype=mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat, **overrides)
@@ -43,7 +46,9 @@ def load_model(config, mesh=None):
     if mesh is None:
       params = model_lib.init_params(cfg, key)
     else:
-      params = jax.jit(lambda k: model_lib.init_params(cfg, k), out_shardings=model_lib.param_shardings(cfg, mesh))(key)
+      params = jax.jit(
+        lambda k: model_lib.init_params(cfg, k), out_shardings=model_lib.param_shardings(cfg, mesh, rules)
+      )(key)
   elif mc.init == "checkpoint":
     from aepo_jax import checkpoint
 
@@ -53,17 +58,17 @@ def load_model(config, mesh=None):
         f"model.name={mc.name!r} is a {ref.kind} model, not an Orbax checkpoint of a training run; load it "
         "with model.init='pretrained'."
       )
-    policy = checkpoint.load_policy(ref, tokenizer=mc.tokenizer or None, dtype=mc.param_dtype, mesh=mesh)
+    policy = checkpoint.load_policy(ref, tokenizer=mc.tokenizer or None, dtype=mc.param_dtype, mesh=mesh, rules=rules)
     log.info("model: %s", policy.source)
     return policy.config.replace(**kw), policy.params, policy.tokenizer
   elif str(mc.name).startswith("gs://") or os.path.isdir(mc.name):
-    cfg, params = model_lib.load_hf(mc.name, dtype=mc.param_dtype, mesh=mesh)  # a gs:// directory in place
+    cfg, params = model_lib.load_hf(mc.name, dtype=mc.param_dtype, mesh=mesh, rules=rules)  # a gs:// directory in place
     if not mc.tokenizer:
       with _local_files(mc.name) as path:
         tokenizer = _tokenizer(path)
     cfg = cfg.replace(**kw)
   else:
-    cfg, params = model_lib.load_pretrained(mc.name, dtype=mc.param_dtype, mesh=mesh)
+    cfg, params = model_lib.load_pretrained(mc.name, dtype=mc.param_dtype, mesh=mesh, rules=rules)
     cfg = cfg.replace(**kw)
     tokenizer = None if mc.tokenizer else _tokenizer(model_lib.pretrained_dir(mc.name))
   if mc.tokenizer:

@@ -102,7 +102,7 @@ def correct_b(traj, prompts) -> np.ndarray:
 def make_rl_update_step(config, model_cfg, optimizer, mesh):
   """The RL update step as `config` sets it up (loss, KL, entropy, aggregation, logits): what the trainer runs and
   launch/compile.py compiles for a slice."""
-  from aepo_jax.train import _step
+  from aepo_jax.train import _config, _step
 
   t, r, a = config.train, config.rollout, config.algo
   seq_len = r.max_prompt_len + r.max_response_len
@@ -113,6 +113,7 @@ def make_rl_update_step(config, model_cfg, optimizer, mesh):
     optimizer=optimizer,
     micro_batches=t.ppo_mini_batch_size * r.n // t.micro_batch_size,
     mesh=mesh,
+    rules=_config.mesh_rules(config),
     temperature=r.temperature,
     kl_name=a.kl.name,
     kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,

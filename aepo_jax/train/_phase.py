@@ -37,6 +37,11 @@ class Run:
   preempt: Any
   progress: bool = False
 
+  @property
+  def rules(self) -> tuple:
+    """The training mesh's logical-axis rules (`_config.mesh_rules`: expert parallelism per mesh.expert_axis)."""
+    return _config.mesh_rules(self.config)
+
   def checkpointer(self, phase: str) -> _checkpoint.Checkpointer:
     """The checkpoints of `phase` ('sft' | 'rl') under workdir/checkpoints/."""
     ck = self.config.checkpoint
@@ -72,7 +77,7 @@ def resume(
   start params: with keep_start, a copy of the given (sharded) parameters, e.g. the RL start as the KL
   reference (a copy: the update step donates the parameters it is given); else None.
   """
-  params, opt_state = _step.init_train_state(run.model_cfg, params, optimizer, run.mesh)
+  params, opt_state = _step.init_train_state(run.model_cfg, params, optimizer, run.mesh, run.rules)
   start_params = jax.tree.map(lambda x: x.copy(), params) if keep_start else None
   rng = np.asarray(jax.random.key_data(jax.random.key(seed)))
   step, restored, meta = ckpt.restore_newest_intact(

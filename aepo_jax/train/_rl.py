@@ -76,8 +76,10 @@ def phase(run: Run, params):
   mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
   update_step = _objective.make_rl_update_step(config, model_cfg, optimizer, mesh)
   replay = a.routing_replay == "rollout"
-  logprob_fn = _step.make_logprob_fn(model_cfg, mesh, temperature=r.temperature, with_routes=replay)
-  disagreement_fn = _step.make_routing_disagreement_fn(model_cfg, mesh) if a.routing_replay == "measure" else None
+  logprob_fn = _step.make_logprob_fn(model_cfg, mesh, run.rules, temperature=r.temperature, with_routes=replay)
+  disagreement_fn = (
+    _step.make_routing_disagreement_fn(model_cfg, mesh, run.rules) if a.routing_replay == "measure" else None
+  )
 
   validation = _validation.Validation(run, tools)  # its rollout and judge are built on first use
   params, opt_state, rng = state.params, state.opt_state, state.rng

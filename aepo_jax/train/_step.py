@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from aepo_jax import objectives
 from aepo_jax.model import (
   ModelConfig,
+  balance_loss,
   forward_hidden,
   param_shapes,
   param_shardings,
@@ -115,18 +116,29 @@ def next_token_logprobs(
   capacity: int = 0,
   saved_logits_mb: float = 0.0,
   routes_btsk=None,
+  balance: bool = False,
 ):
   """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target).
   With `segment_ids_bt` (packed rows) the column before a segment's first token is meaningless too; callers mask
   it (an SFT segment starts with untrained prompt tokens). where_bt / capacity: only those columns are computed
   (the others are 0), see `objectives.token_logprobs_and_entropy`. saved_logits_mb: a backward pass keeps the
   float32 logits of the forward when they take at most this many MiB (else it recomputes them). routes_btsk
-  [B, T, L_sparse, k]: routing replay (a model with experts), each token through these experts (-1: its own)."""
-  h_btd = forward_hidden(
-    model_config, params, tokens_bt, None, attention_mask_bt, segment_ids_bt, routes_btsk=routes_btsk
+  [B, T, L_sparse, k]: routing replay (a model with experts), each token through these experts (-1: its own).
+  balance (a model with experts): also returns, third, the router's load-balancing loss over the valid tokens
+  (`model._moe.balance_loss`, transformers' `load_balancing_loss_func`)."""
+  out = forward_hidden(
+    model_config,
+    params,
+    tokens_bt,
+    None,
+    attention_mask_bt,
+    segment_ids_bt,
+    routes_btsk=routes_btsk,
+    router_stats=balance,
   )
+  h_btd, stats = out if balance else (out, None)
   w, layout = unembed_matrix(model_config, params)
-  return objectives.token_logprobs_and_entropy(
+  logp_ent = objectives.token_logprobs_and_entropy(
     h_btd,
     w,
     _shift_left(tokens_bt),
@@ -138,6 +150,13 @@ def next_token_logprobs(
     max_saved_logits=int(saved_logits_mb * 2**20) // 4,
     sharding=head_sharding(w.shape, layout),
   )
+  return (*logp_ent, balance_loss(stats, model_config.num_experts_per_tok)) if balance else logp_ent
+
+
+def _balance(model_config: ModelConfig) -> float:
+  """The load-balancing loss weight the update and SFT steps add (`ModelConfig.router_aux_loss_coef`; a model
+  with experts only)."""
+  return float(model_config.router_aux_loss_coef) if model_config.has_experts else 0.0
 
 
 def head_sharding(w_shape, layout: str):
@@ -419,9 +438,11 @@ def make_update_step(
   if use_kl and not kl_name:
     raise ValueError(f"kl_coef={kl_coef} needs kl_name (one of {objectives.list_kl_estimators()})")
 
+  balance = _balance(model_config)
+
   def micro_loss(params, mb, normalizer, scale):
     mask = _shift_left(mb["loss_mask"])
-    logp, ent = next_token_logprobs(
+    logp, ent, *aux = next_token_logprobs(
       model_config,
       params,
       mb["tokens"],
@@ -432,6 +453,7 @@ def make_update_step(
       capacity=logit_capacity,
       saved_logits_mb=saved_logits_mb,
       routes_btsk=mb.get("routes"),
+      balance=balance > 0,
     )
     pg_loss, metrics = fn(
       logp,
@@ -456,6 +478,9 @@ def make_update_step(
       )
       loss = loss + kl_coef * kl_loss
       metrics["sum:actor/kl_loss"] = kl_loss
+    if aux:  # the mean over micro-batches of each one's balance loss
+      loss = loss + balance * aux[0] / micro_batches
+      metrics["sum:actor/router_aux_loss"] = aux[0] / micro_batches
     metrics.pop("actor/pg_loss", None)
     valid = mask > 0
     metrics["tokens"] = jnp.sum(valid).astype(jnp.float32)
@@ -483,13 +508,14 @@ def make_sft_step(
   (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens.
   logit_capacity, saved_logits_mb: as in `make_update_step`."""
   model_config = resolve_attention_impl(model_config, _mesh(mesh))
+  balance = _balance(model_config)
 
   def micro_loss(params, mb, normalizer, scale):
     seg = mb.get("segment_ids")
     mask = _shift_left(mb["loss_mask"])
     if seg is not None:  # a target in another segment than its context (the next demo's first token)
       mask = mask * (_shift_left(seg) == seg)
-    logp, ent = next_token_logprobs(
+    logp, ent, *lb = next_token_logprobs(
       model_config,
       params,
       mb["tokens"],
@@ -500,6 +526,7 @@ def make_sft_step(
       where_bt=mask > 0,
       capacity=logit_capacity,
       saved_logits_mb=saved_logits_mb,
+      balance=balance > 0,
     )
     nll = objectives.aggregate(-logp, mask, "token-mean", normalizer) * scale
     valid = mask > 0
@@ -508,6 +535,9 @@ def make_sft_step(
       "tokens": jnp.sum(valid).astype(jnp.float32),
       "entropy_sum": jnp.sum(jnp.where(valid, jax.lax.stop_gradient(ent), 0.0)),
     }
+    if lb:  # the mean over micro-batches of each one's balance loss
+      aux["sum:sft/router_aux_loss"] = lb[0] / micro_batches
+      return nll + balance * lb[0] / micro_batches, aux
     return nll, aux
 
   return _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches, "token-mean", aggregation)

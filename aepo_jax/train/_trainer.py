@@ -106,6 +106,7 @@ def _run(config, mode: str) -> dict:
   mesh = make_mesh(_config.mesh_shape(config.mesh, jax.device_count()))
   _check_batch_split(config, mesh)
   model_cfg, params, tokenizer = _inputs.load_model(config, mesh)  # straight onto the mesh, in shards
+  _check_expert_split(config, model_cfg, mesh)
   log.info("model %s: %.1fM parameters, mesh %s", config.model.name, model_cfg.num_params / 1e6, dict(mesh.shape))
   summary: dict = {}
 
@@ -152,6 +153,23 @@ def _check_shared_workdir(config) -> None:
       f"workdir={config.workdir!r} is a local path but this run has {jax.process_count()} hosts, which must all "
       "see the same checkpoints: use gs://BUCKET/path, or set --config.checkpoint.shared_workdir=True if the path "
       "is storage mounted on every host (NFS, Filestore; or processes on one machine)."
+    )
+
+
+def _check_expert_split(config, model_cfg, mesh) -> None:
+  """mesh.expert_axis splits the experts whole: their count must divide evenly over those devices (else the
+  rules table would quietly keep every expert on every device)."""
+  axis = str(config.mesh.expert_axis or "")
+  if not axis or not model_cfg.has_experts:
+    return
+  size = 1
+  for a in axis.split(","):
+    size *= mesh.shape[a]
+  if model_cfg.num_experts % size:
+    raise _config.ConfigError(
+      f"mesh.expert_axis={axis!r} splits {model_cfg.num_experts} experts over {size} devices, which does not divide "
+      f"them: make the product of mesh.{' x mesh.'.join(axis.split(','))} divide {model_cfg.num_experts}, or set "
+      "mesh.expert_axis=''."
     )
 
 

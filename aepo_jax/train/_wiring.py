@@ -76,7 +76,8 @@ def rollout_settings(
 
   prompts_per_call: default this host's share of data.prompts_per_step (`hosts` processes: default
   jax.process_count()); the slots are rollout.max_slots, else prompts_per_call x n (at least that many when
-  prompts_per_call is given). record_routes: default algo.routing_replay='rollout' (the engine keeps each token's
+  prompts_per_call is given); a training run's partial rollouts (train.max_staleness = k > 0, prompts_per_call
+  not given) hold k + 1 steps' groups at once and get k + 1 times the slots. record_routes: default algo.routing_replay='rollout' (the engine keeps each token's
   experts for the update: algo.routing_replay 'rollout' or 'measure')."""
   import dataclasses
 
@@ -87,7 +88,8 @@ def rollout_settings(
   if n is not None:
     pc = dataclasses.replace(pc, n=n, initial_rollouts=min(pc.initial_rollouts, n))
   per_host = prompts_per_call or host_share(config.data.prompts_per_step, process_count=hosts)
-  slots = r.max_slots or per_host * pc.n
+  in_flight = 1 + int(config.train.max_staleness) if prompts_per_call is None else 1
+  slots = r.max_slots or per_host * pc.n * in_flight
   if prompts_per_call is not None:
     slots = max(slots, per_host * pc.n)
   return rollout_lib.RolloutSettings(

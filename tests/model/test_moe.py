@@ -296,3 +296,32 @@ def test_load_balancing_loss_matches_transformers(masked):
   assert abs(ours - ref) <= 1e-5 * abs(ref)
   # balanced routing gives the minimum, k (every expert gets k / E of the assignments and 1 / E of the probability)
   assert abs(float(model.load_balancing_loss(np.zeros((1, 16, e), np.float32), k)) - k) < 1e-6
+
+
+def test_the_forwards_balance_loss_and_its_router_gradient_match_transformers(tiny_checkpoint):
+  """forward_hidden(router_stats=True) -> balance_loss against the `aux_loss` transformers' Qwen3MoeForCausalLM
+  returns with output_router_logits (its load_balancing_loss_func over the sparse layers, padding masked), and the
+  loss's gradient on each sparse layer's router against torch autograd; the dense middle layer gets none."""
+  path = tiny_checkpoint("qwen3_moe")
+  config, params = model.load_hf(path)
+  tokens = _tokens(3, 12, seed=6)
+  mask = np.ones(tokens.shape, np.int32)
+  mask[1, 8:] = 0  # right padding: positions agree with transformers' default
+  mask[2, 5:] = 0
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  out = hf(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True, use_cache=False)
+  out.aux_loss.backward()
+
+  def ours(p):
+    _, stats = model.forward_hidden(config, p, tokens, attention_mask_bt=mask, router_stats=True)
+    return model.balance_loss(stats, config.num_experts_per_tok)
+
+  value, grads = jax.jit(jax.value_and_grad(ours))(params)
+  assert abs(float(value) - out.aux_loss.item()) <= 1e-5 * out.aux_loss.item(), (float(value), out.aux_loss.item())
+  gate = np.asarray(grads["layers"]["mlp"]["gate"]["kernel"])  # [L, D, E]; HF's router weight is [E, D]
+  for layer, sparse in enumerate(config.moe_layers):
+    if not sparse:
+      assert not gate[layer].any()
+      continue
+    want = hf.model.layers[layer].mlp.gate.weight.grad.numpy().T
+    assert np.abs(gate[layer] - want).max() <= GRAD_REL * np.abs(want).max()

@@ -12,6 +12,7 @@ import optax
 import pytest
 from jax.random import PRNGKey
 
+from aepo_jax.model import _moe as moe_block
 from aepo_jax.model import forward, init_params
 from aepo_jax.parallel import make_mesh
 from aepo_jax.rollout import concat_groups
@@ -228,13 +229,15 @@ def tok_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["rollout", "measure"])
-def test_rl_with_routing_replay_recomputes_the_samplers_log_probs(tmp_path, tok_dir, mode):
+@pytest.mark.parametrize("mode, expert_axis", [("rollout", ""), ("measure", "fsdp")])
+def test_rl_with_routing_replay_recomputes_the_samplers_log_probs(tmp_path, tok_dir, mode, expert_axis, monkeypatch):
   """Two RL steps of a tiny random Qwen3-MoE policy (2 sparse layers, 4 experts, top 2) with AEPO's rollouts, routing
   replay and a KL loss (the reference routes itself): the update replays the rollout's experts for all but each row's
   last token, and the old log-probs the trainer recomputes through them equal the engine's on every loss token to
   float32 rounding (without replay they do too here: float32 on one backend flips no route; the random model's
-  rewards are all equal, so the gradient is 0: the jitted-step test above covers replay's gradient)."""
+  rewards are all equal, so the gradient is 0: the jitted-step test above covers replay's gradient).
+  The 'measure' run trains with expert parallelism (mesh.expert_axis='fsdp': 4 experts over mesh fsdp 4, the
+  (token, expert) pairs exchanged by all-to-all in the 'ragged' path), against the engine's unsharded experts."""
   overrides = {
     "workdir": str(tmp_path / "run"),
     "model.tokenizer": tok_dir,
@@ -251,8 +254,18 @@ def test_rl_with_routing_replay_recomputes_the_samplers_log_probs(tmp_path, tok_
     "algo.kl.coef": 0.1,
     "train.steps": 2,
   }
+  if expert_axis:
+    overrides.update(
+      {"mesh.data": 2, "mesh.fsdp": 4, "mesh.expert_axis": expert_axis, "model.overrides.moe_impl": "ragged"}
+    )
   config = load_config(CONFIG, overrides=overrides, num_devices=None)
+  exchanged = []  # the mesh axes of every sparse block traced through the expert-parallel path
+  parallel_block = moe_block.experts_parallel
+  monkeypatch.setattr(
+    moe_block, "experts_parallel", lambda *a, **kw: exchanged.append(kw["axes"]) or parallel_block(*a, **kw)
+  )
   run(config)
+  assert set(exchanged) == ({(expert_axis,)} if expert_axis else set()), exchanged
   rl = [r for r in read_metrics(config.workdir) if "reward/mean" in r]
   assert [r["step"] for r in rl] == [1, 2]
   for r in rl:
