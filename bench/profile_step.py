@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from aepo_jax.train import _batch, _step  # noqa: E402
+from aepo_jax.train import _batch, _logprob, _step  # noqa: E402
 
 _NOT_OPS = ("ThunkExecutor", "$", "PjitFunction", "SlinkyThreadPool", "Pjit", "Execute", "PythonRefManager")
 
@@ -102,7 +102,10 @@ def main():
     batch = {k: jnp.asarray(v) for k, v in rl_batch(args.rows, args.len, cfg.vocab_size).items()}
   else:
     step = _step.make_sft_step(
-      cfg, optimizer=opt, micro_batches=1, logit_capacity=_step.logit_capacity(args.logit_fraction, args.rows, args.len)
+      cfg,
+      optimizer=opt,
+      micro_batches=1,
+      logit_capacity=_logprob.logit_capacity(args.logit_fraction, args.rows, args.len),
     )
     rng = np.random.default_rng(0)
     examples = []

@@ -201,7 +201,7 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
   the report (see `_compile_report.report_json`)."""
   from aepo_jax import model as model_lib
   from aepo_jax.parallel import local_mesh, lower_host_copy, make_mesh
-  from aepo_jax.train import _config, _objective, _rl, _sft, _step
+  from aepo_jax.train import _config, _logprob, _objective, _rl, _sft, _step
 
   default = programs is None
   programs = tuple(run_programs(config) if default else programs)
@@ -270,7 +270,7 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
 
   if "logprob" in programs:
     replay = a.routing_replay == "rollout"
-    fn = _step.make_logprob_fn(model_cfg, mesh, rules, temperature=r.temperature, with_routes=replay)
+    fn = _logprob.make_logprob_fn(model_cfg, mesh, rules, temperature=r.temperature, with_routes=replay)
     rows = config.data.prompts_per_step * r.n
     k = -(-rows // (t.micro_batch_size * mb_per_update)) * mb_per_update
     b = batch(k, ["tokens", "attention_mask"] + (["routes"] if replay else []))

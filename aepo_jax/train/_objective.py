@@ -102,7 +102,7 @@ def correct_b(traj, prompts) -> np.ndarray:
 def make_rl_update_step(config, model_cfg, optimizer, mesh):
   """The RL update step as `config` sets it up (loss, KL, entropy, aggregation, logits): what the trainer runs and
   launch/compile.py compiles for a slice."""
-  from aepo_jax.train import _config, _step
+  from aepo_jax.train import _config, _logprob, _step
 
   t, r, a = config.train, config.rollout, config.algo
   seq_len = r.max_prompt_len + r.max_response_len
@@ -118,7 +118,7 @@ def make_rl_update_step(config, model_cfg, optimizer, mesh):
     kl_name=a.kl.name,
     kl_coef=0.0 if a.kl.use_in_reward else a.kl.coef,
     need_entropy=a.loss == "aepo" and a.entropy_advantage_coef > 0,
-    logit_capacity=_step.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
+    logit_capacity=_logprob.logit_capacity(t.logit_fraction, t.micro_batch_size, seq_len),
     saved_logits_mb=t.saved_logits_mb,
     aggregation=a.aggregation,
     off_policy=a.off_policy,

@@ -14,7 +14,7 @@ import numpy as np
 from aepo_jax import checkpoint as _checkpoint
 from aepo_jax import parallel
 from aepo_jax.rollout import RolloutInterrupted
-from aepo_jax.train import _batch, _inputs, _metrics, _objective, _optim, _step, _validation, _wiring
+from aepo_jax.train import _batch, _inputs, _logprob, _metrics, _objective, _optim, _validation, _wiring
 from aepo_jax.train._config_checks import ConfigError, routing_replay_error
 from aepo_jax.train._phase import NothingToDo, Run, TrainState, check_finite, needs_reference, resume, save
 
@@ -76,9 +76,9 @@ def phase(run: Run, params):
   mb_per_update = t.ppo_mini_batch_size * r.n // t.micro_batch_size
   update_step = _objective.make_rl_update_step(config, model_cfg, optimizer, mesh)
   replay = a.routing_replay == "rollout"
-  logprob_fn = _step.make_logprob_fn(model_cfg, mesh, run.rules, temperature=r.temperature, with_routes=replay)
+  logprob_fn = _logprob.make_logprob_fn(model_cfg, mesh, run.rules, temperature=r.temperature, with_routes=replay)
   disagreement_fn = (
-    _step.make_routing_disagreement_fn(model_cfg, mesh, run.rules) if a.routing_replay == "measure" else None
+    _logprob.make_routing_disagreement_fn(model_cfg, mesh, run.rules) if a.routing_replay == "measure" else None
   )
 
   validation = _validation.Validation(run, tools)  # its rollout and judge are built on first use
@@ -155,16 +155,16 @@ def phase(run: Run, params):
       batch = _batch.shard_batch(_batch.process_rows(batch_np, mesh), mesh)
       if disagreement_fn is not None:  # measured, not replayed: the update routes every token itself
         rollout_routes = batch.pop("routes")
-        gen_metrics.update(_step.routing_disagreement(disagreement_fn, params, batch, rollout_routes))
+        gen_metrics.update(_logprob.routing_disagreement(disagreement_fn, params, batch, rollout_routes))
       # Routing replay: pi_old through the rollout's experts too; the reference keeps its own routing (None).
       routes, own = ((batch["routes"],), (None,)) if replay else ((), ())
       batch["old_log_prob"], _ = logprob_fn(params, batch["tokens"], batch["attention_mask"], *routes)
       if ref_params is not None:
         batch["ref_log_prob"], _ = logprob_fn(ref_params, batch["tokens"], batch["attention_mask"], *own)
-      batch["sampler_log_prob"] = _step.behaviour_log_prob(
+      batch["sampler_log_prob"] = _logprob.behaviour_log_prob(
         batch["old_log_prob"], batch["sampler_log_prob"], batch["loss_mask"]
       )  # the call-limit EOS was never sampled: its behaviour log-prob is the old one
-      mismatch = _step.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"], batch["loss_mask"])
+      mismatch = _logprob.logprob_mismatch_metrics(batch["old_log_prob"], batch["sampler_log_prob"], batch["loss_mask"])
     if a.kl.use_in_reward:  # verl apply_kl_penalty: token rewards -coef * KL(old, ref), then the advantages again
       with timer("reward"):
         adv_bt, kl_metrics = _kl_in_reward(config, batch, traj, rewards_b, adv_fn, mesh)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from aepo_jax import checkpoint as _checkpoint
-from aepo_jax.train import _batch, _config, _inputs, _metrics, _optim, _step
+from aepo_jax.train import _batch, _config, _inputs, _logprob, _metrics, _optim, _step
 from aepo_jax.train._phase import NothingToDo, Run, check_finite, resume, save
 
 log = logging.getLogger("aepo_jax.train")
@@ -61,7 +61,7 @@ def make_step(config, model_cfg, opt, mesh):
     micro_batches=micro,
     mesh=mesh,
     rules=_config.mesh_rules(config),
-    logit_capacity=_step.logit_capacity(config.train.logit_fraction, rows, s.max_len),
+    logit_capacity=_logprob.logit_capacity(config.train.logit_fraction, rows, s.max_len),
     saved_logits_mb=config.train.saved_logits_mb,
   )
   return step, micro

@@ -1,13 +1,10 @@
-"""The jitted update steps (RL and SFT) and the batched log-prob recomputation.
+"""The jitted update steps (RL and SFT); their log-probs and the batched recomputation are `_logprob`'s.
 
 `make_update_step` / `make_sft_step` return ONE jitted pure function
     (params, opt_state, batch) -> (params, opt_state, metrics)
 compiled once per batch shape, with explicit in/out shardings from the logical-axis rules (parameters and
 optimizer state as the model names them, batch rows over ('data', 'fsdp')), donated params/opt_state,
 and gradient accumulation over the M micro-batches of a [M, mb, T] batch inside the jit (lax.scan).
-
-Log-probs come from final hidden states through chunked unembedding (`token_logprobs_and_entropy`), with
-logits divided by the rollout temperature (spec §1.5), so no [mb, T, V] tensor exists for the whole row.
 
 Aggregation under accumulation (spec §1.5, §5 item 10), `aggregation=`:
   'global'  (default) each micro-batch's loss is Σ ℓ·m over its tokens divided by the normalizer of the
@@ -26,7 +23,6 @@ A non-finite loss or gradient norm skips the update (params and optimizer state 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable, Optional, Union
 
 import jax
@@ -38,24 +34,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from aepo_jax import objectives
 from aepo_jax.model import (
   ModelConfig,
-  balance_loss,
-  forward_hidden,
   param_shapes,
   param_shardings,
   resolve_attention_impl,
-  unembed_matrix,
 )
-from aepo_jax.parallel import DEFAULT_RULES, activation_spec, current_mesh, make_mesh, sharding_context
+from aepo_jax.parallel import DEFAULT_RULES, sharding_context
 from aepo_jax.train._batch import batch_sharding
+from aepo_jax.train._logprob import (
+  DEFAULT_LOGPROB_CHUNK,
+  DEFAULT_SAVED_LOGITS_MB,
+  mesh_or_one_device,
+  next_token_logprobs,
+  shift_left,
+)
 from aepo_jax.train._optim import current_lr
 
 AGGREGATIONS = ("global", "verl")
-DEFAULT_LOGPROB_CHUNK = 256
-DEFAULT_SAVED_LOGITS_MB = 1024.0  # a micro-batch's logits up to 1 GiB are kept for the backward, not recomputed
-
-
-def _mesh(mesh: Optional[Mesh]) -> Mesh:
-  return mesh if mesh is not None else make_mesh((1, 1, 1), devices=jax.devices()[:1])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -65,7 +59,7 @@ def opt_state_shardings(
   model_config: ModelConfig, optimizer: optax.GradientTransformation, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES
 ):
   """Optimizer-state shardings: moments like their parameters, counters and hyperparameters replicated."""
-  mesh = _mesh(mesh)
+  mesh = mesh_or_one_device(mesh)
   p_sh = param_shardings(model_config, mesh, rules)
   shapes = jax.eval_shape(optimizer.init, param_shapes(model_config))
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -81,7 +75,7 @@ def init_train_state(
 ):
   """(params, opt_state) placed on the mesh. `params` are host or device arrays holding the same values
   on every process (same checkpoint or same seed); each process keeps only its own shards."""
-  mesh = _mesh(mesh)
+  mesh = mesh_or_one_device(mesh)
   p_sh = param_shardings(model_config, mesh, rules)
   params = jax.tree.map(_place, params, p_sh)
   opt_state = jax.jit(optimizer.init, out_shardings=opt_state_shardings(model_config, optimizer, mesh, rules))(params)
@@ -95,194 +89,10 @@ def _place(x, sharding):
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
-# ----------------------------------------------------------------------------------------------------
-# Log-probs
-# ----------------------------------------------------------------------------------------------------
-def _shift_left(x_bt):
-  """Column t gets column t+1 (the last gets 0): the hidden state at t predicts token t+1."""
-  return jnp.concatenate([x_bt[:, 1:], jnp.zeros_like(x_bt[:, :1])], axis=1)
-
-
-def next_token_logprobs(
-  model_config,
-  params,
-  tokens_bt,
-  attention_mask_bt,
-  *,
-  temperature=1.0,
-  chunk=DEFAULT_LOGPROB_CHUNK,
-  segment_ids_bt=None,
-  where_bt=None,
-  capacity: int = 0,
-  saved_logits_mb: float = 0.0,
-  routes_btsk=None,
-  balance: bool = False,
-):
-  """(log π(token t+1 | ≤t), entropy at t) [B, T] in float32, column T-1 is meaningless (0 target).
-  With `segment_ids_bt` (packed rows) the column before a segment's first token is meaningless too; callers mask
-  it (an SFT segment starts with untrained prompt tokens). where_bt / capacity: only those columns are computed
-  (the others are 0), see `objectives.token_logprobs_and_entropy`. saved_logits_mb: a backward pass keeps the
-  float32 logits of the forward when they take at most this many MiB (else it recomputes them). routes_btsk
-  [B, T, L_sparse, k]: routing replay (a model with experts), each token through these experts (-1: its own).
-  balance (a model with experts): also returns, third, the router's load-balancing loss over the valid tokens
-  (`model._moe.balance_loss`, transformers' `load_balancing_loss_func`)."""
-  out = forward_hidden(
-    model_config,
-    params,
-    tokens_bt,
-    None,
-    attention_mask_bt,
-    segment_ids_bt,
-    routes_btsk=routes_btsk,
-    router_stats=balance,
-  )
-  h_btd, stats = out if balance else (out, None)
-  w, layout = unembed_matrix(model_config, params)
-  logp_ent = objectives.token_logprobs_and_entropy(
-    h_btd,
-    w,
-    _shift_left(tokens_bt),
-    temperature,
-    chunk,
-    where_bt=where_bt,
-    capacity=capacity,
-    layout=layout,
-    max_saved_logits=int(saved_logits_mb * 2**20) // 4,
-    sharding=head_sharding(w.shape, layout),
-  )
-  return (*logp_ent, balance_loss(stats, model_config.num_experts_per_tok)) if balance else logp_ent
-
-
 def _balance(model_config: ModelConfig) -> float:
   """The load-balancing loss weight the update and SFT steps add (`ModelConfig.router_aux_loss_coef`; a model
   with experts only)."""
   return float(model_config.router_aux_loss_coef) if model_config.has_experts else 0.0
-
-
-def head_sharding(w_shape, layout: str):
-  """The LM head's `objectives.HeadSharding` under the enclosing `parallel.sharding_context` (rows over the
-  activation batch axes, the vocabulary and D as the parameter rules store the head), or None on one device."""
-  mesh = current_mesh()
-  if mesh is None or mesh.devices.size == 1:
-    return None
-  rows = activation_spec((mesh.devices.size, 1), ("activation_batch", None))[0]
-  vd = w_shape if layout == "vd" else w_shape[::-1]
-  vocab, embed = activation_spec(vd, ("vocab", "embed"))
-  as_tuple = lambda a: () if a is None else (a if isinstance(a, tuple) else (a,))  # noqa: E731
-  batch_axes = tuple(a for a in as_tuple(rows) if mesh.shape[a] > 1)
-  vocab_axes = [a for a in as_tuple(vocab) if mesh.shape[a] > 1]
-  embed_axes = [a for a in as_tuple(embed) if mesh.shape[a] > 1]
-  if len(vocab_axes) > 1 or len(embed_axes) > 1 or not batch_axes and not vocab_axes:
-    return None  # a layout this path does not cover: the partitioner's
-  return objectives.HeadSharding(
-    mesh, batch_axes, vocab_axes[0] if vocab_axes else None, embed_axes[0] if embed_axes else None
-  )
-
-
-def logit_capacity(fraction: float, rows: int, length: int, multiple: int = 64) -> int:
-  """Positions of a [rows, length] micro-batch that get logits when `train.logit_fraction` is `fraction`
-  (0: all, returned as 0), rounded up to a multiple of 64."""
-  if not fraction:
-    return 0
-  return min(rows * length, -(-int(math.ceil(fraction * rows * length)) // multiple) * multiple)
-
-
-def _unshift(x_bt):
-  """Back to token alignment: column t describes token t (column 0, the first prompt token, is 0)."""
-  return jnp.concatenate([jnp.zeros_like(x_bt[:, :1]), x_bt[:, :-1]], axis=1)
-
-
-def make_logprob_fn(
-  model_config: ModelConfig,
-  mesh: Optional[Mesh] = None,
-  rules=DEFAULT_RULES,
-  *,
-  temperature: float = 1.0,
-  chunk: int = DEFAULT_LOGPROB_CHUNK,
-  with_routes: bool = False,
-):
-  """Jitted `fn(params, tokens [K, mb, T], attention_mask [K, mb, T]) -> (log_prob, entropy) [K, mb, T]`.
-
-  with_routes (routing replay, a model with experts): `fn(params, tokens, attention_mask, routes)`, routes
-  [K, mb, T, L_sparse, k] the experts each token goes through (None: the model routes itself).
-  Aligned with the tokens (column t: log π(token t | tokens < t) at logits / temperature; column 0 is 0).
-  Micro-batches run one after another (lax.map), so memory is that of one [mb, T] forward. Outputs keep
-  the batch sharding, ready to be put into the batch as `old_log_prob` / `ref_log_prob`.
-  """
-  mesh = _mesh(mesh)
-  model_config = resolve_attention_impl(model_config, mesh)
-  p_sh, b_sh = param_shardings(model_config, mesh, rules), batch_sharding(mesh, rules)
-
-  def one(params, xs):
-    tokens, mask, routes = xs
-    logp, ent = next_token_logprobs(
-      model_config, params, tokens, mask, temperature=temperature, chunk=chunk, routes_btsk=routes
-    )
-    return _unshift(logp), _unshift(ent)
-
-  def fn(params, tokens, attention_mask, routes=None):
-    with sharding_context(mesh, rules):  # the model's activation constraints take effect while tracing
-      return jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask, routes))
-
-  in_shardings = (p_sh, b_sh, b_sh) + ((b_sh,) if with_routes else ())  # jit takes no keyword with in_shardings
-  return jax.jit(fn, in_shardings=in_shardings, out_shardings=(b_sh, b_sh))
-
-
-def make_routing_disagreement_fn(model_config: ModelConfig, mesh: Optional[Mesh] = None, rules=DEFAULT_RULES):
-  """Jitted `fn(params, tokens, attention_mask, routes) -> (differing, compared)` over a [K, mb, T] batch (routes
-  [K, mb, T, L_sparse, k], the rollout's): how many (token, sparse layer) pairs the trainer's own top-k routes to
-  another set of experts than the rollout did, of how many it compares (tokens with recorded routes). One forward
-  without the LM head per micro-batch (algo.routing_replay='measure')."""
-  mesh = _mesh(mesh)
-  model_config = resolve_attention_impl(model_config, mesh)
-  p_sh, b_sh = param_shardings(model_config, mesh, rules), batch_sharding(mesh, rules)
-
-  def one(params, xs):
-    tokens, mask, rollout = xs
-    _, own = forward_hidden(model_config, params, tokens, None, mask, return_routes=True)
-    recorded = (rollout[..., 0] >= 0) & (mask[..., None] > 0)  # [mb, T, L_sparse]
-    differ = jnp.any(jnp.sort(own, axis=-1) != jnp.sort(rollout, axis=-1), axis=-1) & recorded
-    return jnp.sum(differ), jnp.sum(recorded)
-
-  def fn(params, tokens, attention_mask, routes):
-    with sharding_context(mesh, rules):
-      d, n = jax.lax.map(lambda xs: one(params, xs), (tokens, attention_mask, routes))
-    return jnp.sum(d), jnp.sum(n)
-
-  return jax.jit(fn, in_shardings=(p_sh, b_sh, b_sh, b_sh))
-
-
-def routing_disagreement(fn, params, batch, routes) -> dict:
-  """train/routing_disagreement: the share of recorded (token, sparse layer) pairs whose experts the trainer would
-  choose differently from the rollout (`make_routing_disagreement_fn`); 0 with none recorded."""
-  differing, compared = jax.device_get(fn(params, batch["tokens"], batch["attention_mask"], routes))
-  return {"train/routing_disagreement": float(differing) / max(float(compared), 1.0)}
-
-
-@jax.jit
-def behaviour_log_prob(old_log_prob, sampler_log_prob, loss_mask):
-  """The sampler's log-probs, with the trained tokens the host inserted given the recomputed old log-prob: the EOS
-  appended at the tool-call limit (spec §1.2 2.3) is trained, as the official code trains it, but was never sampled
-  and carries log-prob 0. So its importance ratio (algo.off_policy) is 1 and it adds nothing to the mismatch
-  metrics. A sampled token whose log-prob is exactly 0 (probability 1 in float32) is treated the same, which moves
-  its behaviour log-prob by the trainer's own rounding (~1e-6) at most."""
-  inserted = (loss_mask > 0) & (sampler_log_prob == 0.0)
-  return jnp.where(inserted, old_log_prob, sampler_log_prob)
-
-
-@jax.jit
-def logprob_mismatch_metrics(trainer_log_prob, sampler_log_prob, loss_mask):
-  """Sampler vs trainer log-probs on the same tokens (two code paths: the engine samples, the trainer recomputes)."""
-  valid = loss_mask > 0
-  diff = jnp.where(valid, jnp.abs(trainer_log_prob - sampler_log_prob), 0.0)
-  prob_diff = jnp.where(valid, jnp.abs(jnp.exp(trainer_log_prob) - jnp.exp(sampler_log_prob)), 0.0)
-  n = jnp.maximum(jnp.sum(valid), 1)
-  return {
-    "mismatch/logprob_abs_diff_mean": jnp.sum(diff) / n,
-    "mismatch/logprob_abs_diff_max": jnp.max(diff),
-    "mismatch/prob_abs_diff_mean": jnp.sum(prob_diff) / n,
-    "mismatch/prob_abs_diff_max": jnp.max(prob_diff),
-  }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -307,7 +117,7 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
     raise ValueError(f"aggregation={aggregation!r} is unknown; choose one of {AGGREGATIONS}")
   if micro_batches < 1:
     raise ValueError(f"micro_batches={micro_batches} must be >= 1")
-  mesh = _mesh(mesh)
+  mesh = mesh_or_one_device(mesh)
   p_sh = param_shardings(model_config, mesh, rules)
   o_sh = opt_state_shardings(model_config, optimizer, mesh, rules)
   b_sh = batch_sharding(mesh, rules)
@@ -325,7 +135,7 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
         f"batch has {m_count} micro-batches but the step was built with micro_batches="
         f"{micro_batches}; use split_updates(batch, {micro_batches})"
       )
-    mask_all = _shift_left(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]))
+    mask_all = shift_left(batch["loss_mask"].reshape(-1, batch["loss_mask"].shape[-1]))
     normalizer = objectives.loss_normalizer(mask_all, agg)
     total_seqs = jnp.maximum(objectives.num_sequences(mask_all), 1.0)
 
@@ -335,7 +145,7 @@ def _build_step(model_config, micro_loss, optimizer, mesh, rules, micro_batches,
       elif "loss_denominator" in mb:  # verl's dynamic micro-batches: each row's own weight (_verl_batching)
         norm, scale = mb["loss_denominator"][:, 0], 1.0
       else:
-        norm, scale = None, objectives.num_sequences(_shift_left(mb["loss_mask"])) / total_seqs
+        norm, scale = None, objectives.num_sequences(shift_left(mb["loss_mask"])) / total_seqs
       (loss, aux), grads = grad_fn(params, mb, norm, scale)
       return jax.tree.map(jnp.add, grads_acc, grads), (loss, aux)
 
@@ -425,7 +235,7 @@ def make_update_step(
   off_policy / off_policy_hp: a registered off-policy correction (`objectives.off_policy`) with the sampler's
     log-probs as the behaviour policy and old_log_prob as the proximal one; 'none' leaves the loss as it is.
   """
-  model_config = resolve_attention_impl(model_config, _mesh(mesh))
+  model_config = resolve_attention_impl(model_config, mesh_or_one_device(mesh))
   fn = objectives.policy_loss(loss_fn) if isinstance(loss_fn, str) else loss_fn
   if off_policy != "none":
     fn = objectives.apply_off_policy(fn, off_policy, **(off_policy_hp or {}))
@@ -441,7 +251,7 @@ def make_update_step(
   balance = _balance(model_config)
 
   def micro_loss(params, mb, normalizer, scale):
-    mask = _shift_left(mb["loss_mask"])
+    mask = shift_left(mb["loss_mask"])
     logp, ent, *aux = next_token_logprobs(
       model_config,
       params,
@@ -457,13 +267,13 @@ def make_update_step(
     )
     pg_loss, metrics = fn(
       logp,
-      _shift_left(mb["old_log_prob"]),
-      _shift_left(mb["advantages"]),
+      shift_left(mb["old_log_prob"]),
+      shift_left(mb["advantages"]),
       mask,
       entropy=jax.lax.stop_gradient(ent) if need_entropy else None,
       normalizer=normalizer,
       **hp,
-      **({"behaviour_log_prob": _shift_left(mb["sampler_log_prob"])} if off_policy != "none" else {}),
+      **({"behaviour_log_prob": shift_left(mb["sampler_log_prob"])} if off_policy != "none" else {}),
     )
     pg_loss = pg_loss * scale
     loss = pg_loss
@@ -472,7 +282,7 @@ def make_update_step(
     if use_kl:
       kl_loss = (
         objectives.kl_loss(
-          logp, _shift_left(mb["ref_log_prob"]), mask, estimator=kl_name, agg=agg, normalizer=normalizer
+          logp, shift_left(mb["ref_log_prob"]), mask, estimator=kl_name, agg=agg, normalizer=normalizer
         )
         * scale
       )
@@ -507,14 +317,14 @@ def make_sft_step(
   batch: tokens, attention_mask, loss_mask, each [micro_batches, mb, T], and `segment_ids` when rows are packed
   (`sft_batch(packed_rows=...)`): the same loss as the unpacked batch, on fewer padded tokens.
   logit_capacity, saved_logits_mb: as in `make_update_step`."""
-  model_config = resolve_attention_impl(model_config, _mesh(mesh))
+  model_config = resolve_attention_impl(model_config, mesh_or_one_device(mesh))
   balance = _balance(model_config)
 
   def micro_loss(params, mb, normalizer, scale):
     seg = mb.get("segment_ids")
-    mask = _shift_left(mb["loss_mask"])
+    mask = shift_left(mb["loss_mask"])
     if seg is not None:  # a target in another segment than its context (the next demo's first token)
-      mask = mask * (_shift_left(seg) == seg)
+      mask = mask * (shift_left(seg) == seg)
     logp, ent, *lb = next_token_logprobs(
       model_config,
       params,

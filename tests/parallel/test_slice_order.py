@@ -87,7 +87,7 @@ _WORKER = textwrap.dedent("""
     import optax
     jax.config.update("jax_default_matmul_precision", "highest")
     from aepo_jax import model as model_lib, parallel
-    from aepo_jax.train import _batch, _step
+    from aepo_jax.train import _batch, _logprob, _step
 
     port, pid, nproc, name = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     shape, rows = tuple(json.loads(sys.argv[5])), int(sys.argv[6])
@@ -143,7 +143,7 @@ _WORKER = textwrap.dedent("""
 
     # -- one update step on the slice-ordered mesh vs one device, same global batch --------------------------
     def update(mesh, params, batch):
-      logprob = _step.make_logprob_fn(cfg, mesh=mesh)
+      logprob = _logprob.make_logprob_fn(cfg, mesh=mesh)
       batch = dict(batch)
       batch["old_log_prob"], _ = logprob(params, batch["tokens"], batch["attention_mask"])
       opt = optax.sgd(1.0)  # the parameter change is the gradient itself: no Adam sign amplification

@@ -17,7 +17,18 @@ from aepo_jax.model import forward, init_params
 from aepo_jax.parallel import make_mesh
 from aepo_jax.rollout import concat_groups
 from aepo_jax.testing import tiny_model_config
-from aepo_jax.train import ConfigError, _batch, _objective, _step, base_config, load_config, read_metrics, run, validate
+from aepo_jax.train import (
+  _batch,
+  _logprob,
+  _objective,
+  _step,
+  base_config,
+  ConfigError,
+  load_config,
+  read_metrics,
+  run,
+  validate,
+)
 from test_rl_loop import CONFIG, _traj
 
 
@@ -125,7 +136,7 @@ def test_the_logprob_fn_and_the_update_step_route_every_token_through_the_given_
     "advantages": rng.normal(size=(n, 1)).astype(np.float32) * loss,
   }
   mesh = make_mesh((1, 1, 1), jax.devices()[:1])
-  logprob_fn = _step.make_logprob_fn(MOE, mesh, with_routes=True)
+  logprob_fn = _logprob.make_logprob_fn(MOE, mesh, with_routes=True)
   step = _step.make_update_step(MOE, loss_fn="ppo", optimizer=optax.sgd(1.0), micro_batches=2, mesh=mesh)
 
   def batch(routes):
@@ -164,7 +175,7 @@ def test_routing_disagreement_counts_the_pairs_routed_elsewhere():
   own = np.where(attn[..., None, None] > 0, np.asarray(own), -1).astype(np.int32)
   own[:, -1] = -1  # each row's last position: not recorded
   mesh = make_mesh((1, 1, 1), jax.devices()[:1])
-  fn = _step.make_routing_disagreement_fn(MOE, mesh)
+  fn = _logprob.make_routing_disagreement_fn(MOE, mesh)
 
   def share(routes):
     b = _batch.shard_batch(
@@ -173,7 +184,7 @@ def test_routing_disagreement_counts_the_pairs_routed_elsewhere():
       ),
       mesh,
     )
-    return _step.routing_disagreement(fn, params, b, b.pop("routes"))["train/routing_disagreement"]
+    return _logprob.routing_disagreement(fn, params, b, b.pop("routes"))["train/routing_disagreement"]
 
   assert share(own) == 0.0
   assert share(own[..., ::-1].copy()) == 0.0  # the same experts in another order

@@ -9,13 +9,8 @@ import pytest
 
 from aepo_jax.train._batch import shard_batch
 from aepo_jax.train._optim import make_optimizer
-from aepo_jax.train._step import (
-  behaviour_log_prob,
-  init_train_state,
-  logprob_mismatch_metrics,
-  make_logprob_fn,
-  make_update_step,
-)
+from aepo_jax.train._logprob import behaviour_log_prob, logprob_mismatch_metrics, make_logprob_fn
+from aepo_jax.train._step import init_train_state, make_update_step
 from test_step_fixtures import (
   CFG,
   M,

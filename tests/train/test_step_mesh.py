@@ -6,7 +6,8 @@ import pytest
 
 from aepo_jax.parallel import make_mesh
 from aepo_jax.train._batch import shard_batch
-from aepo_jax.train._step import init_train_state, make_logprob_fn, make_update_step
+from aepo_jax.train._logprob import make_logprob_fn
+from aepo_jax.train._step import init_train_state, make_update_step
 from test_step_fixtures import CFG, TEMPERATURE, host_params, max_abs_diff, rl_batch, sgd
 
 
