@@ -22,13 +22,17 @@ Routing replay (`algo.routing_replay='rollout'`, R3): the engine records each to
   top-8 choice moves a token's log-prob by a whole expert (docs/objectives.md, "Routing replay").
 Memory: the same paged KV pool as the 14B run (393,216 tokens per host): Qwen3-30B-A3B has 4 KV heads of 128 over
   48 layers, 96 KiB per token in bfloat16: 38.7 GB per host, 9.7 GB per chip (one KV head per chip at tensor 4).
-  Compiled at full depth for v5p:4x4x2 (`python launch/compile.py --config=configs/aepo_gaia_30b_a3b.py
-  --topology=v5p:4x4x2 --programs=update,logprob,weight_copy,decode`; the table: `python bench/compile_table.py
-  --configs=aepo_gaia_30b_a3b`, docs/compiled.md): every program fits
-  (peaks: update 37.2, logprob 16.6, weight copy 44.8, decode 42.9 GB of 95). Decode moves 2.3x its bound (the
-  rollout weights and KV pool per chip, 25 GB): the grouped matmul reads F = 192 per chip in 256-wide tiles, and
-  each expert's weights once per group of rows. v6e:8x8 (15.3 GB of rollout weights and 9.7 GB of KV pool per
-  32 GB chip), prefill and 20,480-token trajectories are not compiled yet.
+  Compiled at full depth (`python bench/compile_table.py --configs=aepo_gaia_30b_a3b`, docs/compiled.md; one program:
+  `python launch/compile.py --config=configs/aepo_gaia_30b_a3b.py --topology=v5p:4x4x2 --programs=decode`).
+  v5p:4x4x2: every program fits (peaks: update 37.2, logprob 16.6, weight copy 34.1, decode 42.9 GB of 95); decode
+  moves 2.3x its bound (the rollout weights and KV pool per chip, 25 GB): the grouped matmul reads F = 192 per chip
+  in 256-wide tiles, and each expert's weights once per group of rows.
+  v6e:8x8 (32 GB per chip, 30.4 usable): the update (18.2), logprob (8.2) and weight copy (27.1) fit, but with this
+  pool the rollout does not (prefill 36.1, decode 36.9): 15.3 GB of bfloat16 weights per chip (4 chips per host),
+  9.7 GB of KV pool and the 5.7 GB of training state that stays resident. With `--config.rollout.kv_tokens=98304`
+  (a quarter of the pool, 2.4 GB per chip; slots that run short wait or are preempted) decode fits at 29.8 GB, but
+  its estimated HBM traffic per step rises to 4.5x the bound (2.2x with the full pool), not explained yet. 20,480-token
+  trajectories (`--config.rollout.max_response_len=18432`) with that pool fit too: prefill 30.3, decode 30.2 GB.
 Needs: a Qwen3-30B-A3B cold-start SFT checkpoint (ARPO-SFT-54K) as an HF directory; hard_search_1k, gaia_test,
   hle_test (bundled); a search backend (default: replay of search_cache.json).
 Time: 85 RL steps (5 epochs x 17 steps of 64 prompts x 12 rollouts), as the 14B run. A token's forward costs the

@@ -221,12 +221,13 @@ def lower_host_copy(tree, local_shardings, dtype=None, devices=None) -> dict:
   """The programs `to_host_local` runs on a pod, lowered (not run) from abstract arrays: `tree` holds
   ShapeDtypeStructs with their training-mesh shardings, `local_shardings` host 0's rollout shardings over `devices`
   (a TPU topology's chips). {'cast': the cast on the training mesh (absent when no leaf changes dtype), 'move':
-  the reshard onto the hosts mesh}.
+  the reshard onto the hosts mesh, one program per leaf}.
 
-  The move is what `jax.device_put` compiles for a reshard between two orders of the same devices: the input's
-  shards are relabelled in the target's device order (no data moves) and an identity program with the target
-  shardings moves the data. That relabelling (`_logical_device_ids`) is JAX's own, mirrored here so the move can be
-  compiled ahead of time."""
+  The move is what `jax.device_put` compiles for a reshard between two orders of the same devices, leaf by leaf (its
+  batched form runs one program per array): the input's shards are relabelled in the target's device order (no
+  data moves) and an identity program with the target sharding moves the data. That relabelling
+  (`_logical_device_ids`) is JAX's own, mirrored here so the move can be compiled ahead of time. One program for
+  every leaf at once would hold every leaf's temporaries together, which the run never does."""
   leaves, treedef = jax.tree.flatten(tree)
   shardings = treedef.flatten_up_to(local_shardings)
   dtypes = _copy_dtypes(leaves, dtype)
@@ -246,5 +247,5 @@ def lower_host_copy(tree, local_shardings, dtype=None, devices=None) -> dict:
     )
 
   moved = [relabelled(x, dt) for x, dt in zip(leaves, dtypes)]
-  out["move"] = jax.jit(lambda *xs: list(xs), out_shardings=global_sh).lower(*moved)
+  out["move"] = [jax.jit(lambda x: x, out_shardings=s).lower(m) for m, s in zip(moved, global_sh)]
   return out

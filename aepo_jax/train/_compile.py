@@ -182,6 +182,34 @@ def _memory(name, lowered, resident_gb, devices, args_gb: float, hlo_dir: str = 
   )
 
 
+def _memory_of_parts(name, parts, resident_gb, devices, args_gb: float, hlo_dir: str = "") -> ProgramMemory:
+  """One program's memory from the programs it runs one after another (the weight copy's per-leaf reshards): every
+  part's arguments and outputs live at once (the outputs accumulate), the temporaries of the largest part on top;
+  bytes moved, collectives and compile time summed."""
+  mems = [_memory(f"{name}_{i}" if hlo_dir else name, p, 0.0, devices, 0.0, hlo_dir) for i, p in enumerate(parts)]
+  coll: dict = {}
+  for m in mems:
+    for kind, gb in m.collectives.items():
+      coll[kind] = coll.get(kind, 0.0) + gb
+  return ProgramMemory(
+    name,
+    sum(m.argument_gb for m in mems) or args_gb,
+    sum(m.output_gb for m in mems),
+    sum(m.alias_gb for m in mems),
+    max(m.temp_gb for m in mems),
+    resident_gb,
+    sum(m.compile_s for m in mems),
+    devices,
+    tuple(sorted({k for m in mems for k in m.kernels})),
+    sum(coll.values()),
+    coll,
+    sum(m.copy_gb for m in mems),
+    sum(m.hbm_gb for m in mems),
+    sum(m.flops for m in mems),
+    tuple(c for m in mems for c in m.large_copies),
+  )
+
+
 ALL_PROGRAMS = ("sft", "update", "logprob", "weight_cast", "weight_copy", "prefill", "decode", "decode_compact")
 _ROLLOUT_PROGRAMS = ("weight_cast", "weight_copy", "prefill", "decode", "decode_compact")
 
@@ -320,7 +348,7 @@ def compile_plan(config, topology: str, *, programs=None, hlo_dir: str = "", hea
           "weight_cast", lowered["cast"], opt_gb + ref_gb, len(devices), params_gb, hlo_dir
         )
       if "weight_copy" in programs:
-        out["programs"]["weight_copy"] = _memory(
+        out["programs"]["weight_copy"] = _memory_of_parts(
           "weight_copy", lowered["move"], resident, len(devices), params_gb, hlo_dir
         )
     if "prefill" in programs:

@@ -79,6 +79,8 @@ def test_aepo_gaia_at_full_depth_on_v5p_64():
   # Every host's chips receive the bf16 policy (14.8B parameters over a host's 4 chips on tensor: ~7.4 GB each).
   assert ro["hosts"] == 8 and programs["weight_copy"]["output_gb"] == pytest.approx(ro["weights_gb"], rel=0.02)
   assert programs["weight_copy"]["collective_gb"] > 0 and programs["weight_cast"]["output_gb"] > 0
+  # The copy runs leaf by leaf (device_put's reshard): temporaries of one stacked weight at a time, never all of them.
+  assert programs["weight_copy"]["temp_gb"] < 0.5 * programs["weight_copy"]["output_gb"], programs["weight_copy"]
   # Decode writes in place through the Pallas paged-attention kernel: no copy of a KV pool, and one step moves
   # within 1.3x of what it must (the rollout weights and the KV pool, each read once).
   assert programs["decode"]["kernels"] == ["paged_flash_attention_kernel_inline_seq_dim"]
