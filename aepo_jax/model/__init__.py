@@ -52,7 +52,7 @@ from aepo_jax.model._functional import (
 )
 from aepo_jax.model._hf_config import ARCHITECTURES, from_hf_config, to_hf_config
 from aepo_jax.model._hf_io import WEIGHT_SUFFIXES, load_hf, read_hf_config, save_hf
-from aepo_jax.model._moe import balance_loss, load_balancing_loss
+from aepo_jax.model._balance import balance_loss, load_balancing_loss
 from aepo_jax.model._pretrained import PRETRAINED, load_pretrained, pretrained_dir
 from aepo_jax.model._sharding import param_shapes, param_shardings
 from aepo_jax.model._tokenizer import TOKENIZER_FILES, Tokenizer, copy_tokenizer_files

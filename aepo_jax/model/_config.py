@@ -50,7 +50,7 @@ class ModelConfig:
   # HF checkpoints carry 0.001 (pre-training's value): `from_hf_config` does not read it, `to_hf_config` writes it
   # back. > 0 (e.g. `--config.model.overrides.router_aux_loss_coef=0.001` for an SFT of a MoE model): the SFT and
   # RL update steps add this weight times the mean over micro-batches of each one's balance loss over its valid
-  # tokens (`_moe.balance_loss`), reported as sft/router_aux_loss and actor/router_aux_loss.
+  # tokens (`_balance.balance_loss`), reported as sft/router_aux_loss and actor/router_aux_loss.
   router_aux_loss_coef: float = 0.0
   # Expert computation: 'gmm' (tokens sorted by expert, the grouped matmul of JAX's Pallas TPU library: dropless, k
   # of E experts' FLOPs; float32 or bfloat16; interpret mode off TPU, slow), 'ragged' (the same sorted rows through

@@ -307,7 +307,7 @@ class Decoder(nn.Module):
   ):
     """Returns (final hidden states [B,T,D] after the last norm, new cache or None), then the experts used
     [B, T, L_sparse, k] with `return_routes`, then given `token_weights_bt` [B, T] the router's balance statistics
-    of the sparse layers [L_sparse, 2, E] (`_moe.router_stats`, tokens weighted so). routes_btsk: experts to replay
+    of the sparse layers [L_sparse, 2, E] (`_balance.router_stats`, tokens weighted so). routes_btsk: experts to replay
     (`_moe.route`), sparse layers in order."""
     cfg = self.config
     h_btd = _layers.embed(self.embed_tokens.embedding, tokens_bt, _dtype(cfg.dtype))

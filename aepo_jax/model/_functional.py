@@ -146,7 +146,7 @@ def forward_hidden(
   each token goes to in each sparse layer (in layer order; `_moe.route`: a token whose row holds a negative index
   routes itself); `return_routes=True` returns (hidden, routes [B, T, L_sparse, k] int32), the experts used.
   `router_stats=True` (a model with experts) also returns, last, the router's balance statistics of the sparse
-  layers over the valid tokens [L_sparse, 2, E] (`_moe.router_stats`; `_moe.balance_loss` makes them the
+  layers over the valid tokens [L_sparse, 2, E] (`_balance.router_stats`; `_balance.balance_loss` makes them the
   load-balancing loss)."""
   if (routes_btsk is not None or return_routes or router_stats) and not config.has_experts:
     raise ValueError(f"forward_hidden: routes are the experts of a sparse layer; {config.family!r} has none.")

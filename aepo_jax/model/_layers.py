@@ -235,7 +235,7 @@ def feed_forward(
 
   routes [..., k]: the experts a sparse layer replays (`_moe.route`); a dense layer ignores them. return_routes
   (a model with experts): also returns the experts used [..., k] int32 (-1 in a dense layer). token_weights [...]
-  (a model with experts): also returns the router's balance statistics [2, E] (`_moe.router_stats`; 0 in a dense
+  (a model with experts): also returns the router's balance statistics [2, E] (`_balance.router_stats`; 0 in a dense
   layer). Returns y, or (y, experts if return_routes, statistics if token_weights)."""
   if not config.has_experts:
     return mlp_fn(p, x, mm)

@@ -324,11 +324,11 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   )
   if a.routing_replay != "none" and model_has_experts(config) is False:
     errs.append(routing_replay_error(config.model.shape or config.model.name))
+  try:
+    mesh_rules(config)  # names a bad mesh.expert_axis
+  except ConfigError as e:
+    errs.append(str(e))
   expert_axis = str(config.mesh.get("expert_axis", "") or "")
-  need(
-    expert_axis in EXPERT_AXES,
-    f"mesh.expert_axis={expert_axis!r}: use one of {EXPERT_AXES} ('' keeps every expert on every device).",
-  )
   aux_coef = float(config.model.overrides.get("router_aux_loss_coef", 0.0) or 0.0)
   need(aux_coef >= 0, f"model.overrides.router_aux_loss_coef={aux_coef}: use a weight >= 0 (0: off).")
   if aux_coef > 0 and model_has_experts(config) is False:

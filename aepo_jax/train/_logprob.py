@@ -66,7 +66,7 @@ def next_token_logprobs(
   float32 logits of the forward when they take at most this many MiB (else it recomputes them). routes_btsk
   [B, T, L_sparse, k]: routing replay (a model with experts), each token through these experts (-1: its own).
   balance (a model with experts): also returns, third, the router's load-balancing loss over the valid tokens
-  (`model._moe.balance_loss`, transformers' `load_balancing_loss_func`)."""
+  (`model._balance.balance_loss`, transformers' `load_balancing_loss_func`)."""
   out = forward_hidden(
     model_config,
     params,
