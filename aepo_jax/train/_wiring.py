@@ -77,8 +77,9 @@ def rollout_settings(
   prompts_per_call: default this host's share of data.prompts_per_step (`hosts` processes: default
   jax.process_count()); the slots are rollout.max_slots, else prompts_per_call x n (at least that many when
   prompts_per_call is given); a training run's partial rollouts (train.max_staleness = k > 0, prompts_per_call
-  not given) hold k + 1 steps' groups at once and get k + 1 times the slots. record_routes: default algo.routing_replay='rollout' (the engine keeps each token's
-  experts for the update: algo.routing_replay 'rollout' or 'measure')."""
+  not given) hold k + 1 steps' groups at once and get k + 1 times the slots. record_routes: default
+  algo.routing_replay='rollout' (the engine keeps each token's experts for the update: algo.routing_replay
+  'rollout' or 'measure')."""
   import dataclasses
 
   from aepo_jax import rollout as rollout_lib
