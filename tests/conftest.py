@@ -8,6 +8,24 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# One persistent XLA compilation cache for the whole test session: the pytest process (or xdist's controller) makes
+# a fresh folder before any worker starts, and the workers and every subprocess a test launches (main jobs, hosts of
+# the multi-process tests) inherit it through the environment. Many tests compile the same tiny-model programs, often
+# in separate processes; this compiles each once per session. The cache is keyed by the program, the XLA flags and
+# the devices, so a hit is the executable a compile would give. A fresh folder per session: results never depend on
+# an earlier run. Set JAX_COMPILATION_CACHE_DIR to choose the folder (kept), or to '' to switch the cache off.
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+
+  _cache_dir = tempfile.mkdtemp(prefix="aepo_jax_test_xla_cache.")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 from aepo_jax.parallel import use_cpu_xla_flags  # noqa: E402  (imports jax; its backend starts later)
 
 use_cpu_xla_flags()  # the XLA:CPU flags the launchers use, so tests compile what users run

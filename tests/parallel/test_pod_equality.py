@@ -108,7 +108,7 @@ def _flags(tmp_path, workdir):
 
 
 def _env(**extra):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false", **extra)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
   env.pop(parallel.EMULATE_TOPOLOGY_ENV, None)
   return env
 

@@ -16,7 +16,7 @@ from aepo_jax.train._batch import micro_batches, shard_batch
 from aepo_jax.train._step import init_train_state, make_sft_step, make_update_step
 
 MOE = tiny_model_config(
-  "qwen3_moe", vocab_size=96, num_layers=3, mlp_only_layers=(1,), num_experts=6, num_experts_per_tok=2,
+  "qwen3_moe", vocab_size=96, num_layers=2, mlp_only_layers=(1,), num_experts=6, num_experts_per_tok=2,
   moe_intermediate_size=16,
 )  # fmt: skip
 COEF, LR = 0.5, 1.0
