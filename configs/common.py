@@ -18,10 +18,11 @@ SFT_TRACES = "gs://YOUR_BUCKET/data/ARPO-SFT-54K.jsonl"  # ARPO-SFT-54K as JSONL
 SFT_EXAMPLES = 54_000
 
 
-def variants(arg, config_file: str, models=None):
-  """Parses 'released,cold_start' (and, with `models`, one model name among them) into a dict of flags."""
+def variants(arg, config_file: str, models=None, extra=()):
+  """Parses 'released,cold_start' (and, with `models`, one model name among them; with `extra`, the config's own
+  switches) into a dict of flags."""
   parts = [p.strip() for p in str(arg or "paper").split(",") if p.strip()]
-  known = VARIANTS + tuple(models or ())
+  known = VARIANTS + tuple(extra) + tuple(models or ())
   bad = [p for p in parts if p not in known]
   if bad:
     raise ValueError(
@@ -31,7 +32,7 @@ def variants(arg, config_file: str, models=None):
   chosen = [p for p in parts if p in tuple(models or ())]
   if len(chosen) > 1:
     raise ValueError(f"{config_file}:{arg}: name one model of {tuple(models)}, not {chosen}.")
-  out = {v: v in parts for v in VARIANTS}
+  out = {v: v in parts for v in VARIANTS + tuple(extra)}
   out["model"] = chosen[0] if chosen else None
   return out
 

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Optional
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-MOE_IMPLS = ("auto", "gmm", "ragged", "dense")
+MOE_IMPLS = ("auto", "gmm", "ragged", "dense", "gather")
 GMM_DTYPES = ("float32", "bfloat16")  # the compute dtypes moe_impl='gmm' takes (the Pallas TPU kernel's operands)
 ATTENTION_IMPLS = ("auto", "xla", "cpu_kernel", "splash")
 

@@ -21,8 +21,11 @@ the same sum (`ModelConfig.moe_impl`, tested equal):
     ('tensor'), the partial down projections summed over that axis;
   * 'ragged': the same sorted rows through `jax.lax.ragged_dot` (XLA's own lowering);
   * 'dense': every expert on every token, combined by the gates (E / k times the FLOPs; no sort, gather or
-    ragged dot). Faster on CPU at small shapes (docs/performance.md), and a reference.
-'auto' (`resolve_impl`): 'gmm' on TPU, 'dense' on CPU, 'ragged' elsewhere.
+    ragged dot). Faster on CPU at small shapes (docs/performance.md), and a reference;
+  * 'gather': each token's k experts' weights gathered, reading only the experts the tokens chose (a decode step's
+    few tokens on CPU; its weight gradient is a scatter of N * k weight copies, so not for training).
+'auto' (`resolve_impl`): 'gmm' on TPU, on CPU 'gather' for calls of few tokens and 'dense' otherwise, 'ragged'
+elsewhere.
 
 Expert parallelism (`experts_parallel`): where the rules table maps the logical axis 'expert' to a mesh axis
 (`parallel._mesh.expert_parallel_rules`, e.g. 'fsdp'), each device of that axis holds E / n whole experts (their F
@@ -90,14 +93,18 @@ def _platform() -> str:
   return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
-def resolve_impl(config: ModelConfig) -> str:
-  """The expert computation for `config.moe_impl`; 'auto': 'dense' on CPU, 'gmm' on TPU (where the compute dtype
-  is one the kernel takes, else 'ragged'), 'ragged' elsewhere."""
+def resolve_impl(config: ModelConfig, num_tokens: int | None = None) -> str:
+  """The expert computation for `config.moe_impl`; 'auto': on CPU 'gather' for a call of `num_tokens` tokens whose
+  (token, expert) pairs are at most half the experts (a decode step's few slots: it reads only those experts'
+  weights) and 'dense' otherwise; 'gmm' on TPU (where the compute dtype is one the kernel takes, else 'ragged'),
+  whose forward visits only the experts that have rows (megablox `gmm` builds its grid without empty groups);
+  'ragged' elsewhere. Measured by bench/moe_decode.py (docs/performance.md)."""
   if config.moe_impl != "auto":
     return config.moe_impl
   platform = _platform()
   if platform == "cpu":
-    return "dense"
+    few = num_tokens is not None and 2 * num_tokens * config.num_experts_per_tok <= config.num_experts
+    return "gather" if few else "dense"
   return "gmm" if platform == "tpu" and config.dtype in GMM_DTYPES else "ragged"
 
 
@@ -290,7 +297,19 @@ def experts_dense(p, x_nd, gates_nk, experts_nk, num_experts: int):
   return jnp.einsum("end,ne->nd", y, combine_ne.astype(y.dtype))
 
 
-EXPERTS = {"gmm": experts_gmm, "ragged": experts_ragged, "dense": experts_dense}
+def experts_gather(p, x_nd, gates_nk, experts_nk, num_experts: int):
+  """The same sum with each token's k experts' weights gathered ([N, k, D, F] each): reads N * k experts' weights
+  (at most), not all E, and does k of E experts' FLOPs without a sort. For a decode step's few tokens; its weight
+  gradient is a scatter-add of N * k copies of an expert's weights, so never for training."""
+  w = p["experts"]
+  take = lambda name: jnp.take(w[name]["kernel"], experts_nk, axis=0).astype(x_nd.dtype)  # noqa: E731
+  h = jax.nn.silu(jnp.einsum("nd,nkdf->nkf", x_nd, take("gate_proj")))
+  h = h * jnp.einsum("nd,nkdf->nkf", x_nd, take("up_proj"))
+  y = jnp.einsum("nkf,nkfd->nkd", h, take("down_proj"))
+  return jnp.einsum("nkd,nk->nd", y, gates_nk.astype(y.dtype))
+
+
+EXPERTS = {"gmm": experts_gmm, "ragged": experts_ragged, "dense": experts_dense, "gather": experts_gather}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -478,8 +497,8 @@ def moe(config: ModelConfig, p, x, impl: str = "", *, routes=None, return_routes
   replay = None if routes is None else routes.reshape(-1, routes.shape[-1])
   logits = router_logits(p, x_nd)
   gates, experts = route(config, logits, replay)
-  impl = impl or resolve_impl(config)
-  axes = expert_parallel_axes(config, x_nd.shape[0]) if impl != "dense" else ()
+  impl = impl or resolve_impl(config, x_nd.shape[0])
+  axes = expert_parallel_axes(config, x_nd.shape[0]) if impl not in ("dense", "gather") else ()
   experts_fn = functools.partial(experts_parallel, axes=axes, impl=impl) if axes else EXPERTS[impl]
   y = experts_fn(p, x_nd, gates, experts, config.num_experts).reshape(*lead, d)
   extras = (experts.reshape(*lead, -1),) if return_routes else ()

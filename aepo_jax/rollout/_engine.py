@@ -20,6 +20,7 @@ from aepo_jax.rollout import _state as st
 from aepo_jax.rollout._compiled import (  # noqa: F401  (_decode_weights, prepared_weights: read by bench/ and tests)
   _bucket,
   _decode,
+  _decode_tpu,
   _decode_weights,
   _fill,
   _release,
@@ -229,9 +230,14 @@ class Engine(_SlotOps):
     if self.page_size:  # the paged engine runs one step per call (see `decode`)
       num_steps = 1
     with self._kernel_context():
-      return _decode.lower(
+      return self._decode_fn.lower(
         self.config, self.step_spec(attend_len=self.max_len), int(num_steps), params, state, None, rows
       )
+
+  @property
+  def _decode_fn(self):
+    """The jitted decode step: on TPU with the paged kernel, the one with `_compiled.TPU_DECODE_OPTIONS`."""
+    return _decode_tpu if self.paged_kernel == "tpu" else _decode
 
   def _kernel_context(self):
     """The mesh for the paged-attention kernel's shard_map (read while the decode step traces)."""
@@ -447,13 +453,13 @@ class Engine(_SlotOps):
     rows = self._decode_rows(state)
     with self._kernel_context():
       if not self.page_size:
-        return _decode(self.config, spec, int(num_steps), params, state, weights_t, rows)
+        return self._decode_fn(self.config, spec, int(num_steps), params, state, weights_t, rows)
       # Paged: one jitted step per call, the calls queued back to back (no host sync between them). In a scan over
       # steps XLA:TPU would copy the pool every step (aepo_jax/rollout/_pages.py); a step whose rows are all idle
       # is skipped on device as in the scan.
       outs = []
       for _ in range(int(num_steps)):
-        state, out = _decode(self.config, spec, 1, params, state, weights_t, rows)
+        state, out = self._decode_fn(self.config, spec, 1, params, state, weights_t, rows)
         outs.append(out)
       return state, jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *outs)
 

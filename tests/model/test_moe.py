@@ -131,8 +131,8 @@ def test_router_matches_transformers(norm):
   assert np.allclose(np.asarray(gates).sum(-1), 1.0) == norm
 
 
-def test_ragged_and_dense_experts_agree_with_gradients():
-  """The two expert computations: same outputs and same gradients (parameters and inputs), float32."""
+def test_ragged_gather_and_dense_experts_agree_with_gradients():
+  """The expert computations: same outputs and same gradients (parameters and inputs), float32."""
   config = _tiny_moe_config(num_experts=8, num_experts_per_tok=3)
   p = _expert_params(config)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 13, config.hidden_size), jnp.float32)
@@ -140,15 +140,16 @@ def test_ragged_and_dense_experts_agree_with_gradients():
   @jax.jit
   def run_both(p, x):
     out = []
-    for impl in ("ragged", "dense"):
+    for impl in ("ragged", "dense", "gather"):
       loss = lambda p, x, impl=impl: jnp.sum(jnp.sin(_moe.moe(config, p, x, impl)))  # noqa: E731
       out.append((_moe.moe(config, p, x, impl), jax.grad(loss, argnums=(0, 1))(p, x)))
     return out
 
-  (y_r, g_r), (y_d, g_d) = run_both(p, x)
+  (y_r, g_r), (y_d, g_d), (y_g, g_g) = run_both(p, x)
   assert y_r.shape == x.shape
-  assert np.abs(np.asarray(y_r - y_d)).max() <= IMPL_TOL
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=IMPL_TOL), g_r, g_d)
+  assert np.abs(np.asarray(y_r - y_d)).max() <= IMPL_TOL and np.abs(np.asarray(y_g - y_d)).max() <= IMPL_TOL
+  for g in (g_r, g_g):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=IMPL_TOL), g, g_d)
   # every expert's weights got a gradient from the tokens routed to it (and only the router's top 3 of 8 per token)
   _, experts = _moe.route(config, _moe.router_logits(p, x.reshape(-1, config.hidden_size)))
   used = np.unique(np.asarray(experts))
@@ -175,11 +176,15 @@ def test_sharded_forward_equals_unsharded(tiny_checkpoint, impl):
   assert np.abs(np.asarray(got) - want).max() <= IMPL_TOL
 
 
-def test_expert_impl_auto_is_dense_on_cpu():
-  config = _tiny_moe_config()
+def test_expert_impl_auto_on_cpu_is_gather_for_few_tokens_else_dense():
+  """bench/moe_decode.py at Qwen3-30B-A3B's layer (E 128, k 8): 'gather' beats 'dense' up to 8 tokens (64 pairs),
+  'dense' wins from 16 (128 pairs)."""
+  config = _tiny_moe_config(num_experts=16, num_experts_per_tok=2)
   want = {"cpu": "dense", "tpu": "gmm"}.get(jax.default_backend(), "ragged")
   assert _moe.resolve_impl(config) == want
-  assert _moe.resolve_impl(config.replace(moe_impl="ragged")) == "ragged"
+  if jax.default_backend() == "cpu":
+    assert [_moe.resolve_impl(config, n) for n in (1, 4, 5, 64)] == ["gather", "gather", "dense", "dense"]
+  assert _moe.resolve_impl(config.replace(moe_impl="ragged"), 1) == "ragged"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -200,8 +205,13 @@ def test_logits_match_transformers(tiny_checkpoint, impl):
 
 @pytest.mark.parametrize(
   "overrides",
-  [dict(norm_topk_prob=False, mlp_only_layers=[]), dict(decoder_sparse_step=2, mlp_only_layers=[])],
-  ids=["every_layer_sparse_raw_topk", "sparse_step_2"],
+  [
+    dict(norm_topk_prob=False, mlp_only_layers=[]),
+    dict(decoder_sparse_step=2, mlp_only_layers=[]),
+    dict(num_experts_per_tok=1, mlp_only_layers=[]),
+    dict(num_experts=12, num_experts_per_tok=8, mlp_only_layers=[]),
+  ],
+  ids=["every_layer_sparse_raw_topk", "sparse_step_2", "top1", "top8"],
 )
 def test_other_layouts_match_transformers(tmp_path, overrides):
   path = testing.tiny_hf_checkpoint("qwen3_moe", tmp_path / "ckpt", seed=3, **overrides)

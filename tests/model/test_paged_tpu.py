@@ -210,3 +210,44 @@ def test_compiled_decode_writes_the_paged_pool_in_place():
   # are still copied to the dot's layout: 0.1 GB each per step at 40 layers (the layout API would remove that).
   q_proj = re.escape("bf16[2,256,10,128]")
   assert not re.findall(rf"= {q_proj}\{{[^}}]*\}} copy\(", hlo), "decode relayouts the stacked q_proj"
+
+
+def test_compiled_decode_keeps_a_small_pool_out_of_vmem(monkeypatch):
+  """A small KV pool (here 8 MB per chip and layer) fits in VMEM, and XLA:TPU's memory-space assignment would
+  prefetch the whole pool there and write it back around the new entries' scatter, every layer and step
+  (Qwen3-30B-A3B with rollout.kv_tokens=98304 on v6e: 25 MB per layer for K and for V; at 2 layers decode's HBM
+  traffic is 2.9 GB per step with those copies, 2.1 without). The engine's TPU decode is compiled with
+  `_compiled.TPU_DECODE_OPTIONS`, which refuses such copies; the same step without them (the control) has them."""
+  if importlib.util.find_spec("libtpu") is None:
+    if os.environ.get("AEPO_JAX_REQUIRE_LIBTPU") == "1":
+      raise RuntimeError("libtpu is not installed but AEPO_JAX_REQUIRE_LIBTPU=1: pip install -e \".[tpu]\"")
+    pytest.skip("libtpu is not installed (pip install -e \".[tpu]\")")
+  import re
+
+  from aepo_jax import model as model_lib
+  from aepo_jax.model import ModelConfig
+  from aepo_jax.rollout import Engine, _compiled
+  from aepo_jax.train._compile import _abstract, topology_devices
+
+  cfg = ModelConfig(
+    family="qwen3", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+    num_kv_heads=4, head_dim=128, qk_norm=True, dtype="bfloat16", param_dtype="bfloat16",
+  )  # fmt: skip
+  mesh = parallel.local_mesh({"data": 1, "fsdp": 1, "tensor": 4}, topology_devices("v6e:2x2"))
+  engine = Engine(
+    cfg, max_slots=16, max_len=512, eos_ids=(0,), mesh=mesh, cpu_kernels=False, kv_layout="paged", page_size=64,
+    num_pages=513,
+  )  # fmt: skip
+  assert engine._decode_fn is _compiled._decode_tpu
+  weights = _abstract(model_lib.param_shapes(cfg), model_lib.param_shardings(cfg, mesh))
+  pool = jax.tree.leaves(engine.abstract_decode_state().cache)[0]
+  assert pool.sharding.shard_shape(pool.shape) == (1, 513, 64, 128)
+
+  def pool_copies():
+    hlo = engine.lower_decode(weights, 1).compile().as_text()
+    return [line for line in hlo.splitlines() if " copy-start(" in line and re.search(r"\[(1,)?513,64,128\]", line)]
+
+  assert not pool_copies()
+  monkeypatch.setattr(Engine, "_decode_fn", property(lambda self: _compiled._decode))
+  plain = pool_copies()
+  assert plain and all("S(1)" in line for line in plain), plain[:2]  # into VMEM (memory space 1) and back
