@@ -45,7 +45,6 @@ def _read_bandwidth(num_floats: int, repeats: int) -> float:
   total = jax.jit(jnp.sum)
   total(a).block_until_ready()
   best = min(_timed(lambda: total(a)) for _ in range(repeats))
-  del a
   return num_floats * 4 / best
 
 
@@ -101,7 +100,9 @@ def main(argv=None):
     for _ in range(args.repeats):  # alternating rounds: this VM's speed drifts within minutes
       for i, fn in fns.items():
         times[i].append(_timed(lambda fn=fn: fn(p, x)))
-    cells = "  ".join(f"{statistics.median(times[i]) * 1e3:11.2f} {statistics.median(times[i]) / bound:7.2f}" for i in impls)
+    cells = "  ".join(
+      f"{statistics.median(times[i]) * 1e3:11.2f} {statistics.median(times[i]) / bound:7.2f}" for i in impls
+    )
     print(f"{n:5d} {touched:8d} {bound * 1e3:9.2f}  {cells}", flush=True)
 
 

@@ -60,9 +60,7 @@ _decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
 # step, the pool's copies gone; docs/compiled.md). This option makes it refuse copies whose use moves fewer bytes
 # than the copy itself.
 TPU_DECODE_OPTIONS = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 1.0}
-_decode_tpu = jax.jit(
-  _ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,), compiler_options=TPU_DECODE_OPTIONS
-)
+_decode_tpu = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,), compiler_options=TPU_DECODE_OPTIONS)
 _decode_weights = jax.jit(_ops.decode_weights, static_argnums=(0,))
 _fill = jax.jit(_ops.fill_chunk, static_argnums=(0, 1, 2), donate_argnums=(4,))
 _page_needs = jax.jit(_ops.page_needs)
