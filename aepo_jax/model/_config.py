@@ -55,8 +55,10 @@ class ModelConfig:
   # Expert computation: 'gmm' (tokens sorted by expert, the grouped matmul of JAX's Pallas TPU library: dropless, k
   # of E experts' FLOPs; float32 or bfloat16; interpret mode off TPU, slow), 'ragged' (the same sorted rows through
   # `jax.lax.ragged_dot`), 'dense' (every expert on every token, combined by the gates: E / k times the FLOPs, no
-  # sort or gather), 'auto' ('dense' on CPU, where it measured faster at small shapes, docs/performance.md; 'gmm' on
-  # TPU, 'ragged' there for other dtypes and elsewhere; model/_moe.py). Execution only: parameters are the same.
+  # sort or gather), 'gather' (each token's k experts' weights gathered: reads only the chosen experts, for a decode
+  # step's few tokens), 'auto' (on CPU 'gather' when 2 N k <= E and 'dense' otherwise, as measured,
+  # docs/performance.md; 'gmm' on TPU, 'ragged' there for other dtypes and elsewhere; model/_moe.py). Execution only:
+  # parameters are the same.
   moe_impl: str = "auto"
   bos_token_id: Optional[int] = None
   eos_token_ids: tuple = ()
