@@ -57,8 +57,8 @@ _decode = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,))
 # layer's KV pool on a chip fits once the pool is small (Qwen3-30B-A3B at rollout.kv_tokens=98304: 25 MB for K and
 # for V): the whole pool is then copied into VMEM and back around the new token's scatter, every layer and step,
 # although the paged kernel reads only the pages it needs (compiled for v6e at 2 layers: 2.90 -> 2.12 GB of HBM per
-# step, the pool's copies gone; docs/compiled.md). This option makes it refuse copies whose use moves fewer bytes
-# than the copy itself.
+# step, the pool's copies gone; docs/performance.md, "Paged KV cache"). This option makes it refuse copies whose
+# use moves fewer bytes than the copy itself.
 TPU_DECODE_OPTIONS = {"xla_tpu_msa_inefficient_use_to_copy_ratio": 1.0}
 _decode_tpu = jax.jit(_ops.decode, static_argnums=(0, 1, 2), donate_argnums=(4,), compiler_options=TPU_DECODE_OPTIONS)
 _decode_weights = jax.jit(_ops.decode_weights, static_argnums=(0,))
