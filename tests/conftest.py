@@ -13,7 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the multi-process tests) inherit it through the environment. Many tests compile the same tiny-model programs, often
 # in separate processes; this compiles each once per session. The cache is keyed by the program, the XLA flags and
 # the devices, so a hit is the executable a compile would give. A fresh folder per session: results never depend on
-# an earlier run. Set JAX_COMPILATION_CACHE_DIR to choose the folder (kept), or to '' to switch the cache off.
+# an earlier run. Set JAX_COMPILATION_CACHE_DIR to choose the folder (kept); JAX_ENABLE_COMPILATION_CACHE=false
+# switches the cache off (as tests/train/test_resume.py does for its bit-identity runs).
 if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   import atexit
   import shutil

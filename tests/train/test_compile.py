@@ -25,7 +25,7 @@ if importlib.util.find_spec("libtpu") is None:
 
 def _compile(config, topology, *overrides, layers=2):
   """(the finished process, its JSON report) of launch/compile.py; layers=None: the config's full depth."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")  # each program compiles once
   env.pop("XLA_FLAGS", None)  # the tests' fake CPU devices are irrelevant to a TPU compile
   out = subprocess.run(
     [
