@@ -91,6 +91,7 @@ class Checkpointer:
     self._async = async_save
     self._saving: Optional[int] = None  # the step whose async save is in flight
     self._pending: Optional[int] = None  # the step whose async save has not been seen to finish
+    self._closed = False
     self._pinned = _Pinned()
     if is_remote(self.directory):
       check_remote(self.directory)
@@ -444,5 +445,21 @@ class Checkpointer:
       raise self._save_failed(step if step is not None else (self._saving or 0), e) from e
 
   def close(self):
-    self.wait()
-    self._mgr.close()
+    """Wait for the save in flight (CheckpointError if it failed), then release the manager; a second call does
+    nothing."""
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      self.wait()
+    finally:
+      self._mgr.close()
+
+  def close_after_error(self):
+    """close() for a run that is already failing (an exception, Ctrl-C): the save in flight still finishes, so its
+    step directory is whole or absent when the same command runs again; a failure of that save is logged, not
+    raised over the run's own error."""
+    try:
+      self.close()
+    except Exception as e:  # noqa: BLE001 - the run's own exception is the one to raise
+      log.error("while stopping: %s", e)

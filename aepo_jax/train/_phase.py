@@ -36,6 +36,7 @@ class Run:
   writer: Any
   preempt: Any
   progress: bool = False
+  opened: list = dataclasses.field(default_factory=list, repr=False, compare=False)  # the phases' checkpointers
 
   @property
   def rules(self) -> tuple:
@@ -45,7 +46,7 @@ class Run:
   def checkpointer(self, phase: str) -> _checkpoint.Checkpointer:
     """The checkpoints of `phase` ('sft' | 'rl') under workdir/checkpoints/."""
     ck = self.config.checkpoint
-    return _checkpoint.Checkpointer(
+    ckpt = _checkpoint.Checkpointer(
       f"{self.config.workdir}/checkpoints/{phase}",
       keep=ck.keep,
       best_metric=ck.best_metric if phase == "rl" else "",
@@ -54,6 +55,15 @@ class Run:
       ocdbt=ck.ocdbt,
       compression=ck.compression,
     )
+    self.opened.append(ckpt)
+    return ckpt
+
+  def close_after_error(self) -> None:
+    """A run stopping on an exception (Ctrl-C included): every checkpointer's save in flight finishes before the
+    exception leaves the run, so no background save is still writing (or half-renamed) when the same command, in
+    this process or the next, opens the directory again."""
+    for ckpt in self.opened:
+      ckpt.close_after_error()
 
 
 @dataclasses.dataclass

@@ -112,29 +112,42 @@ def _run(config, mode: str) -> dict:
 
   with _Preemption() as preempt:
     run = Run(config, model_cfg, tokenizer, mesh, writer, preempt, progress)
-    rl_ckpt = run.checkpointer("rl")
-    rl_started = rl_ckpt.latest_step() is not None
-    # -------------------------------------------------------------------------------------------------
-    # Cold-start SFT (skipped when RL has already checkpointed).
-    # -------------------------------------------------------------------------------------------------
-    if mode in ("sft", "both") and config.sft.enabled and not rl_started:
-      params, sft_summary = _sft.phase(run, params)
-      summary.update(sft_summary)
-      if preempt.requested:
-        writer.close()
-        return summary
-    elif mode == "both" and config.sft.enabled and needs_reference(config):
-      # RL resumes; its KL reference is where RL started: the final SFT parameters.
-      params = _sft.final_params(run, params)
-    # -------------------------------------------------------------------------------------------------
-    # RL.
-    # -------------------------------------------------------------------------------------------------
-    if mode in ("rl", "both"):
-      params, rl_summary = _rl.phase(run, params)
-      summary.update(rl_summary)
-  summary["params"] = params
+    try:
+      params = _phases(run, mode, params, summary)
+    except BaseException:
+      run.close_after_error()
+      raise
+  if params is not None:
+    summary["params"] = params
   writer.close()
   return summary
+
+
+def _phases(run: Run, mode: str, params, summary: dict):
+  """SFT then RL as `mode` says, each resumed from its checkpoints, filling `summary`: the parameters at the end,
+  or None when a preemption stopped SFT."""
+  config = run.config
+  rl_ckpt = run.checkpointer("rl")
+  rl_started = rl_ckpt.latest_step() is not None
+  rl_ckpt.close()
+  # ---------------------------------------------------------------------------------------------------
+  # Cold-start SFT (skipped when RL has already checkpointed).
+  # ---------------------------------------------------------------------------------------------------
+  if mode in ("sft", "both") and config.sft.enabled and not rl_started:
+    params, sft_summary = _sft.phase(run, params)
+    summary.update(sft_summary)
+    if run.preempt.requested:
+      return None
+  elif mode == "both" and config.sft.enabled and needs_reference(config):
+    # RL resumes; its KL reference is where RL started: the final SFT parameters.
+    params = _sft.final_params(run, params)
+  # ---------------------------------------------------------------------------------------------------
+  # RL.
+  # ---------------------------------------------------------------------------------------------------
+  if mode in ("rl", "both"):
+    params, rl_summary = _rl.phase(run, params)
+    summary.update(rl_summary)
+  return params
 
 
 def _check_sandbox(config, mode: str) -> None:

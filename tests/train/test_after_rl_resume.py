@@ -7,9 +7,11 @@ an exception raised by the evaluation of phase 'after_rl', as a kill there would
 
 import json
 import os
+import time
 
 import pytest
 
+from aepo_jax.checkpoint import Checkpointer
 from aepo_jax.train import _validation, load_config, run
 from aepo_jax.train._trainer import NothingToDo
 
@@ -51,9 +53,21 @@ def test_a_run_stopped_inside_its_after_rl_evaluation_finishes_it_on_rerun(tmp_p
     return evaluate(self, params, step, phase, **kw)
 
   monkeypatch.setattr(_validation.Validation, "__call__", stopped)
+  commit = Checkpointer._manifest_before_commit
+
+  def slow_commit(self):  # the step's async save is still in flight when the evaluation stops the run
+    time.sleep(2.0)
+    commit(self)
+
+  monkeypatch.setattr(Checkpointer, "_manifest_before_commit", slow_commit)
   with pytest.raises(KeyboardInterrupt):
     run(_config(workdir, tok_dir))
   monkeypatch.setattr(_validation.Validation, "__call__", evaluate)
+  monkeypatch.setattr(Checkpointer, "_manifest_before_commit", commit)
+  # The exception left the run only once that save had finished: its step is whole, no temporary directory is
+  # left (before, the rerun's checkpoint manager deleted it under the save's rename: "state/ is missing").
+  assert sorted(os.listdir(workdir / "checkpoints" / "rl")) == ["1"]
+  assert {"state", "meta"} <= set(os.listdir(workdir / "checkpoints" / "rl" / "1"))
   trained = [r for r in _rows(workdir) if "reward/mean" in r]
   assert [r["step"] for r in trained] == [1]
   assert not (workdir / "eval" / "after_rl_1.jsonl").exists()
