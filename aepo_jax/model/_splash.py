@@ -95,16 +95,11 @@ def _local(q_bthd, k_bskd, v_bskd, seg_bt, *, config, interpret: bool):
   return out_bhtd.transpose(0, 2, 1, 3)[:, :t]
 
 
-def _platform() -> str:
-  mesh = parallel.current_mesh()
-  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-
-
 def attention(q_bthd, k_bskd, v_bskd, segment_ids_bt, config):
   """softmax(q·k / sqrt(D), causal within segments) · v: q [B, T, H, D] (head h = kv * G + g), k, v [B, S, KH, D]
   with S = T, segment ids [B, T] from `segment_ids` -> [B, T, H, D] in q's dtype. Differentiable (the kernel's own
   backward kernels)."""
-  fn = functools.partial(_local, config=config, interpret=_platform() != "tpu")
+  fn = functools.partial(_local, config=config, interpret=parallel.current_platform() != "tpu")
   q_spec = parallel.activation_spec(q_bthd.shape, ("activation_batch", None, "activation_heads", None))
   if q_spec is None:  # one device, or outside a step
     return fn(q_bthd, k_bskd, v_bskd, segment_ids_bt)

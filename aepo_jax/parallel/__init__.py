@@ -10,6 +10,7 @@ logical_sharding(logical_specs, shapes, mesh, rules)   NamedShardings for a pytr
 shard_params(params, logical_axes, mesh, rules)        device_put a pytree onto those shardings
 sharding_context(mesh, rules) / constrain(x, axes)     activation constraints by logical axis, active while tracing
 current_mesh() / activation_spec(shape, axes)          the enclosing context's mesh / the spec `constrain` would use
+current_platform()                                     that mesh's platform (a TPU slice compiled on CPU: 'tpu')
 to_host_local(tree, local_shardings, dtype=None)       every host's own copy of global arrays (rollout weights)
 lower_host_copy(tree, local_shardings, dtype, devices)  its programs lowered from abstract arrays (compile.py)
 on_tpu_vm() / platform_is_cpu()                        what a launcher is about to run on (before JAX starts)
@@ -37,6 +38,7 @@ from aepo_jax.parallel._mesh import (
   activation_spec,
   constrain,
   current_mesh,
+  current_platform,
   emulate_topology,
   emulated_topology,
   expert_parallel_rules,

@@ -26,7 +26,7 @@ DEFAULT_RULES = (
   ("activation_vocab", "tensor"),
   ("batch", ("data", "fsdp")),
   # Qwen3-MoE's stacked experts [E, D, F]: None keeps every expert on every device (F over tensor); a mesh axis
-  # (`expert_parallel_rules`) splits them over it, whole, for expert parallelism (model/_moe.py). Ahead of 'embed',
+  # (`expert_parallel_rules`) splits them over it, whole, for expert parallelism (model/_expert_parallel.py). Ahead of 'embed',
   # so it takes that axis before D does (a mesh axis shards one dimension; the first row naming it wins).
   ("expert", None),
   ("embed", "fsdp"),
@@ -275,6 +275,13 @@ def current_mesh() -> Optional[Mesh]:
   """The mesh of the enclosing `sharding_context` (one device included), or None outside one."""
   ctx = _CONTEXT.get()
   return None if ctx is None else ctx[0]
+
+
+def current_platform() -> str:
+  """The platform being traced for: the enclosing `sharding_context` mesh's (a TPU slice compiled on a CPU host
+  included), else the default backend's."""
+  mesh = current_mesh()
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
 def activation_spec(shape, logical_axes: Sequence[Optional[str]]) -> Optional[PartitionSpec]:

@@ -1,4 +1,4 @@
-"""Expert parallelism for the Qwen3-MoE block (aepo_jax/model/_moe.py `experts_parallel`): the rules table maps the
+"""Expert parallelism for the Qwen3-MoE block (aepo_jax/model/_expert_parallel.py `experts_parallel`): the rules table maps the
 logical axis 'expert' to a mesh axis (`expert_parallel_rules`), each device holds E / n whole experts, and the
 (token, expert) pairs go to their expert's device by an all-to-all and back. On 8 fake CPU devices against the
 unsharded block: values and gradients, the worst case for the buffers (every pair to one device), replayed routes,
@@ -29,7 +29,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from aepo_jax import model, parallel, testing
-from aepo_jax.model import _moe
+from aepo_jax.model import _expert_parallel, _moe
 from aepo_jax.parallel._mesh import expert_parallel_rules
 
 import test_moe
@@ -120,14 +120,14 @@ def test_falls_back_where_the_rows_are_not_split_over_the_expert_axis():
   """No context, one device, expert -> tensor (the rows are not split over it), 3 rows on fsdp=4: no exchange."""
   config = _config(8, 2)
   mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2}, jax.devices()[:8])
-  assert _moe.expert_parallel_axes(config, 32) == ()
+  assert _expert_parallel.expert_parallel_axes(config, 32) == ()
   with parallel.sharding_context(mesh, expert_parallel_rules("fsdp")):
-    assert _moe.expert_parallel_axes(config, 32) == ("fsdp",)
-    assert _moe.expert_parallel_axes(config, 3) == ()
+    assert _expert_parallel.expert_parallel_axes(config, 32) == ("fsdp",)
+    assert _expert_parallel.expert_parallel_axes(config, 3) == ()
   with parallel.sharding_context(mesh, expert_parallel_rules("tensor")):
-    assert _moe.expert_parallel_axes(config, 32) == ()
+    assert _expert_parallel.expert_parallel_axes(config, 32) == ()
   with parallel.sharding_context(parallel.make_mesh((1, 1, 1), jax.devices()[:1]), expert_parallel_rules("fsdp")):
-    assert _moe.expert_parallel_axes(config, 32) == ()
+    assert _expert_parallel.expert_parallel_axes(config, 32) == ()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -157,7 +157,8 @@ def test_block_equals_unsharded(case, exchange, monkeypatch):
   x = jax.random.normal(jax.random.PRNGKey(1), (4, 8, config.hidden_size), jnp.float32)
   want = jax.jit(functools.partial(_value_and_grads, config))(p, x)
   mesh = parallel.make_mesh(shape, jax.devices()[:8])
-  monkeypatch.setattr(_moe, "_platform", lambda: "tpu" if exchange == "ragged" else "cpu")  # picks the exchange
+  platform = "tpu" if exchange == "ragged" else "cpu"
+  monkeypatch.setattr(parallel, "current_platform", lambda: platform)  # picks the exchange
   got, exchanged = _on_mesh(config, p, x, mesh, expert_parallel_rules(axes))
   assert exchanged
   np.testing.assert_array_equal(got[1], want[1])  # the same routes
@@ -171,7 +172,7 @@ def test_every_pair_to_one_device_drops_nothing(k, exchange, monkeypatch):
   0 is full, device 0 receives 8 x its own pairs, the other devices nothing. Every token still gets its experts."""
   if exchange == "ragged":
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", _ragged_all_to_all_on_cpu)
-  monkeypatch.setattr(_moe, "_platform", lambda: "tpu" if exchange == "ragged" else "cpu")
+  monkeypatch.setattr(parallel, "current_platform", lambda: "tpu" if exchange == "ragged" else "cpu")
   config = _config(16, k)
   p = test_moe._expert_params(config, seed=3)
   x = jax.random.normal(jax.random.PRNGKey(2), (4, 8, config.hidden_size), jnp.float32)

@@ -1,4 +1,4 @@
-"""The Qwen3-MoE expert block through the Pallas TPU grouped matmul (`moe_impl='gmm'`, aepo_jax/model/_moe.py): in
+"""The Qwen3-MoE expert block through the Pallas TPU grouped matmul (`moe_impl='gmm'`, aepo_jax/model/_experts.py): in
 Pallas's interpret mode on CPU against the 'ragged' and 'dense' computations (values and gradients), on a CPU mesh
 through shard_map, in a whole tiny model, and compiled by XLA:TPU for a v5e slice on this host (needs libtpu).
 
@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from aepo_jax import model, parallel, testing
-from aepo_jax.model import _moe
+from aepo_jax.model import _experts, _moe
 
 import test_moe
 
@@ -55,17 +55,17 @@ def _routing(n, k, experts, seed):
 
 
 def test_tiling_is_clamped_to_the_shape():
-  assert _moe.gmm_tiling(26, 32, 16) == (32, 128, 128)  # rows to 16, k and n to the 128 lanes
-  assert _moe.gmm_tiling(4096 * 8, 2048, 192) == (512, 1024, 256)  # Qwen3-30B-A3B's gate_proj, F over tensor=4
-  assert _moe.gmm_tiling(40, 160, 136, SMALL_TILES) == (16, 128, 128)
+  assert _experts.gmm_tiling(26, 32, 16) == (32, 128, 128)  # rows to 16, k and n to the 128 lanes
+  assert _experts.gmm_tiling(4096 * 8, 2048, 192) == (512, 1024, 256)  # Qwen3-30B-A3B's gate_proj, F over tensor=4
+  assert _experts.gmm_tiling(40, 160, 136, SMALL_TILES) == (16, 128, 128)
   with pytest.raises(ValueError, match="multiple of 16"):
-    _moe.gmm_tiling(40, 160, 136, (8, 128, 128))
+    _experts.gmm_tiling(40, 160, 136, (8, 128, 128))
 
 
 @pytest.mark.parametrize(
   "n, d, e, f, k, used, tiling",
   [
-    (13, 32, 4, 16, 1, range(4), _moe.GMM_TILING),  # top 1; 13 rows padded to one tile of 16
+    (13, 32, 4, 16, 1, range(4), _experts.GMM_TILING),  # top 1; 13 rows padded to one tile of 16
     (21, 32, 8, 16, 2, [1, 4, 5], SMALL_TILES),  # top 2; experts 0, 2, 3, 6, 7 get no token (7: the padding's)
     (7, 160, 8, 136, 8, range(8), SMALL_TILES),  # top 8 of 8; D and F past one 128 tile (the kernel's k remainder)
     (19, 128, 4, 72, 2, range(4), SMALL_TILES),  # D lane-aligned, F not: gate/up through the transposed operand
@@ -79,9 +79,9 @@ def test_gmm_equals_ragged_and_dense_with_gradients(n, d, e, f, k, used, tiling)
   x = jax.random.normal(jax.random.PRNGKey(1), (n, d), jnp.float32)
   gates, experts = _routing(n, k, np.asarray(used), seed=n)
   impls = {
-    "gmm": lambda *a: _moe.experts_gmm(*a, max_tiling=tiling),
-    "ragged": _moe.experts_ragged,
-    "dense": _moe.experts_dense,
+    "gmm": lambda *a: _experts.experts_gmm(*a, max_tiling=tiling),
+    "ragged": _experts.experts_ragged,
+    "dense": _experts.experts_dense,
   }
 
   @jax.jit
@@ -116,13 +116,13 @@ def test_bfloat16_and_dtypes_the_kernel_does_not_take():
     loss = lambda p, x: jnp.sum(jnp.sin(3.0 * fn(p, x, gates, experts, 4).astype(jnp.float32)))  # noqa: E731
     return fn(p, x, gates, experts, 4), jax.grad(loss, argnums=(0, 1))(p, x)
 
-  got = value_and_grads(*bf16, _moe.experts_gmm)
-  want = value_and_grads(*bf16, _moe.experts_ragged)
+  got = value_and_grads(*bf16, _experts.experts_gmm)
+  want = value_and_grads(*bf16, _experts.experts_ragged)
   assert got[0].dtype == jnp.bfloat16 and got[1][1].dtype == jnp.bfloat16
   for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
     assert _rel(g, w) <= REL_BF16, jax.tree_util.keystr(path)
   with pytest.raises(ValueError, match="gmm"):
-    _moe.experts_gmm(p, x.astype(jnp.float16), gates, experts, 4)
+    _experts.experts_gmm(p, x.astype(jnp.float16), gates, experts, 4)
   with pytest.raises(ValueError, match="moe_impl='gmm'"):
     testing.tiny_model_config(
       "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_impl="gmm", dtype="float16"
