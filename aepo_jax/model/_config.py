@@ -57,8 +57,8 @@ class ModelConfig:
   # `jax.lax.ragged_dot`), 'dense' (every expert on every token, combined by the gates: E / k times the FLOPs, no
   # sort or gather), 'gather' (each token's k experts' weights gathered: reads only the chosen experts, for a decode
   # step's few tokens), 'auto' (on CPU 'gather' when 2 N k <= E and 'dense' otherwise, as measured,
-  # docs/performance.md; 'gmm' on TPU, 'ragged' there for other dtypes and elsewhere; model/_experts.py). Execution only:
-  # parameters are the same.
+  # docs/performance.md; 'gmm' on TPU, 'ragged' there for other dtypes and elsewhere; model/_experts.py).
+  # Execution only: parameters are the same.
   moe_impl: str = "auto"
   bos_token_id: Optional[int] = None
   eos_token_ids: tuple = ()

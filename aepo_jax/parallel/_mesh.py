@@ -26,8 +26,9 @@ DEFAULT_RULES = (
   ("activation_vocab", "tensor"),
   ("batch", ("data", "fsdp")),
   # Qwen3-MoE's stacked experts [E, D, F]: None keeps every expert on every device (F over tensor); a mesh axis
-  # (`expert_parallel_rules`) splits them over it, whole, for expert parallelism (model/_expert_parallel.py). Ahead of 'embed',
-  # so it takes that axis before D does (a mesh axis shards one dimension; the first row naming it wins).
+  # (`expert_parallel_rules`) splits them over it, whole, for expert parallelism (model/_expert_parallel.py).
+  # Ahead of 'embed', so it takes that axis before D does (a mesh axis shards one dimension; the first row naming
+  # it wins).
   ("expert", None),
   ("embed", "fsdp"),
   ("vocab", "tensor"),

@@ -37,7 +37,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))  # -1 allowed once: the rest
   # Expert parallelism for models with experts (Qwen3-MoE): '' keeps every expert on every device, its hidden units
   # over 'tensor'; 'fsdp' | 'data' | 'data,fsdp' splits the stacked experts whole over those axes, each (token,
-  # expert) pair sent to its expert's device by an all-to-all (model/_expert_parallel.py; `_config_checks.mesh_rules`).
+  # expert) pair sent to its expert's device by an all-to-all (model/_expert_parallel.py;
+  # `_config_checks.mesh_rules`).
   c.mesh.expert_axis = ""
 
   c.data = ml_collections.ConfigDict()

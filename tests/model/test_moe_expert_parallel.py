@@ -1,8 +1,8 @@
-"""Expert parallelism for the Qwen3-MoE block (aepo_jax/model/_expert_parallel.py `experts_parallel`): the rules table maps the
-logical axis 'expert' to a mesh axis (`expert_parallel_rules`), each device holds E / n whole experts, and the
-(token, expert) pairs go to their expert's device by an all-to-all and back. On 8 fake CPU devices against the
-unsharded block: values and gradients, the worst case for the buffers (every pair to one device), replayed routes,
-a whole model, one update step; compiled by XLA:TPU for a v5p slice on this host (needs libtpu).
+"""Expert parallelism for the Qwen3-MoE block (aepo_jax/model/_expert_parallel.py `experts_parallel`): the rules table
+maps the logical axis 'expert' to a mesh axis (`expert_parallel_rules`), each device holds E / n whole experts, and
+the (token, expert) pairs go to their expert's device by an all-to-all and back. On 8 fake CPU devices against the
+unsharded block: values and gradients, the worst case for the buffers (every pair to one device), replayed routes, a
+whole model, one update step; compiled by XLA:TPU for a v5p slice on this host (needs libtpu).
 
 XLA:CPU has no ragged-all-to-all ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU"), so the TPU
 exchange's offsets and sizes run here through a stand-in built from `jax.lax.all_to_all` with the semantics

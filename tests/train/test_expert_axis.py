@@ -1,8 +1,8 @@
-"""mesh.expert_axis: the trainer's switch for expert parallelism (model/_expert_parallel.py `experts_parallel`). Its rules table
-(`_config.mesh_rules`) places the stacked experts whole over the named batch axes in every program the trainer builds
-from the config (parameters, optimizer state, the RL update and the SFT step); bad values and a dense model are
-refused by name. End to end (a tiny Qwen3-MoE RL run with experts over fsdp): tests/train/test_routing_replay_train.py.
-"""
+"""mesh.expert_axis: the trainer's switch for expert parallelism (model/_expert_parallel.py `experts_parallel`). Its
+rules table (`_config.mesh_rules`) places the stacked experts whole over the named batch axes in every program the
+trainer builds from the config (parameters, optimizer state, the RL update and the SFT step); bad values and a dense
+model are refused by name. End to end (a tiny Qwen3-MoE RL run with experts over fsdp):
+tests/train/test_routing_replay_train.py."""
 
 import jax
 import optax
