@@ -27,6 +27,7 @@ SERIES = {
   "response_len": "rollout/response_len_mean",
   "step_s": "perf/step_s",
   "rollout_s": "perf/rollout_s",
+  "rollout_compile_s": "perf/rollout_compile_s",  # the part of rollout_s spent compiling (new shapes)
   "trajectories": "rollout/trajectories",
   "slot_occupancy": "rollout/slot_occupancy",
   "staleness_mean": "rollout/staleness_mean",
@@ -179,10 +180,16 @@ def table(records: list[dict]) -> str:
   return head + "\n".join(rows) + "\n"
 
 
-def trajectories_per_rollout_s(rec: dict, skip_first: bool = True) -> float | None:
+def trajectories_per_rollout_s(rec: dict, skip_first: bool = True, compiles: bool = True) -> float | None:
   """Completed trajectories per second of rollout time over a run's steps (the first step, which compiles the
-  engine, left out when there are others)."""
-  pairs = [(t, s) for t, s in zip(rec["trajectories"], rec["rollout_s"]) if t is not None and s]
+  engine, left out when there are others); compiles=False: less the rollout's compile time (a later step's first
+  call of a new shape), the steady state of a long run (runs without the metric count it as 0)."""
+  comp = rec.get("rollout_compile_s") or [None] * len(rec["rollout_s"])
+  pairs = [
+    (t, s - (0.0 if compiles or c is None else c))
+    for t, s, c in zip(rec["trajectories"], rec["rollout_s"], comp)
+    if t is not None and s
+  ]
   if skip_first and len(pairs) > 1:
     pairs = pairs[1:]
   return sum(t for t, _ in pairs) / sum(s for _, s in pairs) if pairs else None
@@ -197,15 +204,16 @@ def throughput_table(records: list[dict]) -> str:
   base = by[names[0]]
   out = (
     f"| algorithm | seeds | trajectories per rollout second, steps 2.. | ratio to {names[0]} (same seeds) | "
-    f"all steps (the first compiles) | ratio to {names[0]} | slot occupancy | staleness (tokens, mean) |\n"
-    "|---|---|---|---|---|---|---|---|\n"
+    f"steps 2.., compile time excluded | ratio to {names[0]} | all steps (the first compiles) | ratio to "
+    f"{names[0]} | slot occupancy | staleness (tokens, mean) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|\n"
   )
   for name in names:
     rs = by[name]
     cells = []
-    for skip in (True, False):
-      tps = {s: trajectories_per_rollout_s(r, skip) for s, r in rs.items()}
-      ratio = [tps[s] / trajectories_per_rollout_s(base[s], skip) for s in rs if s in base and tps[s]]
+    for skip, compiles in ((True, True), (True, False), (False, True)):
+      tps = {s: trajectories_per_rollout_s(r, skip, compiles) for s, r in rs.items()}
+      ratio = [tps[s] / trajectories_per_rollout_s(base[s], skip, compiles) for s in rs if s in base and tps[s]]
       cells += [_fmt(*_ci(list(tps.values()))), _fmt(*_ci(ratio), digits=2)]
     occ = [_mean_over_steps(r, "slot_occupancy") for r in rs.values()]
     stale = [_mean_over_steps(r, "staleness_mean") for r in rs.values()]

@@ -23,18 +23,17 @@ from aepo_jax.rollout._compiled import (  # noqa: F401  (_decode_weights, prepar
   _decode_tpu,
   _decode_weights,
   _fill,
-  _release,
-  _start,
   _StepSpec,
   prepared_weights,
 )
-from aepo_jax.rollout._sampling import SamplingParams, SlotSampling
+from aepo_jax.rollout._sampling import SamplingParams
+from aepo_jax.rollout._prefill import _FillOps
 from aepo_jax.rollout._slots import OutOfPages, _SlotOps, num_pages_for  # noqa: F401  (re-exported)
 
 KV_LAYOUTS = ("auto", "dense", "paged")
 
 
-class Engine(_SlotOps):
+class Engine(_FillOps, _SlotOps):
   """Slot-based generation engine (contract: docs/rollout_contract.md, section Engine)."""
 
   def __init__(
@@ -283,141 +282,6 @@ class Engine(_SlotOps):
       out.append(arr.astype(np.int32))
     return out
 
-  def _rows(self, slots, token_arrays, offsets):
-    """[n, max_len] rows holding token_arrays[i] at offsets[i] (zeros elsewhere)."""
-    rows = np.zeros((len(slots), self.max_len), np.int32)
-    for i, (toks, off) in enumerate(zip(token_arrays, offsets)):
-      rows[i, off : off + toks.size] = toks
-    return rows
-
-  # ------------------------------------------------------------------------------------------------
-  # Prefill / extend
-  # ------------------------------------------------------------------------------------------------
-  def _fill_ranges(self, params, state, slots: np.ndarray, begin: np.ndarray, end: np.ndarray):
-    """Writes KV of tokens[slot, begin:end] for each slot, in chunks (one jitted call per chunk)."""
-    need = end - begin
-    if not need.size or need.max() <= 0:
-      return state
-    chunk, span = self._fill_chunk(min(self.prefill_chunk, _bucket(int(need.max()), lo=16)))
-    if self.page_size:  # whole pages: windows start on a page boundary and span whole pages (model.fill_cache_rows)
-      begin = begin // self.page_size * self.page_size
-    k = 0
-    while True:
-      start = begin + k * chunk
-      rows = np.nonzero(start < end)[0]
-      if not rows.size:
-        return state
-      # Clamp the window inside the cache: recomputing a few already-valid entries gives the same values,
-      # while dynamic_update_slice would silently clamp a window that runs past max_len.
-      win = np.minimum(start[rows], span - chunk)
-      for lo in range(0, rows.size, self.prefill_rows):  # at most prefill_rows rows per call
-        part = slice(lo, lo + self.prefill_rows)
-        n = _bucket(len(rows[part]))
-        pad = n - len(rows[part])
-        slots_n = np.concatenate([slots[rows[part]], np.repeat(slots[rows[part][:1]], pad)]).astype(np.int32)
-        starts_n = np.concatenate([win[part], np.repeat(win[part][:1], pad)]).astype(np.int32)
-        attend = min(span, _bucket(int(starts_n.max()) + chunk, lo=128))  # the window any row reads
-        from_n = None  # paged: pages wholly before the unclamped start are not written (they may be shared)
-        if self.page_size:
-          # On TPU one window, the whole table: the paged prefill unrolls its layers (see _pages.py) and compiles
-          # for minutes on a 14B model, so one variant per rows/chunk bucket instead of one per window bucket.
-          attend = span if self.paged_kernel == "tpu" else max(attend, int(starts_n.max()) + chunk)
-          from_n = jnp.asarray(np.concatenate([start[rows[part]], np.repeat(start[rows[part][:1]], pad)]), jnp.int32)
-        state = _fill(self.config, chunk, attend, params, state, jnp.asarray(slots_n), jnp.asarray(starts_n), from_n)
-      k += 1
-
-  def add(self, params, state, slots, token_lists, seeds, max_new_tokens, sampling=None):
-    """Prefills prompts into slots (overwriting them) and makes them active.
-
-    seeds: one int per slot (its PRNG key). max_new_tokens: an int or one per slot.
-    sampling: None (the engine's), one SamplingParams, or one per slot; settings other than the engine's need
-    `per_slot_sampling=True`. `copy_slots` copies a slot's settings to its forks.
-    """
-    slots = self._check_slots(slots)
-    per_slot = [sampling] * slots.size if sampling is None or isinstance(sampling, SamplingParams) else list(sampling)
-    per_slot = [self.sampling if p is None else p for p in per_slot]
-    if len(per_slot) != slots.size:
-      raise ValueError(f"Engine.add: {len(per_slot)} sampling settings for {slots.size} slots.")
-    if not self.per_slot_sampling and any(p != self.sampling for p in per_slot):
-      raise ValueError("Engine.add: sampling settings other than the engine's need Engine(per_slot_sampling=True).")
-    toks = self._check_tokens(token_lists, "token_lists")
-    if len(toks) != slots.size or len(list(seeds)) != slots.size:
-      raise ValueError(
-        f"Engine.add: got {slots.size} slots, {len(toks)} token lists and {len(list(seeds))} "
-        "seeds; pass one of each per slot."
-      )
-    for i, t in enumerate(toks):
-      if t.size == 0:
-        raise ValueError(f"Engine.add: token_lists[{i}] is empty; a prompt needs at least one token (e.g. BOS).")
-      if t.size > self.max_len:
-        raise ValueError(
-          f"Engine.add: prompt {i} has {t.size} tokens but the cache holds max_len={self.max_len}; "
-          "shorten it or build the Engine with a larger max_len."
-        )
-    budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy()
-    lengths = np.asarray([t.size for t in toks], np.int32)
-    keys = np.stack([np.asarray(jax.random.key_data(jax.random.PRNGKey(int(s))), np.uint32) for s in seeds])
-    if self.page_size:  # the slots' old pages go back first (add overwrites them), then the prompt's are counted
-      state = _release(state, jnp.asarray(slots))
-      self._need_pages(state, int(self.pages_held(lengths).sum()), "add")
-    state = _start(
-      state,
-      jnp.asarray(slots),
-      tokens_nl=jnp.asarray(self._rows(slots, toks, [0] * len(toks))),
-      length_n=jnp.asarray(lengths),
-      keep_from_n=jnp.zeros(slots.shape, jnp.int32),
-      rng_n2=jnp.asarray(keys),
-      budget_n=jnp.asarray(budget),
-      sampling_n=jax.tree.map(jnp.asarray, SlotSampling.of(per_slot)),
-      reset_generated=True,
-      window=self.entropy_window,
-      width=self.tail_width,
-    )
-    return self._fill_ranges(params, state, slots, np.zeros_like(lengths), lengths - 1)
-
-  def extend(self, params, state, slots, token_lists, max_new_tokens=None):
-    """Appends tokens (e.g. a tool result) to paused slots and resumes them. An empty list only resumes.
-    Starts a new entropy segment. max_new_tokens None keeps each slot's remaining budget."""
-    slots = self._check_slots(slots)
-    toks = self._check_tokens(token_lists, "token_lists")
-    if len(toks) != slots.size:
-      raise ValueError(f"Engine.extend: {slots.size} slots but {len(toks)} token lists.")
-    info = self.host_info(state)
-    length, active = info["length"][slots], info["active"][slots]
-    if active.any():
-      raise ValueError(
-        f"Engine.extend: slots {slots[active].tolist()} are still decoding; extend only paused "
-        "slots (stopped on a stop sequence/EOS/budget, or truncated)."
-      )
-    if (length == 0).any():
-      raise ValueError(f"Engine.extend: slots {slots[length == 0].tolist()} are empty; use add() first.")
-    new_len = length + np.asarray([t.size for t in toks], np.int32)
-    over = new_len > self.max_len
-    if over.any():
-      raise ValueError(
-        f"Engine.extend: slots {slots[over].tolist()} would hold {new_len[over].tolist()} tokens, "
-        f"more than max_len={self.max_len}; end those trajectories instead."
-      )
-    budget = (
-      None
-      if max_new_tokens is None
-      else jnp.asarray(np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
-    )
-    if self.page_size:
-      self._need_pages(state, int((self.pages_held(new_len) - self.pages_held(length)).sum()), "extend")
-    state = _start(
-      state,
-      jnp.asarray(slots),
-      tokens_nl=jnp.asarray(self._rows(slots, toks, length)),
-      length_n=jnp.asarray(new_len),
-      keep_from_n=jnp.asarray(length),
-      budget_n=budget,
-      reset_generated=False,
-      window=self.entropy_window,
-      width=self.tail_width,
-    )
-    return self._fill_ranges(params, state, slots, length - 1, new_len - 1)
-
   # ------------------------------------------------------------------------------------------------
   # Decode and slot edits
   # ------------------------------------------------------------------------------------------------
@@ -450,7 +314,7 @@ class Engine(_SlotOps):
     else:  # XLA's attention reads only the cache prefix any row can reach in this call (one small host read)
       attend = self.attend_bucket(int(jax.device_get(jnp.max(state.length))) + int(num_steps))
     spec = self.step_spec(sampling, with_entropy, attend, top_logprobs)
-    rows = self._decode_rows(state)
+    rows = self._decode_rows(state, ladder=weights_t is not None)
     with self._kernel_context():
       if not self.page_size:
         return self._decode_fn(self.config, spec, int(num_steps), params, state, weights_t, rows)
@@ -470,14 +334,19 @@ class Engine(_SlotOps):
     r = max(4, -(-self.max_slots // 4))
     return r if self.compact and r < self.max_slots and not self._rows_sharded() else 0
 
-  def _decode_rows(self, state) -> Optional[jax.Array]:
-    """The slots a compact decode call runs (every active slot, padded with inactive ones to max(4, ceil(S/4))
-    rows), or None for all slots. One small device read of `active`."""
+  def _decode_rows(self, state, ladder: bool = False) -> Optional[jax.Array]:
+    """The slots a compact decode call runs (every active slot, padded with inactive ones to the call's rows), or
+    None for all slots. One small device read of `active`. Rows: compact_slots; with `ladder` (decode through the
+    CPU kernel, whose cost grows with the rows: ~46 / 55 / 110 ms a step at 8 / 16 / 32 rows of SmolLM2-135M on 2
+    cores) also twice that, and so on below S, one compiled variant each."""
     r = self.compact_slots
     if not r:
       return None
     active = np.asarray(jax.device_get(state.active), bool)
-    if int(active.sum()) > r:
+    n = int(active.sum())
+    while ladder and n > r and 2 * r < self.max_slots:
+      r *= 2
+    if n > r:
       return None
     order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])[:r]
     return jnp.asarray(np.sort(order), jnp.int32)

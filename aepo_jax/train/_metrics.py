@@ -308,21 +308,50 @@ class Throughput:
     return out
 
 
+_COMPILE_EVENTS = (
+  "/jax/core/compile/jaxpr_trace_duration",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+  "/jax/core/compile/backend_compile_duration",
+)
+_compile_clock = {"s": 0.0, "listening": False}
+
+
+def compile_seconds() -> float:
+  """Seconds this process has spent tracing, lowering and compiling JAX programs since the first call (a
+  jax.monitoring listener, registered on that call)."""
+  if not _compile_clock["listening"]:
+    import jax.monitoring
+
+    def on_duration(event, duration, **_):
+      if event in _COMPILE_EVENTS:
+        _compile_clock["s"] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    _compile_clock["listening"] = True
+  return _compile_clock["s"]
+
+
 class Timer:
-  """Wall time of named phases within a step: `with timer("rollout"): ...` -> perf/rollout_s."""
+  """Wall time of named phases within a step: `with timer("rollout"): ...` -> perf/rollout_s, and the part of it
+  spent compiling (a program's first call with new shapes) -> perf/rollout_compile_s."""
 
   def __init__(self):
     self.times: dict[str, float] = {}
+    compile_seconds()
 
   def __call__(self, name: str):
     timer = self
 
     class _Ctx:
       def __enter__(self):
-        self.t0 = time.perf_counter()
+        self.t0, self.c0 = time.perf_counter(), compile_seconds()
 
       def __exit__(self, *exc):
-        timer.times[f"perf/{name}_s"] = timer.times.get(f"perf/{name}_s", 0.0) + time.perf_counter() - self.t0
+        for key, spent in (
+          (f"perf/{name}_s", time.perf_counter() - self.t0),
+          (f"perf/{name}_compile_s", compile_seconds() - self.c0),
+        ):
+          timer.times[key] = timer.times.get(key, 0.0) + spent
 
     return _Ctx()
 

@@ -121,25 +121,37 @@ def test_a_variant_is_its_preset_with_its_own_keys(tmp_path):
 def test_throughput_table_gives_ratios_on_the_same_seeds():
   import _compare_report as report
 
-  def rec(algo, seed, traj, secs):
+  def rec(algo, seed, traj, secs, compile_s=None):
     n = len(traj)
     return dict(
-      algorithm=algo, seed=seed, trajectories=traj, rollout_s=secs, slot_occupancy=[0.5] * n, staleness_mean=[0.0] * n
+      algorithm=algo,
+      seed=seed,
+      trajectories=traj,
+      rollout_s=secs,
+      rollout_compile_s=compile_s,
+      slot_occupancy=[0.5] * n,
+      staleness_mean=[0.0] * n,
     )
 
   records = [
-    rec("sync", 0, [16, 16, 16], [60.0, 20.0, 20.0]),  # the first step (compilation) is left out: 0.8/s
-    rec("sync", 1, [16, 16], [50.0, 16.0]),  # 1.0/s
-    rec("partial", 0, [16, 16, 16], [60.0, 10.0, 10.0]),  # 1.6/s: 2x
+    rec("sync", 0, [16, 16, 16], [60.0, 20.0, 20.0], [50.0, 4.0, 4.0]),  # the first step is left out: 0.8/s
+    rec("sync", 1, [16, 16], [50.0, 16.0]),  # 1.0/s (no compile metric: counted as 0)
+    rec("partial", 0, [16, 16, 16], [60.0, 10.0, 10.0], [50.0, 0.0, 0.0]),  # 1.6/s: 2x (1.6x without compiles)
     rec("partial", 1, [16, 16], [50.0, 8.0]),  # 2.0/s: 2x
   ]
   assert report.trajectories_per_rollout_s(records[0]) == 0.8
+  assert report.trajectories_per_rollout_s(records[0], compiles=False) == 1.0  # 32 / (16 + 16)
   table = report.throughput_table(records)
-  # steps 2..: 2x; all steps: 48/80 = 0.6/s vs 48/100 = 0.48/s (1.25x) and 32/58 vs 32/66 (1.14x)
+  # steps 2..: 2x; compiles excluded: 1.6x and 2x; all steps: 48/80 = 0.6/s vs 48/100 = 0.48/s (1.25x) and 32/58 vs
+  # 32/66 (1.14x)
   assert (
-    "| partial | 2 | 1.800 [1.600, 2.000] | 2.00 [2.00, 2.00] | 0.576 [0.552, 0.600] | 1.19 [1.14, 1.25] |" in table
-  )
-  assert "| sync | 2 | 0.900 [0.800, 1.000] | 1.00 [1.00, 1.00] | 0.482 [0.480, 0.485] | 1.00 [1.00, 1.00] |" in table
+    "| partial | 2 | 1.800 [1.600, 2.000] | 2.00 [2.00, 2.00] | 1.800 [1.600, 2.000] | 1.80 [1.60, 2.00] | "
+    "0.576 [0.552, 0.600] | 1.19 [1.14, 1.25] |" in table
+  ), table
+  assert (
+    "| sync | 2 | 0.900 [0.800, 1.000] | 1.00 [1.00, 1.00] | 1.000 [1.000, 1.000] | 1.00 [1.00, 1.00] | "
+    "0.482 [0.480, 0.485] | 1.00 [1.00, 1.00] |" in table
+  ), table
 
 
 def test_a_runs_record_and_table_carry_pass_at_k_and_the_per_token_entropy_split(tmp_path):

@@ -255,3 +255,21 @@ def test_plot_lines_never_run_back_in_x_and_every_panel_numbers_steps_alike(tmp_
   assert titles == {"format errors"}  # a fraction never shares the reward axis
   legend = [label for label, _, _, title in drawn if title == "token entropy distribution"]
   assert legend == ["step 7 (RL 1)", "step 8 (RL 2)", "step 9 (RL 3)"]
+
+
+def test_timer_splits_out_the_compile_time_of_a_phase():
+  """perf/NAME_compile_s: the part of a phase spent tracing and compiling (a program's first call with new shapes);
+  the same call again compiles nothing."""
+  import jax
+  import jax.numpy as jnp
+
+  timer = Timer()
+  f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
+  with timer("rollout"):
+    f(jnp.ones((37, 5))).block_until_ready()
+  first = timer.pop()
+  with timer("rollout"):
+    f(jnp.ones((37, 5))).block_until_ready()
+  again = timer.pop()
+  assert 0 < first["perf/rollout_compile_s"] <= first["perf/rollout_s"]
+  assert again["perf/rollout_compile_s"] == 0.0 and again["perf/rollout_s"] > 0

@@ -1,0 +1,169 @@
+"""How the engine plans prefill (chunks and rows per call), prefills a prompt shared by several slots once, and
+sizes compact decode calls; every plan checked against a teacher-forced `forward`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from aepo_jax.model import forward, init_params
+from aepo_jax.rollout import Engine, SamplingParams
+from aepo_jax.rollout import _prefill
+from aepo_jax.testing import tiny_model_config
+
+CFG = tiny_model_config("qwen3", attention_bias=True, eos_token_ids=(1,))
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def params():
+  p = init_params(CFG, jax.random.PRNGKey(0))
+  return jax.tree.map(lambda x: x * 4.0 if x.ndim >= 2 else x, p)  # far from uniform: tokens vary
+
+
+def test_rows_and_chunks_per_prefill_call():
+  dense = Engine(CFG, max_slots=32, max_len=256, prefill_rows=16, prefill_chunk=128)
+  assert [dense._row_calls(n) for n in (1, 2, 3, 5, 6, 7, 9, 13, 16, 17, 33)] == [
+    [2],  # one row runs as two: XLA:CPU copies the whole dense cache per layer in a one-row call
+    [2],
+    [4],
+    [4, 2],
+    [8],
+    [8],
+    [8, 2],
+    [16],
+    [16],
+    [16, 2],
+    [16, 16, 2],
+  ]
+  assert Engine(CFG, max_slots=32, max_len=256, prefill_rows=12)._row_calls(12) == [8, 4]  # never above prefill_rows
+  assert Engine(CFG, max_slots=1, max_len=256)._row_calls(1) == [1]
+  paged = Engine(CFG, max_slots=32, max_len=256, kv_layout="paged", page_size=16)
+  assert paged._row_calls(1) == [1]
+  assert [dense._chunk_for(n) for n in (1, 10, 16, 17, 24, 40, 90, 100, 128, 500)] == [
+    16,
+    16,
+    16,
+    32,
+    32,  # 24: no split below 64 (16 + 16 computes as much)
+    32,  # 40: 32, then 8 in a chunk of 16
+    64,  # 90 of 128: 64, then 26 in a chunk of 32
+    128,
+    128,
+    128,  # capped at prefill_chunk
+  ]
+  assert [paged._chunk_for(n) for n in (1, 20, 90)] == [16, 32, 64]  # whole pages of 16
+
+
+def _greedy(engine, params, slots, prompts, seeds, steps, budgets=8):
+  s = engine.add(params, engine.init_decode_state(), slots, prompts, seeds, budgets)
+  s, out = engine.decode(params, s, steps)
+  return s, jax.device_get(out)
+
+
+def _check_against_forward(engine, params, s, out, slots, temperature):
+  for slot in slots:
+    toks = engine.slot_tokens(s, slot)
+    v = np.asarray(out.valid[slot], bool)
+    n = int(v.sum())
+    assert n > 0
+    start = len(toks) - n
+    logp = np.asarray(jax.nn.log_softmax(forward(CFG, params, jnp.asarray(toks)[None])[0] / temperature, -1))
+    gen = toks[start:]
+    np.testing.assert_array_equal(out.token[slot][v], gen)
+    np.testing.assert_allclose(out.logprob[slot][v], logp[np.arange(start - 1, len(toks) - 1), gen], atol=TOL)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_mixed_lengths_duplicates_and_extends_match_the_forward(params, layout):
+  """Prompts of 1 to 45 tokens (several chunk groups and row calls in one add), two prompts given to three slots
+  (prefilled once, forked), then tool results of different lengths: every sampled token's log-prob equals the
+  teacher-forced forward, so every KV entry the plan wrote is right."""
+  eng = Engine(
+    CFG,
+    max_slots=8,
+    max_len=96,
+    eos_ids=(),
+    prefill_chunk=32,
+    prefill_rows=4,
+    sampling=SamplingParams(0.8),
+    kv_layout=layout,
+    page_size=8,
+  )
+  rng = np.random.default_rng(0)
+  a, b = rng.integers(2, CFG.vocab_size, 21).tolist(), rng.integers(2, CFG.vocab_size, 9).tolist()
+  prompts = [
+    a,
+    [7],
+    rng.integers(2, CFG.vocab_size, 45).tolist(),
+    a,
+    b,
+    rng.integers(2, CFG.vocab_size, 3).tolist(),
+    a,
+    b,
+  ]
+  slots = list(range(8))
+  s, out = _greedy(eng, params, slots, prompts, seeds=slots, steps=6, budgets=6)
+  _check_against_forward(eng, params, s, out, slots, 0.8)
+  tools = [rng.integers(2, CFG.vocab_size, n).tolist() for n in (1, 5, 17, 40, 2, 9, 33, 3)]
+  s = eng.extend(params, s, slots, tools, max_new_tokens=4)
+  s, out = eng.decode(params, s, 4)
+  _check_against_forward(eng, params, s, jax.device_get(out), slots, 0.8)
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_a_prompt_given_to_several_slots_is_prefilled_once_with_each_slots_own_settings(params, layout, monkeypatch):
+  """Slots 1 and 3 repeat slot 0's prompt: one prefill row for it (the others are forks), and each slot keeps
+  its seed and budget: the results equal adding the prompts one call at a time."""
+  kw = dict(max_slots=4, max_len=48, eos_ids=(), prefill_chunk=16, sampling=SamplingParams(0.8), kv_layout=layout)
+  prompt, other = list(range(3, 23)), [5, 6, 7]
+  rows = []
+  real = _prefill._fill
+
+  def counting(config, chunk, attend, p, state, slots_n, start_n, from_n):
+    rows.append(np.asarray(slots_n).tolist())
+    return real(config, chunk, attend, p, state, slots_n, start_n, from_n)
+
+  eng = Engine(CFG, page_size=8, **kw)
+  monkeypatch.setattr(_prefill, "_fill", counting)
+  s = eng.add(
+    params, eng.init_decode_state(), [0, 1, 2, 3], [prompt, prompt, other, prompt], [11, 12, 13, 11], [6, 3, 6, 6]
+  )
+  monkeypatch.setattr(_prefill, "_fill", real)
+  assert not {1, 3} & {r for call in rows for r in call}, rows  # only slots 0 and 2 were prefilled
+  if layout == "paged":
+    assert eng.page_stats(s)["pages_shared"] >= 2  # the forks share the prompt's full pages
+  s, out = eng.decode(params, s, 8)
+  out = jax.device_get(out)
+
+  ref = Engine(CFG, page_size=8, **kw)
+  r = ref.init_decode_state()
+  for slot, p, seed, budget in zip([0, 1, 2, 3], [prompt, prompt, other, prompt], [11, 12, 13, 11], [6, 3, 6, 6]):
+    r = ref.add(params, r, [slot], [p], [seed], budget)
+  r, ref_out = ref.decode(params, r, 8)
+  ref_out = jax.device_get(ref_out)
+  assert np.asarray(out.valid).sum(1).tolist() == [6, 3, 6, 6]  # each slot's own budget
+  np.testing.assert_array_equal(out.token, ref_out.token)
+  np.testing.assert_allclose(np.where(out.valid, out.logprob, 0), np.where(ref_out.valid, ref_out.logprob, 0), atol=TOL)
+  np.testing.assert_array_equal(out.token[0], out.token[3])  # same prompt, same seed
+  _check_against_forward(eng, params, s, out, [0, 1, 2, 3], 0.8)
+
+
+def test_compact_decode_ladder_through_the_cpu_kernel(params):
+  """Through the CPU decode kernel a call runs the smallest of S/4, S/2 rows that holds the active slots (its cost
+  grows with the rows); XLA's path keeps one compact size. Same tokens and log-probs as decoding all slots."""
+  eng = Engine(CFG, max_slots=16, max_len=40, eos_ids=(), sampling=SamplingParams(0.8))
+  full = Engine(CFG, max_slots=16, max_len=40, eos_ids=(), sampling=SamplingParams(0.8), compact=False)
+  assert eng.uses_cpu_kernels(params)
+  slots = [0, 2, 3, 5, 8, 9]  # 6 active: more than S/4 = 4, fewer than S/2 = 8
+  prompts = [[5 + i, 6, 7 + i] for i in range(len(slots))]
+  s = eng.add(params, eng.init_decode_state(), slots, prompts, slots, 5)
+  assert eng._decode_rows(s, ladder=False) is None
+  np.testing.assert_array_equal(eng._decode_rows(s, ladder=True), [0, 1, 2, 3, 4, 5, 8, 9])
+  s, out = eng.decode(params, s, 5)
+  f, ref = _greedy(full, params, slots, prompts, slots, 5, budgets=5)
+  out = jax.device_get(out)
+  np.testing.assert_array_equal(out.token, ref.token)
+  np.testing.assert_allclose(np.where(out.valid, out.logprob, 0), np.where(ref.valid, ref.logprob, 0), atol=1e-5)
+  s = eng.add(params, s, list(range(16)), [[5, 6]] * 16, list(range(16)), 4)
+  assert eng._decode_rows(s, ladder=True) is None  # 16 of 16 active: all slots
