@@ -73,7 +73,8 @@ def test_timer():
   with t("rollout"):
     pass
   out = t.pop()
-  assert set(out) == {"perf/rollout_s"} and out["perf/rollout_s"] >= 0 and t.pop() == {}
+  assert set(out) == {"perf/rollout_s", "perf/rollout_compile_s"} and out["perf/rollout_s"] >= 0 and t.pop() == {}
+  assert out["perf/rollout_compile_s"] == 0.0  # nothing compiled in there
 
 
 @functools.cache
