@@ -59,7 +59,12 @@ class _FillOps:
           # Clamp the window inside the cache: recomputing a few already-valid entries gives the same values,
           # while dynamic_update_slice would silently clamp a window that runs past max_len.
           starts_n = np.minimum(start, span - chunk).astype(np.int32)
-          attend = min(span, _bucket(int(starts_n.max()) + chunk, lo=128))  # the window any row reads
+          # The window any row reads, as a power of two (>= 128) only where it cuts the read at least 4x, else the
+          # whole span: each window is one more program per chunk and row count (~2 s to compile for SmolLM2-135M
+          # on 2 cores), and a window saves at most the attention term of a chunk (~15% of its FLOPs there at 512
+          # entries, less for wider models). A 240-entry cache thus fills through one window, 240.
+          attend = _bucket(int(starts_n.max()) + chunk, lo=128)
+          attend = attend if 4 * attend <= span else span
           from_n = None  # paged: pages wholly before the unclamped start are not written (they may be shared)
           if self.page_size:
             # On TPU one window, the whole table: the paged prefill unrolls its layers (see _pages.py) and compiles
@@ -138,18 +143,28 @@ class _FillOps:
     for part, keep_from in ((own, 0), (~own, None)):
       if not part.any():
         continue
-      if keep_from is None:  # the forks: the prompt's slot copied (KV included), then their own settings
-        state = _copy(state, jnp.asarray(slots[src[part]]), jnp.asarray(slots[part]), jnp.asarray(keys[part]))
       n_slots = slots[part]
+      if keep_from is None:  # the forks: the prompt's slot copied (KV included), then their own settings
+        dst_n, src_n, keys_n = self._padded(n_slots, slots[src[part]], keys[part])
+        state = _copy(state, src_n, dst_n, keys_n)
+      slots_n, rows_nl, length_n, keep_from_n, rng_n2, budget_n, sampling_p = self._padded(
+        n_slots,
+        self._rows(n_slots, [toks[i] for i in np.flatnonzero(part)], [0] * len(n_slots)),
+        lengths[part],
+        np.zeros_like(lengths[part]) if keep_from == 0 else lengths[part],
+        keys[part],
+        budget[part],
+        jax.tree.map(lambda x: np.asarray(x)[part], sampling_n),
+      )
       state = _start(
         state,
-        jnp.asarray(n_slots),
-        tokens_nl=jnp.asarray(self._rows(n_slots, [toks[i] for i in np.flatnonzero(part)], [0] * len(n_slots))),
-        length_n=jnp.asarray(lengths[part]),
-        keep_from_n=jnp.asarray(np.zeros_like(lengths[part]) if keep_from == 0 else lengths[part]),
-        rng_n2=jnp.asarray(keys[part]),
-        budget_n=jnp.asarray(budget[part]),
-        sampling_n=jax.tree.map(lambda x: jnp.asarray(np.asarray(x)[part]), sampling_n),
+        slots_n,
+        tokens_nl=rows_nl,
+        length_n=length_n,
+        keep_from_n=keep_from_n,
+        rng_n2=rng_n2,
+        budget_n=budget_n,
+        sampling_n=sampling_p,
         reset_generated=True,
         window=self.entropy_window,
         width=self.tail_width,
@@ -181,20 +196,19 @@ class _FillOps:
         f"Engine.extend: slots {slots[over].tolist()} would hold {new_len[over].tolist()} tokens, "
         f"more than max_len={self.max_len}; end those trajectories instead."
       )
-    budget = (
-      None
-      if max_new_tokens is None
-      else jnp.asarray(np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape).copy())
-    )
+    budget = None if max_new_tokens is None else np.broadcast_to(np.asarray(max_new_tokens, np.int32), slots.shape)
     if self.page_size:
       self._need_pages(state, int((self.pages_held(new_len) - self.pages_held(length)).sum()), "extend")
+    slots_n, rows_nl, length_n, keep_from_n, budget_n = self._padded(
+      slots, self._rows(slots, toks, length), new_len, length, budget
+    )
     state = _start(
       state,
-      jnp.asarray(slots),
-      tokens_nl=jnp.asarray(self._rows(slots, toks, length)),
-      length_n=jnp.asarray(new_len),
-      keep_from_n=jnp.asarray(length),
-      budget_n=budget,
+      slots_n,
+      tokens_nl=rows_nl,
+      length_n=length_n,
+      keep_from_n=keep_from_n,
+      budget_n=budget_n,
       reset_generated=False,
       window=self.entropy_window,
       width=self.tail_width,

@@ -11,7 +11,16 @@ import numpy as np
 
 from aepo_jax.rollout import _pages
 from aepo_jax.rollout._state import DecodeState
-from aepo_jax.rollout._compiled import _copy, _free_pages, _page_needs, _release, _resume, _set_segment, _truncate
+from aepo_jax.rollout._compiled import (
+  _bucket,
+  _copy,
+  _free_pages,
+  _page_needs,
+  _release,
+  _resume,
+  _set_segment,
+  _truncate,
+)
 
 
 class OutOfPages(RuntimeError):
@@ -32,6 +41,22 @@ def num_pages_for(kv_tokens: int, page_size: int) -> int:
 class _SlotOps:
   """Slot and page methods of `Engine` (they use its max_len, page_size, num_pages, entropy_window, tail_width,
   and `_check_slots`); its host-side reads of a state (`host_info`, `slot_tokens`, `slot_routes`)."""
+
+  def _padded(self, slots: np.ndarray, *per_slot):
+    """A row edit's slots and per-slot arrays (or pytrees of them) padded to a power of two of rows (dense layout), so each edit
+    compiles once per bucket instead of once per slot count: partial rollouts fork, cut, start and release every
+    count up to S over a run, each a new program (~0.1-0.3 s to compile on the CPU). Padding rows name slot S, out of
+    range: their scatters are dropped (jnp's default) and their gathers clamp, so they change nothing; their
+    per-slot values repeat the first row's. The paged layout counts page references per row and is not padded."""
+    n = int(slots.size)
+    pad = 0 if self.page_size or n == 0 else _bucket(n) - n
+    slots = np.concatenate([np.asarray(slots, np.int32), np.full(pad, self.max_slots, np.int32)])
+
+    def rows(x):  # a per-slot array (or pytree of them: SlotSampling), its first row repeated
+      x = np.asarray(x)
+      return jnp.asarray(np.concatenate([x, np.repeat(x[:1], pad, axis=0)]) if pad else x)
+
+    return (jnp.asarray(slots),) + tuple(None if a is None else jax.tree.map(rows, a) for a in per_slot)
 
   def host_info(self, state: DecodeState) -> dict:
     """Per-slot summaries as numpy arrays (one small device-to-host transfer)."""
@@ -89,7 +114,8 @@ class _SlotOps:
         for i, s in enumerate(seeds)
       ]
     ).astype(np.uint32)
-    return _copy(state, jnp.asarray(src), jnp.asarray(dst), jnp.asarray(keys))
+    dst, src, keys = self._padded(dst, src, keys)
+    return _copy(state, src, dst, keys)
 
   def truncate(self, state, slots, lengths):
     """Rewinds slots to `lengths` tokens (1 <= length <= current) and pauses them; resume with extend."""
@@ -104,7 +130,7 @@ class _SlotOps:
       free, need, enough = jax.device_get(_page_needs(state, jnp.asarray(slots), jnp.asarray(lengths)))
       if not enough:
         self._need_pages(state, int(need), "truncate", free=int(free))
-    return _truncate(state, jnp.asarray(slots), jnp.asarray(lengths), self.entropy_window, self.tail_width)
+    return _truncate(state, *self._padded(slots, lengths), self.entropy_window, self.tail_width)
 
   # ------------------------------------------------------------------------------------------------
   # Pages (paged layout)
@@ -148,7 +174,7 @@ class _SlotOps:
   def resume(self, state, slots):
     """Slots that stopped with 'out_of_pages' (paged layout) decode again, in the same segment, from where they
     stopped; other slots are left as they are. Call it once pages are free (`pages_free`)."""
-    return _resume(state, jnp.asarray(self._check_slots(slots)))
+    return _resume(state, *self._padded(self._check_slots(slots)))
 
   def segment_snapshot(self, state, slot: int) -> dict:
     """The open segment of a slot as numpy: its start and, from there to the slot's length, the per-position
@@ -176,17 +202,8 @@ class _SlotOps:
       a, b = snap["start"], snap["start"] + len(snap["generated"])
       gen[i, a:b], ent[i, a:b], topk[i, a:b] = snap["generated"], snap["entropy"], snap["topk_entropy"]
     starts = np.asarray([snap["start"] for snap in snapshots], np.int32)
-    return _set_segment(
-      state,
-      jnp.asarray(slots),
-      jnp.asarray(starts),
-      jnp.asarray(gen),
-      jnp.asarray(ent),
-      jnp.asarray(topk),
-      self.entropy_window,
-    )
+    return _set_segment(state, *self._padded(slots, starts, gen, ent, topk), self.entropy_window)
 
   def release(self, state, slots):
     """Frees slots (inactive, empty)."""
-    slots = self._check_slots(slots)
-    return _release(state, jnp.asarray(slots))
+    return _release(state, *self._padded(self._check_slots(slots)))

@@ -167,3 +167,48 @@ def test_compact_decode_ladder_through_the_cpu_kernel(params):
   np.testing.assert_allclose(np.where(out.valid, out.logprob, 0), np.where(ref.valid, ref.logprob, 0), atol=1e-5)
   s = eng.add(params, s, list(range(16)), [[5, 6]] * 16, list(range(16)), 4)
   assert eng._decode_rows(s, ladder=True) is None  # 16 of 16 active: all slots
+
+
+def test_row_edits_of_any_slot_count_compile_once_per_power_of_two_and_match_one_slot_at_a_time(params):
+  """Dense layout: add, fork, cut, extend and release of 3 slots run padded to 4 rows (padding rows name slot S:
+  dropped writes), so 3 and 4 slots share one program, and the state after them equals doing each slot alone."""
+  from aepo_jax.rollout import _compiled
+
+  kw = dict(max_slots=8, max_len=48, eos_ids=(), prefill_chunk=16, sampling=SamplingParams(0.8))
+  prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
+  tools = [[20, 21], [22], [23, 24, 25]]
+
+  def edits(eng, groups):
+    s = eng.init_decode_state()
+    for g in groups:  # slots 0..2: prompts; 3..5: forks of them; then cut, extend, decode, release 3..5
+      s = eng.add(params, s, g, [prompts[i] for i in g], [7 + i for i in g], 6)
+    s, _ = eng.decode(params, s, 3)
+    for g in groups:
+      s = eng.copy_slots(s, g, [3 + i for i in g], seeds=[30 + i for i in g])
+      s = eng.truncate(s, [3 + i for i in g], [len(prompts[i]) + 1 for i in g])
+      s = eng.extend(params, s, [3 + i for i in g], [tools[i] for i in g], max_new_tokens=4)
+    s, _ = eng.decode(params, s, 4)
+    live = jax.device_get(s)
+    for g in groups:
+      s = eng.release(s, [3 + i for i in g])
+    return live, jax.device_get(s)
+
+  eng = Engine(CFG, **kw)
+  before = {f: getattr(_compiled, f)._cache_size() for f in ("_start", "_copy", "_truncate", "_release")}
+  together = edits(eng, [[0, 1, 2]])
+  grown = {f: getattr(_compiled, f)._cache_size() - n for f, n in before.items()}
+  eng.release(
+    eng.add(params, eng.init_decode_state(), [0, 1, 2, 3], [[5], [6], [7], [8]], [1, 2, 3, 4], 2), [0, 1, 2, 3]
+  )
+  assert {f: getattr(_compiled, f)._cache_size() - n for f, n in before.items()} == grown  # 4 slots: same programs
+  alone = edits(Engine(CFG, **kw), [[0], [1], [2]])
+  fields = ("tokens", "length", "active", "budget", "n_generated", "stop_reason", "seg_start", "seg_count", "rng")
+  for a, b in zip(together, alone):
+    for name in fields:
+      np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+  assert np.asarray(together[0].length)[3:6].min() > 0 and not np.asarray(together[1].length)[3:].any()
+  length = np.asarray(together[0].length)
+  for k in together[0].cache:  # KV entries below each slot's length (the rest is never read)
+    for slot in range(8):
+      a, b = together[0].cache[k][:, slot, : length[slot]], alone[0].cache[k][:, slot, : length[slot]]
+      np.testing.assert_allclose(a, b, atol=TOL, err_msg=f"{k} slot {slot}")
