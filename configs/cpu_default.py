@@ -69,6 +69,7 @@ def get_config(arg=None):
   c.rollout.max_response_len = 144  # KNOB: the longest demo response is 129 tokens
   c.rollout.temperature = 0.7  # the 135M model breaks the tag format too often at T=1 (log-probs use it too)
   c.rollout.decode_chunk = 16
+  c.rollout.decode_rows = 16  # at most 16 rows a decode step (the 2 cores saturate there); matters at 32 slots
   c.rollout.max_slots = 0  # every trajectory its slot: 4 x 4 = 16; partial rollouts (train.max_staleness=k): 16(k + 1)
 
   c.algo.loss = "aepo"

@@ -372,7 +372,8 @@ class AgentLoop(_Scheduling):
       run.decoding.add(r.slot)
 
   def _decode_chunk(self, run: _Run) -> None:
-    run.state, out = self.engine.decode(run.params, run.state, self.config.chunk_steps)
+    order = {"order": self._decode_order(run)} if getattr(self.engine, "max_decode_rows", 0) else {}
+    run.state, out = self.engine.decode(run.params, run.state, self.config.chunk_steps, **order)
     tok, lp, ent, valid = jax.device_get((out.token, out.logprob, out.entropy, out.valid))
     info = self.engine.host_info(run.state)
     run.decoded_tokens += int(valid.sum())

@@ -65,6 +65,7 @@ class _Run:
     self.records = _Records()
     self.version = 0
     self.group_rounds: Optional[dict] = None  # prompt -> its round (partial rollouts), None: one clock, `round`
+    self.group_rank: dict = {}  # prompt -> its admission number (partial rollouts): older groups decode first
     self.plans = 0  # plans made (per-group clocks fold it into the branch draws' key)
     self.queue: collections.deque = collections.deque()
     self.slot_rec: dict = {}
@@ -99,6 +100,19 @@ class _Scheduling:
   # One round clock for the whole run (`run.round`, the official lockstep), or one per prompt group
   # (`run.group_rounds`, partial rollouts: a group's tree advances by its own rounds, so groups admitted in different
   # steps never wait for each other's tool calls).
+  @staticmethod
+  def _decode_order(run: _Run) -> list:
+    """The decoding slots by priority, for an engine that runs only some of them per call (max_decode_rows): the
+    oldest prompt group first (partial rollouts: a call waits for the groups of older versions), then the oldest
+    trajectory."""
+    rank = run.group_rank
+
+    def key(slot):
+      i = run.slot_rec[slot]
+      return rank.get(run.records[i].prompt, 0), i
+
+    return sorted(run.decoding, key=key)
+
   @staticmethod
   def _clock(run: _Run, rec) -> int:
     return run.round if run.group_rounds is None else run.group_rounds.get(rec.prompt, 0)

@@ -53,6 +53,7 @@ class Engine(_FillOps, _SlotOps):
     cache_dtype: Optional[str] = None,
     cpu_kernels: Optional[bool] = None,
     compact: bool = True,
+    max_decode_rows: int = 0,
     per_slot_sampling: bool = False,
     kv_layout: str = "dense",
     page_size: int = 64,
@@ -68,6 +69,11 @@ class Engine(_FillOps, _SlotOps):
     compact: unless slots are split over devices (mesh data x fsdp > 1), a decode call with at most max(4, ceil(S/4)) active slots (< S) runs only
     those rows (padded with inactive ones to that size; one more compiled variant) instead of all S slots. Fewer
     rows than 4 would save little: a small-batch step is bound by reading the weights.
+    max_decode_rows: through the CPU decode kernel, a call runs at most this many active slots (rounded up to its
+    row sizes, S/4 doubling below S): the first of `decode(order=...)`, the rest wait unchanged. A step's cost grows
+    with its rows there, so past the rows where the machine's matmuls saturate (16 for SmolLM2-135M on 2 cores: 55
+    ms a step against 110 ms at 32) more rows add no tokens per second, only latency to every row; partial rollouts
+    thus finish their oldest groups sooner. 0 (default): every active slot.
     kv_layout: 'dense' (a max_len row per slot), 'paged' (a pool of `num_pages` pages of `page_size` tokens,
     aepo_jax/rollout/_pages.py: forks share full pages, the pool is sized by the tokens in flight rather than
     slots x max_len) or 'auto' (paged on TPU unless slots are split over devices; dense elsewhere, where the CPU
@@ -105,6 +111,9 @@ class Engine(_FillOps, _SlotOps):
     self.cache_dtype = cache_dtype
     self.cpu_kernels = cpu_kernels
     self.compact = bool(compact)
+    if max_decode_rows < 0:
+      raise ValueError(f"Engine: max_decode_rows={max_decode_rows} must be >= 0 (0: every active slot).")
+    self.max_decode_rows = int(max_decode_rows)
     self._use_kernels = None  # decided at the first decode (needs the parameters' device)
     if kv_layout not in KV_LAYOUTS:
       raise ValueError(f"Engine: kv_layout={kv_layout!r}; use one of {KV_LAYOUTS}.")
@@ -294,10 +303,13 @@ class Engine(_FillOps, _SlotOps):
     sampling: Optional[SamplingParams] = None,
     with_entropy: bool = True,
     top_logprobs: int = 0,
+    order=None,
   ):
     """num_steps decode steps for all active slots in one jitted call -> (state, StepOutputs [S, num_steps]).
     sampling: static settings for every slot (overrides per-slot ones). top_logprobs: also output the N most
-    likely tokens of each step and their log-probs (one compiled variant per N)."""
+    likely tokens of each step and their log-probs (one compiled variant per N). order: slots by priority (first
+    first); with max_decode_rows, the call runs the first active ones of it (active slots not in it come last) and
+    the others wait unchanged (their outputs are not valid)."""
     if num_steps < 1:
       raise ValueError(f"Engine.decode: num_steps={num_steps} must be >= 1.")
     if not 0 <= top_logprobs <= self.config.vocab_size:
@@ -314,7 +326,7 @@ class Engine(_FillOps, _SlotOps):
     else:  # XLA's attention reads only the cache prefix any row can reach in this call (one small host read)
       attend = self.attend_bucket(int(jax.device_get(jnp.max(state.length))) + int(num_steps))
     spec = self.step_spec(sampling, with_entropy, attend, top_logprobs)
-    rows = self._decode_rows(state, ladder=weights_t is not None)
+    rows = self._decode_rows(state, ladder=weights_t is not None, order=order)
     with self._kernel_context():
       if not self.page_size:
         return self._decode_fn(self.config, spec, int(num_steps), params, state, weights_t, rows)
@@ -334,22 +346,31 @@ class Engine(_FillOps, _SlotOps):
     r = max(4, -(-self.max_slots // 4))
     return r if self.compact and r < self.max_slots and not self._rows_sharded() else 0
 
-  def _decode_rows(self, state, ladder: bool = False) -> Optional[jax.Array]:
+  def _decode_rows(self, state, ladder: bool = False, order=None) -> Optional[jax.Array]:
     """The slots a compact decode call runs (every active slot, padded with inactive ones to the call's rows), or
     None for all slots. One small device read of `active`. Rows: compact_slots; with `ladder` (decode through the
     CPU kernel, whose cost grows with the rows: ~46 / 55 / 110 ms a step at 8 / 16 / 32 rows of SmolLM2-135M on 2
-    cores) also twice that, and so on below S, one compiled variant each."""
+    cores) also twice that, and so on below S, one compiled variant each; there max_decode_rows caps the active
+    slots a call runs, the first of `order`."""
     r = self.compact_slots
     if not r:
       return None
     active = np.asarray(jax.device_get(state.active), bool)
     n = int(active.sum())
+    if ladder and self.max_decode_rows:
+      n = min(n, self.max_decode_rows)
     while ladder and n > r and 2 * r < self.max_slots:
       r *= 2
     if n > r:
       return None
-    order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])[:r]
-    return jnp.asarray(np.sort(order), jnp.int32)
+    live = np.flatnonzero(active)
+    if order is not None and live.size > r:  # more active slots than rows: the first of `order` run
+      rank = np.full(self.max_slots, self.max_slots, np.int64)
+      first = self._check_slots(order, "order")
+      rank[first] = np.arange(first.size)
+      live = live[np.argsort(rank[live], kind="stable")]
+    rows = np.concatenate([live, np.flatnonzero(~active)])[:r]
+    return jnp.asarray(np.sort(rows), jnp.int32)
 
   def _rows_sharded(self) -> bool:
     """Slots are split over devices (mesh data x fsdp > 1): gathering active rows would move cache rows between

@@ -151,6 +151,7 @@ class PartialRollouts:
       run.counts_p[q] = 0
       policy.consecutive_p[q] = 0
       self.groups[q] = _Group(payload, version, self._admitted)
+      run.group_rank[q] = self._admitted  # decode priority: older groups first (Engine max_decode_rows)
       self._admitted += 1
       run.group_rounds[q] = 0
       for _ in range(int(m)):
@@ -185,6 +186,7 @@ class PartialRollouts:
     run.records.retire([r.index for r in records])
     for q in slots:
       del self.groups[q]
+      run.group_rank.pop(q, None)
       run.counts_p[q] = self.policy.config.n
     groups_left, traj_left = self.carried()
     stats.update(

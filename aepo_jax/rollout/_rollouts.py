@@ -45,6 +45,7 @@ class RolloutSettings:
   kv_tokens: int = 0  # paged pool size in tokens (0: every slot at max_len)
   cpu_kernels: Optional[bool] = None  # Engine(cpu_kernels=...): None when they apply
   chunk_steps: int = 16  # decode steps per engine call
+  decode_rows: int = 0  # Engine(max_decode_rows=): active slots per decode call through the CPU kernel (0: all)
   max_tool_calls: int = 10**6  # per trajectory; beyond it the trajectory ends
   result_mode: str = "train"  # tool results as training ('train') or the official evaluation ('eval') writes them
   max_tokens_per_call: int = 0  # tokens one generation call may sample (0: only max_response_len bounds it)
@@ -57,6 +58,8 @@ class RolloutSettings:
     for key in ("max_slots", "max_prompt_len", "max_response_len", "chunk_steps", "max_calls_per_turn"):
       if getattr(self, key) < 1:
         raise ValueError(f"RolloutSettings.{key}={getattr(self, key)} must be >= 1.")
+    if self.decode_rows < 0:
+      raise ValueError(f"RolloutSettings.decode_rows={self.decode_rows} must be >= 0 (0: every active slot).")
     if self.result_mode not in RESULT_MODES:
       raise ValueError(f"RolloutSettings.result_mode={self.result_mode!r}; use one of {RESULT_MODES}.")
 
@@ -101,6 +104,7 @@ def build_engine(
     prefill_chunk=settings.prefill_chunk,
     prefill_rows=settings.prefill_rows,
     cpu_kernels=settings.cpu_kernels,
+    max_decode_rows=settings.decode_rows,
     kv_layout=settings.kv_layout,
     page_size=settings.page_size,
     num_pages=num_pages_for(settings.kv_tokens, settings.page_size),

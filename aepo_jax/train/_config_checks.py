@@ -263,6 +263,7 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   )
   need(config.reward.timeout_s > 0, f"reward.timeout_s={config.reward.timeout_s}: must be > 0 (seconds per response).")
   need(r.decode_chunk >= 1, f"rollout.decode_chunk={r.decode_chunk}: must be >= 1.")
+  need(r.decode_rows >= 0, f"rollout.decode_rows={r.decode_rows}: must be >= 0 (0: every active slot).")
   need(
     r.prefill_chunk >= 16 and r.prefill_rows >= 1,
     f"rollout.prefill_chunk={r.prefill_chunk} must be >= 16 and rollout.prefill_rows={r.prefill_rows} >= 1.",

@@ -130,6 +130,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.min_p = 0.0
   c.rollout.max_slots = 0  # 0 = this host's prompts_per_step * n, times 1 + train.max_staleness (partial rollouts)
   c.rollout.decode_chunk = 32
+  # Active slots a decode call runs through the CPU decode kernel (0 = all; oldest prompt groups first): past the
+  # rows where the CPU's matmuls saturate, more rows only slow every row (Engine(max_decode_rows), docs/performance.md).
+  c.rollout.decode_rows = 0
   # Each host rolls out its own prompts on its own devices, independently of the other hosts: the policy weights
   # are copied once per RL step from the training mesh onto this per-host mesh (-1 once: the rest of the host's
   # devices), in rollout.dtype ('' = model.dtype: bfloat16 on accelerators, float32 on CPU).

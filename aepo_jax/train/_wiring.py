@@ -114,6 +114,7 @@ def rollout_settings(
     page_size=r.page_size,
     kv_tokens=r.kv_tokens,
     chunk_steps=r.decode_chunk,
+    decode_rows=r.decode_rows,
     max_tool_calls=config.tools.call_limit,
     result_mode=result_mode,
     dtype=r.dtype or config.model.dtype,

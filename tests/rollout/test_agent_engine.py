@@ -50,12 +50,20 @@ def params():
 _ENGINES = {}
 
 
-def _loop(max_slots=8, tool=lambda code: "2", chunk=8):
-  if max_slots not in _ENGINES:  # one engine per size: its jitted functions compile once per module
-    _ENGINES[max_slots] = Engine(
-      CONFIG, max_slots=max_slots, max_len=96, eos_ids=[EOS], stop_sequences=[[CALL]], entropy_window=20, topk_entropy=4
+def _loop(max_slots=8, tool=lambda code: "2", chunk=8, **engine_kw):
+  key = (max_slots, *sorted(engine_kw.items()))
+  if key not in _ENGINES:  # one engine per size: its jitted functions compile once per module
+    _ENGINES[key] = Engine(
+      CONFIG,
+      max_slots=max_slots,
+      max_len=96,
+      eos_ids=[EOS],
+      stop_sequences=[[CALL]],
+      entropy_window=20,
+      topk_entropy=4,
+      **engine_kw,
     )
-  engine = _ENGINES[max_slots]
+  engine = _ENGINES[key]
   tools = ToolSet({"python": tool}, call_limit=10, retry_count=1, max_workers=8)
   cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=chunk, tool_tags=("python",))
   return AgentLoop(engine, VocabTokenizer(), tools, cfg)

@@ -169,6 +169,41 @@ def test_compact_decode_ladder_through_the_cpu_kernel(params):
   assert eng._decode_rows(s, ladder=True) is None  # 16 of 16 active: all slots
 
 
+def test_max_decode_rows_runs_the_first_active_slots_of_the_order_and_the_rest_wait(params):
+  """Through the CPU kernel, max_decode_rows=4 of 16 slots with 10 active: a call runs the first 4 active slots of
+  `order` (a slot missing from it comes last); the others keep their length and get no valid output. Run to the
+  end in changing orders, every slot's tokens and log-probs equal those of decoding all slots together."""
+  kw = dict(max_slots=16, max_len=40, eos_ids=(), sampling=SamplingParams(0.8))
+  eng = Engine(CFG, max_decode_rows=4, **kw)
+  assert eng.uses_cpu_kernels(params)
+  slots = list(range(10))
+  prompts = [[5 + i, 6, 7 + i] for i in slots]
+  s = eng.add(params, eng.init_decode_state(), slots, prompts, slots, 6)
+  np.testing.assert_array_equal(eng._decode_rows(s, ladder=True, order=[9, 7, 5]), [0, 5, 7, 9])
+  s, out = eng.decode(params, s, 2, order=[9, 8, 7, 6])
+  out = jax.device_get(out)
+  assert np.asarray(out.valid).sum(1).tolist() == [0] * 6 + [2] * 4 + [0] * 6
+  assert eng.host_info(s)["length"][:10].tolist() == [3] * 6 + [5] * 4
+  got = {i: list(out.token[i][out.valid[i]]) for i in slots}
+  lps = {i: list(out.logprob[i][out.valid[i]]) for i in slots}
+  orders = [list(range(10)), [3, 1], None, list(range(9, -1, -1))]
+  for k in range(20):
+    s, out = eng.decode(params, s, 2, order=orders[k % len(orders)])
+    out = jax.device_get(out)
+    assert np.asarray(out.valid).any(1).sum() <= 4
+    for i in slots:
+      got[i] += list(out.token[i][out.valid[i]])
+      lps[i] += list(out.logprob[i][out.valid[i]])
+  ref_eng = Engine(CFG, compact=False, **kw)
+  _, ref = _greedy(ref_eng, params, slots, prompts, slots, 6, budgets=6)
+  for i in slots:
+    v = np.asarray(ref.valid[i], bool)
+    assert got[i] == ref.token[i][v].tolist(), i
+    np.testing.assert_allclose(lps[i], ref.logprob[i][v], atol=1e-5)
+  with pytest.raises(ValueError, match="max_decode_rows"):
+    Engine(CFG, max_decode_rows=-1, **kw)
+
+
 def test_row_edits_of_any_slot_count_compile_once_per_power_of_two_and_match_one_slot_at_a_time(params):
   """Dense layout: add, fork, cut, extend and release of 3 slots run padded to 4 rows (padding rows name slot S:
   dropped writes), so 3 and 4 slots share one program, and the state after them equals doing each slot alone."""

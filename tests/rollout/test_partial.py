@@ -41,6 +41,37 @@ def test_carried_groups_come_back_complete_exact_and_within_the_bound(params, la
   assert partial.carried()[0] == len(PROMPTS) and partial.wanted() == len(PROMPTS)
 
 
+def test_an_engine_running_6_rows_a_call_decodes_the_oldest_groups_first(params):  # noqa: F811
+  """Engine(max_decode_rows=6) with up to 24 trajectories in 24 slots: each decode call runs 6 of them, those of the
+  oldest groups first; the groups still come back complete and exact, within the bound."""
+  loop = _loop(24, max_decode_rows=6)
+  assert loop.engine.uses_cpu_kernels(params)
+  partial = PartialRollouts(loop, rollout_policy("none", n=4, initial_rollouts=4), groups_per_call=3, max_staleness=1)
+  calls = []
+  real = loop.engine.decode
+
+  def decode(p, state, steps, **kw):
+    run = partial.run
+    ages = [partial.groups[run.records[run.slot_rec[s]].prompt].order for s in kw["order"]]
+    calls.append((ages, sorted(run.decoding)))
+    active = loop.engine.host_info(state)["active"]
+    first = [s for s in kw["order"] if active[s]][:6]
+    state, out = real(p, state, steps, **kw)
+    ran = np.flatnonzero(np.asarray(out.valid).any(1))
+    assert set(ran.tolist()) <= set(first), (ran, kw["order"])
+    return state, out
+
+  loop.engine.decode = decode
+  try:
+    for v, tr, payloads, m in _calls(partial, params, range(3)):
+      check_trajectories(params, tr)
+      assert all(v - g <= 1 for g, _ in payloads) and m["rollout/staleness_max"] <= 1
+  finally:
+    del loop.engine.decode
+  assert all(ages == sorted(ages) for ages, _ in calls)  # oldest group first
+  assert max(len(d) for _, d in calls) > 6  # more decoding than the 6 rows a call runs
+
+
 def test_versions_follow_the_weights(params):  # noqa: F811
   """Each call is a new policy version: the tokens of carried trajectories carry the version of the call that sampled
   them, never decreasing along a trajectory and never beyond the last call, within the staleness bound."""
