@@ -50,23 +50,30 @@ def params():
 _ENGINES = {}
 
 
-def _loop(max_slots=8, tool=lambda code: "2", chunk=8, **engine_kw):
-  key = (max_slots, *sorted(engine_kw.items()))
-  if key not in _ENGINES:  # one engine per size: its jitted functions compile once per module
-    _ENGINES[key] = Engine(
-      CONFIG,
-      max_slots=max_slots,
-      max_len=96,
-      eos_ids=[EOS],
-      stop_sequences=[[CALL]],
-      entropy_window=20,
-      topk_entropy=4,
-      **engine_kw,
-    )
-  engine = _ENGINES[key]
+def _engine(max_slots, **engine_kw):
+  return Engine(
+    CONFIG,
+    max_slots=max_slots,
+    max_len=96,
+    eos_ids=[EOS],
+    stop_sequences=[[CALL]],
+    entropy_window=20,
+    topk_entropy=4,
+    **engine_kw,
+  )
+
+
+def _agent(engine, tool=lambda code: "2", chunk=8):
   tools = ToolSet({"python": tool}, call_limit=10, retry_count=1, max_workers=8)
   cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=chunk, tool_tags=("python",))
   return AgentLoop(engine, VocabTokenizer(), tools, cfg)
+
+
+def _loop(max_slots=8, tool=lambda code: "2", chunk=8, **engine_kw):
+  key = (max_slots, *sorted(engine_kw.items()))
+  if key not in _ENGINES:  # one engine per size: its jitted functions compile once per module
+    _ENGINES[key] = _engine(max_slots, **engine_kw)
+  return _agent(_ENGINES[key], tool, chunk)
 
 
 PROMPTS = [[6, 7, 8], [9, 10], [11, 12, 13, 14]]
@@ -118,21 +125,7 @@ def test_multi_turn_arpo_on_real_engine(params, mode):
 
 
 def _paged_loop(num_pages, max_slots=8):
-  engine = Engine(
-    CONFIG,
-    max_slots=max_slots,
-    max_len=96,
-    eos_ids=[EOS],
-    stop_sequences=[[CALL]],
-    entropy_window=20,
-    topk_entropy=4,
-    kv_layout="paged",
-    page_size=8,
-    num_pages=num_pages,
-  )
-  tools = ToolSet({"python": lambda code: "2"}, call_limit=10, retry_count=1, max_workers=8)
-  cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=8, tool_tags=("python",))
-  return AgentLoop(engine, VocabTokenizer(), tools, cfg)
+  return _agent(_engine(max_slots, kv_layout="paged", page_size=8, num_pages=num_pages))
 
 
 @pytest.mark.slow
