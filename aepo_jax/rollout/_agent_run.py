@@ -97,9 +97,6 @@ class _Scheduling:
   """Rounds and KV pages of AgentLoop (it provides engine, config and the record helpers these call)."""
 
   # ------------------------------------------------------------------------------------------------ rounds
-  # One round clock for the whole run (`run.round`, the official lockstep), or one per prompt group
-  # (`run.group_rounds`, partial rollouts: a group's tree advances by its own rounds, so groups admitted in different
-  # steps never wait for each other's tool calls).
   @staticmethod
   def _decode_order(run: _Run) -> list:
     """The decoding slots by priority, for an engine that runs only some of them per call (max_decode_rows): the
@@ -113,6 +110,9 @@ class _Scheduling:
 
     return sorted(run.decoding, key=key)
 
+  # One round clock for the whole run (`run.round`, the official lockstep), or one per prompt group
+  # (`run.group_rounds`, partial rollouts: a group's tree advances by its own rounds, so groups admitted in different
+  # steps never wait for each other's tool calls).
   @staticmethod
   def _clock(run: _Run, rec) -> int:
     return run.round if run.group_rounds is None else run.group_rounds.get(rec.prompt, 0)

@@ -58,8 +58,6 @@ class RolloutSettings:
     for key in ("max_slots", "max_prompt_len", "max_response_len", "chunk_steps", "max_calls_per_turn"):
       if getattr(self, key) < 1:
         raise ValueError(f"RolloutSettings.{key}={getattr(self, key)} must be >= 1.")
-    if self.decode_rows < 0:
-      raise ValueError(f"RolloutSettings.decode_rows={self.decode_rows} must be >= 0 (0: every active slot).")
     if self.result_mode not in RESULT_MODES:
       raise ValueError(f"RolloutSettings.result_mode={self.result_mode!r}; use one of {RESULT_MODES}.")
 

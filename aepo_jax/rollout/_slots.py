@@ -43,11 +43,12 @@ class _SlotOps:
   and `_check_slots`); its host-side reads of a state (`host_info`, `slot_tokens`, `slot_routes`)."""
 
   def _padded(self, slots: np.ndarray, *per_slot):
-    """A row edit's slots and per-slot arrays (or pytrees of them) padded to a power of two of rows (dense layout), so each edit
-    compiles once per bucket instead of once per slot count: partial rollouts fork, cut, start and release every
-    count up to S over a run, each a new program (~0.1-0.3 s to compile on the CPU). Padding rows name slot S, out of
-    range: their scatters are dropped (jnp's default) and their gathers clamp, so they change nothing; their
-    per-slot values repeat the first row's. The paged layout counts page references per row and is not padded."""
+    """A row edit's slots and per-slot arrays (or pytrees of them) padded to a power of two of rows (dense layout),
+    so each edit compiles once per bucket instead of once per slot count: partial rollouts fork, cut, start and
+    release every count up to S over a run, each a new program (0.2-1 s to compile on the CPU at 32 slots). Padding
+    rows name slot S, out of range: their scatters are dropped (jnp's default) and their gathers clamp, so they
+    change nothing; their per-slot values repeat the first row's. The paged layout counts page references per row
+    and is not padded."""
     n = int(slots.size)
     pad = 0 if self.page_size or n == 0 else _bucket(n) - n
     slots = np.concatenate([np.asarray(slots, np.int32), np.full(pad, self.max_slots, np.int32)])
