@@ -1,4 +1,5 @@
-r"""Render a run's curves to PNG: reward, accuracy, entropy, clip fractions, KL, grad norm, branches, tools.
+r"""Render a run's curves to PNG: reward, accuracy, entropy, clip fractions, KL, grad norm, branches, tools, slot
+occupancy (over steps, and over the rollout phase of a few steps).
 
   python launch/plot.py --workdir=/tmp/aepo_cpu            # -> /tmp/aepo_cpu/plots/*.png (+ overview.png)
   python launch/plot.py --workdir=gs://BUCKET/run --out=/tmp/plots
@@ -38,6 +39,7 @@ PANELS = {
     r"^tools/.*(calls|timeouts|failures|errors).*$",
     r"^rollout/tool_failures$",
   ],
+  "slot_occupancy": [r"^rollout/slot_occupancy$", r"^rollout/occupancy_wall$"],
   "sft_nll": [r"^sft/nll$"],
   "throughput": [r"^perf/tokens_per_s$"],
   "time": [r"^perf/(rollout|reward|logprob|update|step)_s$"],
@@ -55,6 +57,7 @@ UNITS = {
   "grad_norm": "L2 norm",
   "branches": "count",
   "tool_calls": "calls",
+  "slot_occupancy": "share of slots sampling",
   "sft_nll": "nats per token",
   "throughput": "tokens / s",
   "time": "seconds per step",
@@ -141,6 +144,7 @@ def plot_run(workdir: str, out: str) -> list[str]:
     written.append(path)
   sft_total = max((int(r["step"]) for r in records if _is_sft(r)), default=0)
   written += _entropy_histograms(workdir, out, plt, HISTOGRAMS_FILE, read_metrics, sft_total)
+  written += _occupancy_profiles(records, out, plt, sft_total)
   if panels:
     cols = 3
     rows = -(-len(panels) // cols)
@@ -185,6 +189,33 @@ def _entropy_histograms(workdir, out, plt, hist_file, read_metrics, sft_total=0)
   ax.legend(fontsize=7)
   fig.tight_layout()
   path = os.path.join(out, "entropy_histogram.png")
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return [path]
+
+
+def _occupancy_profiles(records, out, plt, sft_total=0):
+  """The share of rollout slots sampling over each RL step's rollout phase (rollout/occupancy_t00 .. t90, tenths of
+  its wall time) at a few steps (first, middle, last): the tail, where a few trajectories finish while the rest
+  of the slots wait, is the drop at the right."""
+  keys = sorted(k for k in {k for r in records for k in r} if re.match(r"^rollout/occupancy_t\d\d$", k))
+  rows = [r for r in records if not _is_sft(r) and all(k in r for k in keys)] if keys else []
+  if not rows:
+    return []
+  picks = {id(r): r for r in (rows[0], rows[len(rows) // 2], rows[-1])}.values()
+  xs = [int(k[-2:]) + 50 / len(keys) for k in keys]  # the middle of each bin, in % of the phase
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  for r in picks:
+    ax.plot(xs, [r[k] for k in keys], marker="o", ms=3, label=f"step {sft_total + int(r['step'])} (RL {r['step']})")
+  ax.set_title("slot occupancy over the rollout phase")
+  ax.set_xlabel("% of the step's rollout time")
+  ax.set_ylabel("share of slots sampling")
+  ax.set_xlim(0, 100)
+  ax.set_ylim(bottom=0)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  path = os.path.join(out, "occupancy_profile.png")
   fig.savefig(path, dpi=100)
   plt.close(fig)
   return [path]

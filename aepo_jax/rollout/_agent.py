@@ -27,7 +27,7 @@ from aepo_jax.rollout import _state as st
 from aepo_jax.rollout._agent_run import _Run, _Scheduling, _tool_tags
 from aepo_jax.rollout._stop import _encode
 from aepo_jax.rollout._trajectories import Segment, TrajectoryRecord, Trajectories, assemble
-from aepo_jax.rollout.policies import RolloutPolicy, rollout_policy, tree_stats, window_statistic
+from aepo_jax.rollout.policies import RolloutPolicy, rollout_policy, window_statistic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,10 +137,12 @@ class AgentLoop(_Scheduling):
         f"PolicyConfig.entropy_window={policy.config.entropy_window} differs from the engine's "
         f"entropy_window={window}; build both with the same value."
       )
+    start = time.monotonic()  # the phase's time profile includes AEPO's probe
     probe = (lambda: self._probe(params, prompts, policy, seed)) if policy.needs_probe() else None
     m_p = policy.initial_counts(len(prompts), probe)
     policy.begin(len(prompts))
     run = _Run(self.engine, params, len(prompts), seed)
+    run.phase_start = start
     for p, m in enumerate(m_p):
       for _ in range(int(m)):
         self._new_record(run, p, "global", prompts[p], first_round=0)
@@ -373,8 +375,10 @@ class AgentLoop(_Scheduling):
 
   def _decode_chunk(self, run: _Run) -> None:
     order = {"order": self._decode_order(run)} if getattr(self.engine, "max_decode_rows", 0) else {}
+    t0 = time.monotonic()
     run.state, out = self.engine.decode(run.params, run.state, self.config.chunk_steps, **order)
     tok, lp, ent, valid = jax.device_get((out.token, out.logprob, out.entropy, out.valid))
+    run.note_chunk(t0, valid)
     info = self.engine.host_info(run.state)
     run.decoded_tokens += int(valid.sum())
     run.slot_steps += int(valid.shape[0]) * int(valid.shape[1])
@@ -501,18 +505,4 @@ class AgentLoop(_Scheduling):
 
   # ------------------------------------------------------------------------------------------------ stats
   def _stats(self, run: _Run, records, policy: RolloutPolicy) -> dict:
-    cfg = policy.config
-    out = tree_stats(
-      records, estimator=cfg.estimator, window=cfg.entropy_window, vocab_size=self.engine.config.vocab_size
-    )
-    out["rollout/rounds"] = float(run.round)
-    out["rollout/decode_tokens"] = float(run.decoded_tokens)
-    out["rollout/slot_occupancy"] = run.decoded_tokens / max(run.slot_steps, 1)
-    if self._paged():
-      out["rollout/preemptions"] = float(run.preemptions)
-    if run.tool_overlap:
-      out["rollout/decode_tokens_during_tool_mean"] = float(np.mean(run.tool_overlap))
-    if getattr(policy, "last_probe", None) is not None and policy.needs_probe():
-      out["rollout/probe_h_root"] = float(np.mean(policy.last_probe[0]))
-      out["rollout/probe_h_tool"] = float(np.mean(policy.last_probe[1]))
-    return out
+    return run.stats(records, policy, self.engine.config.vocab_size, paged=self._paged())

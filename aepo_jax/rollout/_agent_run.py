@@ -12,7 +12,9 @@ from typing import Optional
 import jax
 import numpy as np
 
-from aepo_jax.rollout.policies import RolloutPolicy
+from aepo_jax.rollout.policies import RolloutPolicy, tree_stats
+
+OCCUPANCY_BINS = 10  # the rollout phase's time profile: rollout/occupancy_t00 .. t90 (share of slots sampling)
 
 
 def _tool_tags(config, tools) -> tuple:
@@ -25,6 +27,18 @@ def _tool_tags(config, tools) -> tuple:
   from aepo_jax.tools import all_call_tags
 
   return tuple(dict.fromkeys(c for c, _ in all_call_tags()))
+
+
+def occupancy_profile(spans, start: float, end: float, bins: int = OCCUPANCY_BINS) -> np.ndarray:
+  """[bins] share of the engine's slots sampling in each 1/bins of a call's wall time [start, end], from `spans`
+  (start, end, share of slots sampling) of its decode chunks; what lies between chunks (prefill, tool waits, the
+  host's work) counts as 0. Its mean is the time-weighted occupancy of the call; the last bins show the tail (a
+  few slots finishing while the rest wait)."""
+  edges = np.linspace(start, max(end, start + 1e-9), bins + 1)
+  busy = np.zeros(bins)
+  for a, b, share in spans:
+    busy += share * np.clip(np.minimum(edges[1:], b) - np.maximum(edges[:-1], a), 0.0, None)
+  return busy / np.diff(edges)
 
 
 class _Records:
@@ -79,6 +93,8 @@ class _Run:
     self.decoded_tokens = 0  # tokens sampled by all slots so far
     self.slot_steps = 0  # decode steps x engine slots so far (slot occupancy = decoded_tokens / slot_steps)
     self.tool_overlap: list = []  # tokens decoded by other slots while each tool ran
+    self.phase_start = time.monotonic()  # this call's start (partial rollouts: reset each call, `new_phase`)
+    self.chunk_spans: list = []  # (start, end, share of the engine's slots sampling) of each decode chunk
     self.decisions: list = []
     self.restarts: dict = collections.Counter()
     # Paged KV cache (Engine kv_layout='paged'): slots stopped for want of a page, the open segments of trajectories
@@ -91,6 +107,34 @@ class _Run:
     self.stall_events = 0
     # max_calls_per_turn: record index -> (its open segment's number, generation calls in it, where the last began)
     self.turn_calls: dict = {}
+
+  def new_phase(self) -> None:
+    """Starts the time profile of a new call (partial rollouts carry one run over several calls)."""
+    self.phase_start, self.chunk_spans = time.monotonic(), []
+
+  def note_chunk(self, start: float, valid) -> None:
+    """A decode chunk that began at `start` (time.monotonic) and sampled where `valid` [S, steps] is set."""
+    steps_run = max(int(valid.any(axis=0).sum()), 1)  # steps with no slot active are skipped on device
+    self.chunk_spans.append((start, time.monotonic(), float(valid.sum()) / (valid.shape[0] * steps_run)))
+
+  def stats(self, records, policy: RolloutPolicy, vocab_size: int, paged: bool = False) -> dict:
+    """The `rollout/*` metrics of this call for `records` (the trees it hands back) and the run's counters."""
+    cfg = policy.config
+    out = tree_stats(records, estimator=cfg.estimator, window=cfg.entropy_window, vocab_size=vocab_size)
+    out["rollout/rounds"] = float(self.round)
+    out["rollout/decode_tokens"] = float(self.decoded_tokens)
+    out["rollout/slot_occupancy"] = self.decoded_tokens / max(self.slot_steps, 1)
+    profile = occupancy_profile(self.chunk_spans, self.phase_start, time.monotonic())  # the tail made visible
+    out.update({f"rollout/occupancy_t{100 * i // profile.size:02d}": float(v) for i, v in enumerate(profile)})
+    out["rollout/occupancy_wall"] = float(profile.mean())
+    if paged:
+      out["rollout/preemptions"] = float(self.preemptions)
+    if self.tool_overlap:
+      out["rollout/decode_tokens_during_tool_mean"] = float(np.mean(self.tool_overlap))
+    if getattr(policy, "last_probe", None) is not None and policy.needs_probe():
+      out["rollout/probe_h_root"] = float(np.mean(policy.last_probe[0]))
+      out["rollout/probe_h_tool"] = float(np.mean(policy.last_probe[1]))
+    return out
 
 
 class _Scheduling:

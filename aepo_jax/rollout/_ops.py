@@ -236,7 +236,8 @@ def start_rows(
   if state.paged:
     ps = state.page_size
     j = jnp.arange(state.page_table.shape[1])[None, :]
-    rows, refs = _pages.drop(state.page_table[slots_n], state.page_refs, j >= _pages.held(keep_from_n, ps)[:, None])
+    gone = (j >= _pages.held(keep_from_n, ps)[:, None]) & _pages.named(state.page_table, slots_n)[:, None]
+    rows, refs = _pages.drop(state.page_table[slots_n], state.page_refs, gone)
     table, refs, ok = _pages.extend(state.page_table.at[slots_n].set(rows), refs, slots_n, keep_from_n, length_n, ps)
     state = state.replace(page_table=table, page_refs=refs)
   pos_l = jnp.arange(max_len)[None, :]

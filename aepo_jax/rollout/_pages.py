@@ -40,6 +40,13 @@ def init(num_slots: int, pages_per_slot: int, num_pages: int):
   )
 
 
+def named(page_table, slots_n):
+  """[n] bool: the rows that name a slot. A row edit padded to a power of two of rows (`Engine._padded`) names slot
+  S, past the table, in its padding rows: their gathers clamp and their scatters are dropped, and every count and
+  allocation below is masked with this, so they change nothing."""
+  return slots_n < page_table.shape[0]
+
+
 def free_count(refs):
   return jnp.sum(refs == 0).astype(jnp.int32)
 
@@ -90,6 +97,7 @@ def extend(page_table, refs, slots_n, old_len_n, new_len_n, page_size: int):
   p = page_table.shape[1]
   j = jnp.arange(p)[None, :]
   need = (j >= held(old_len_n, page_size)[:, None]) & (j < held(new_len_n, page_size)[:, None])
+  need &= named(page_table, slots_n)[:, None]
   got, refs, enough = allocate(refs, need)
   rows = page_table[slots_n]
   return page_table.at[slots_n].set(jnp.where(need, got, rows)), refs, enough
@@ -97,7 +105,8 @@ def extend(page_table, refs, slots_n, old_len_n, new_len_n, page_size: int):
 
 def release(page_table, refs, slots_n):
   """Drops every page of the rows (their table entries become 0)."""
-  rows, refs = drop(page_table[slots_n], refs, jnp.ones(page_table[slots_n].shape, bool))
+  rows = page_table[slots_n]
+  rows, refs = drop(rows, refs, jnp.broadcast_to(named(page_table, slots_n)[:, None], rows.shape))
   return page_table.at[slots_n].set(rows), refs
 
 
@@ -108,9 +117,10 @@ def fork(page_table, refs, src_n, dst_n, length_n, page_size: int):
   j = jnp.arange(p)[None, :]
   n_held = held(length_n, page_size)
   src_rows = page_table[src_n]
-  partial = partly_filled(length_n, page_size)
+  real = named(page_table, dst_n)
+  partial = partly_filled(length_n, page_size) & real
   last = jnp.maximum(n_held - 1, 0)
-  share = (j < n_held[:, None]) & ~(partial[:, None] & (j == last[:, None]))
+  share = (j < n_held[:, None]) & ~(partial[:, None] & (j == last[:, None])) & real[:, None]
   refs = refs.at[jnp.where(share, src_rows, NULL_PAGE)].add(share.astype(jnp.int32))
   new_n, refs, enough = allocate(refs, partial)
   src_last = jnp.take_along_axis(src_rows, last[:, None], axis=1)[:, 0]
@@ -124,7 +134,7 @@ def shrink_copies(page_table, refs, slots_n, new_len_n, page_size: int):
   n_held = held(new_len_n, page_size)
   last = jnp.maximum(n_held - 1, 0)
   last_id = jnp.take_along_axis(page_table[slots_n], last[:, None], axis=1)[:, 0]
-  return partly_filled(new_len_n, page_size) & (refs[last_id] > 1)
+  return partly_filled(new_len_n, page_size) & (refs[last_id] > 1) & named(page_table, slots_n)
 
 
 def shrink(page_table, refs, slots_n, new_len_n, page_size: int):
@@ -134,7 +144,7 @@ def shrink(page_table, refs, slots_n, new_len_n, page_size: int):
   j = jnp.arange(p)[None, :]
   n_held = held(new_len_n, page_size)
   cow = shrink_copies(page_table, refs, slots_n, new_len_n, page_size)  # before dropping: drops never touch it
-  rows, refs = drop(page_table[slots_n], refs, j >= n_held[:, None])
+  rows, refs = drop(page_table[slots_n], refs, (j >= n_held[:, None]) & named(page_table, slots_n)[:, None])
   last = jnp.maximum(n_held - 1, 0)
   last_id = jnp.take_along_axis(rows, last[:, None], axis=1)[:, 0]
   new_n, refs, enough = allocate(refs, cow)

@@ -128,6 +128,7 @@ class PartialRollouts:
       run.version = version
     tokens0, steps0 = run.decoded_tokens, run.slot_steps
     run.tool_overlap, run.decisions = [], []  # per call: the statistics of this step, and no growth over a run
+    run.new_phase()
     loop._should_stop, loop._on_finished = should_stop, on_finished
     try:
       self._admit(run, prompts, payloads, version, seed)

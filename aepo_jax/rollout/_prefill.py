@@ -137,7 +137,7 @@ class _FillOps:
     src = np.asarray([first.setdefault(t.tobytes(), i) for i, t in enumerate(toks)])
     own = src == np.arange(slots.size)
     if self.page_size:  # the slots' old pages go back first (add overwrites them), then the prompt's are counted
-      state = _release(state, jnp.asarray(slots))
+      state = _release(state, *self._padded(slots))
       forks = int(np.asarray(_pages.partly_filled(lengths[~own], self.page_size)).sum())
       self._need_pages(state, int(self.pages_held(lengths[own]).sum()) + forks, "add")
     for part, keep_from in ((own, 0), (~own, None)):

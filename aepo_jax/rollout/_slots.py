@@ -43,14 +43,14 @@ class _SlotOps:
   and `_check_slots`); its host-side reads of a state (`host_info`, `slot_tokens`, `slot_routes`)."""
 
   def _padded(self, slots: np.ndarray, *per_slot):
-    """A row edit's slots and per-slot arrays (or pytrees of them) padded to a power of two of rows (dense layout),
-    so each edit compiles once per bucket instead of once per slot count: partial rollouts fork, cut, start and
-    release every count up to S over a run, each a new program (0.2-1 s to compile on the CPU at 32 slots). Padding
-    rows name slot S, out of range: their scatters are dropped (jnp's default) and their gathers clamp, so they
-    change nothing; their per-slot values repeat the first row's. The paged layout counts page references per row
-    and is not padded."""
+    """A row edit's slots and per-slot arrays (or pytrees of them) padded to a power of two of rows, so each edit
+    compiles once per bucket instead of once per slot count: partial rollouts fork, cut, start and release every
+    count up to S over a run, each a new program (0.2-1 s to compile on the CPU at 32 slots). Padding rows name slot
+    S, out of range: their scatters are dropped (jnp's default) and their gathers clamp, and the paged layout's page
+    counts and allocations leave them out (`_pages.named`), so they change nothing; their per-slot values repeat the
+    first row's."""
     n = int(slots.size)
-    pad = 0 if self.page_size or n == 0 else _bucket(n) - n
+    pad = 0 if n == 0 else _bucket(n) - n
     slots = np.concatenate([np.asarray(slots, np.int32), np.full(pad, self.max_slots, np.int32)])
 
     def rows(x):  # a per-slot array (or pytree of them: SlotSampling), its first row repeated
@@ -106,7 +106,7 @@ class _SlotOps:
       raise ValueError(f"Engine.copy_slots: {len(seeds)} seeds for {src.size} forks.")
     parent = np.asarray(jax.device_get(state.rng))[src]
     if self.page_size:  # dst's pages go back first; each fork copies at most its parent's partly filled page
-      state = _release(state, jnp.asarray(dst))
+      state = _release(state, *self._padded(dst))
       partial = np.asarray(_pages.partly_filled(self.host_info(state)["length"][src], self.page_size))
       self._need_pages(state, int(partial.sum()), "copy_slots")
     keys = np.stack(
@@ -128,7 +128,7 @@ class _SlotOps:
         f"Engine.truncate: lengths {lengths.tolist()} must be one per slot within 1..current length {cur.tolist()}."
       )
     if self.page_size:
-      free, need, enough = jax.device_get(_page_needs(state, jnp.asarray(slots), jnp.asarray(lengths)))
+      free, need, enough = jax.device_get(_page_needs(state, *self._padded(slots, lengths)))
       if not enough:
         self._need_pages(state, int(need), "truncate", free=int(free))
     return _truncate(state, *self._padded(slots, lengths), self.entropy_window, self.tail_width)

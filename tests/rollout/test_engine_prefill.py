@@ -204,12 +204,25 @@ def test_max_decode_rows_runs_the_first_active_slots_of_the_order_and_the_rest_w
     Engine(CFG, max_decode_rows=-1, **kw)
 
 
-def test_row_edits_of_any_slot_count_compile_once_per_power_of_two_and_match_one_slot_at_a_time(params):
-  """Dense layout: add, fork, cut, extend and release of 3 slots run padded to 4 rows (padding rows name slot S:
-  dropped writes), so 3 and 4 slots share one program, and the state after them equals doing each slot alone."""
+def _slot_kv(state, key: str, slot: int, n: int) -> np.ndarray:
+  """The first n KV entries of a slot, [layers, ...] (the paged pool read through the slot's page table)."""
+  if not state.paged:
+    return np.asarray(state.cache[key][:, slot, :n])
+  table, ps = np.asarray(state.page_table[slot]), state.page_size
+  pos = np.arange(n)
+  return np.stack([np.asarray(layer)[:, table[pos // ps], pos % ps] for layer in state.cache[key]])
+
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_row_edits_of_any_slot_count_compile_once_per_power_of_two_and_match_one_slot_at_a_time(params, layout):
+  """add, fork, cut, extend and release of 3 slots run padded to 4 rows (padding rows name slot S: dropped writes;
+  paged: left out of every page count and allocation), so 3 and 4 slots share one program, and the state after
+  them equals doing each slot alone (paged: the same pages held and shared, each slot's KV read through its table)."""
   from aepo_jax.rollout import _compiled
 
   kw = dict(max_slots=8, max_len=48, eos_ids=(), prefill_chunk=16, sampling=SamplingParams(0.8))
+  if layout == "paged":
+    kw.update(kv_layout="paged", page_size=8)
   prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
   tools = [[20, 21], [22], [23, 24, 25]]
 
@@ -229,7 +242,8 @@ def test_row_edits_of_any_slot_count_compile_once_per_power_of_two_and_match_one
     return live, jax.device_get(s)
 
   eng = Engine(CFG, **kw)
-  before = {f: getattr(_compiled, f)._cache_size() for f in ("_start", "_copy", "_truncate", "_release")}
+  programs = ("_start", "_copy", "_truncate", "_release", "_page_needs")
+  before = {f: getattr(_compiled, f)._cache_size() for f in programs}
   together = edits(eng, [[0, 1, 2]])
   grown = {f: getattr(_compiled, f)._cache_size() - n for f, n in before.items()}
   eng.release(
@@ -245,5 +259,13 @@ def test_row_edits_of_any_slot_count_compile_once_per_power_of_two_and_match_one
   length = np.asarray(together[0].length)
   for k in together[0].cache:  # KV entries below each slot's length (the rest is never read)
     for slot in range(8):
-      a, b = together[0].cache[k][:, slot, : length[slot]], alone[0].cache[k][:, slot, : length[slot]]
+      n = int(length[slot]) - (layout == "paged")  # paged: the pages cover [0, length - 1)
+      a, b = _slot_kv(together[0], k, slot, n), _slot_kv(alone[0], k, slot, n)
       np.testing.assert_allclose(a, b, atol=TOL, err_msg=f"{k} slot {slot}")
+  if layout == "paged":  # every count is the number of table entries holding the page; the same pages shared
+    for a, b in zip(together, alone):
+      for state in (a, b):
+        table, refs = np.asarray(state.page_table), np.asarray(state.page_refs)
+        held = np.bincount(table[table > 0], minlength=refs.size)
+        np.testing.assert_array_equal(refs[1:], held[1:])
+      assert np.array_equal(np.sort(np.asarray(a.page_refs)), np.sort(np.asarray(b.page_refs)))

@@ -6,6 +6,7 @@ import pytest
 from test_agent_engine import PROMPTS, _loop, _paged_loop, check_trajectories, params  # noqa: F401 (fixture)
 
 from aepo_jax.rollout import PartialRollouts, RolloutInterrupted, TrajectoryRecord
+from aepo_jax.rollout._agent_run import occupancy_profile
 from aepo_jax.rollout.policies import rollout_policy
 
 
@@ -33,6 +34,9 @@ def test_carried_groups_come_back_complete_exact_and_within_the_bound(params, la
     assert all(v - g <= 1 for g, _ in payloads), (v, payloads)  # bounded staleness, by finishing first
     assert m["rollout/staleness_max"] <= 1 and m["rollout/group_age_max"] <= 1
     assert m["rollout/dropped_stale"] == 0 and 0 < m["rollout/slot_occupancy"] <= 1
+    profile = [m[f"rollout/occupancy_t{10 * i:02d}"] for i in range(10)]  # this call's wall time in tenths
+    assert all(0 <= x <= 1 for x in profile) and max(profile) > 0
+    assert m["rollout/occupancy_wall"] == pytest.approx(np.mean(profile))
     seen += payloads
     carried = max(carried, m["rollout/carried_groups"])
     stale = max(stale, m["rollout/stale_token_fraction"])
@@ -105,6 +109,15 @@ def test_aepo_pre_monitoring_runs_for_each_calls_new_prompts(params):  # noqa: F
   for _, tr, _, m in _calls(partial, params, range(3)):
     check_trajectories(params, tr)
     assert "rollout/probe_h_root" in m
+
+
+def test_occupancy_profile_weights_each_chunk_by_its_overlap_with_each_tenth():
+  # A call from t=0 to 10 s, profiled in 5 bins of 2 s: half the slots sampled from 1 to 3 s, all from 5 to 10 s;
+  # nothing in between (prefill, tools).
+  got = occupancy_profile([(1.0, 3.0, 0.5), (5.0, 10.0, 1.0)], 0.0, 10.0, bins=5)
+  np.testing.assert_allclose(got, [0.25, 0.25, 0.5, 1.0, 1.0])
+  assert got.mean() == pytest.approx((2 * 0.5 + 5 * 1.0) / 10)  # slot-seconds sampling / slot-seconds
+  np.testing.assert_allclose(occupancy_profile([], 0.0, 4.0, bins=4), 0.0)
 
 
 def test_bad_arguments_are_named():

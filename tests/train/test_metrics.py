@@ -103,6 +103,9 @@ def test_plot_renders_pngs(tmp_path):
         "rollout/branches_per_prompt": 2.0,
         "rollout/tool_calls_mean": 1.5,
         "tools/python_timeouts": 0,
+        "rollout/slot_occupancy": 0.3,
+        "rollout/occupancy_wall": 0.2,
+        **{f"rollout/occupancy_t{10 * i:02d}": 0.5 - 0.05 * i for i in range(10)},
       },
     )
     w.histograms(step, {"actor/entropy": rng.gamma(2.0, 0.5, 200)})
@@ -127,6 +130,8 @@ def test_plot_renders_pngs(tmp_path):
     "branches.png",
     "tool_calls.png",
     "entropy_histogram.png",
+    "slot_occupancy.png",
+    "occupancy_profile.png",
     "overview.png",
   ):
     assert name in written
