@@ -30,8 +30,11 @@ SERIES = {
   "rollout_compile_s": "perf/rollout_compile_s",  # the part of rollout_s spent compiling (new shapes)
   "trajectories": "rollout/trajectories",
   "slot_occupancy": "rollout/slot_occupancy",
+  "occupancy_wall": "rollout/occupancy_wall",  # the same over the rollout's wall time (prefill, tools: 0)
   "staleness_mean": "rollout/staleness_mean",
 }
+OCCUPANCY_TENTHS = [f"occupancy_t{10 * i:02d}" for i in range(10)]  # each tenth of a step's rollout wall time
+SERIES.update({k: f"rollout/{k}" for k in OCCUPANCY_TENTHS})
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -205,8 +208,8 @@ def throughput_table(records: list[dict]) -> str:
   out = (
     f"| algorithm | seeds | trajectories per rollout second, steps 2.. | ratio to {names[0]} (same seeds) | "
     f"steps 2.., compile time excluded | ratio to {names[0]} | all steps (the first compiles) | ratio to "
-    f"{names[0]} | slot occupancy | staleness (tokens, mean) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|\n"
+    f"{names[0]} | slot occupancy (decode steps) | slot occupancy (rollout wall time) | staleness (tokens, mean) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|\n"
   )
   for name in names:
     rs = by[name]
@@ -215,11 +218,11 @@ def throughput_table(records: list[dict]) -> str:
       tps = {s: trajectories_per_rollout_s(r, skip, compiles) for s, r in rs.items()}
       ratio = [tps[s] / trajectories_per_rollout_s(base[s], skip, compiles) for s in rs if s in base and tps[s]]
       cells += [_fmt(*_ci(list(tps.values()))), _fmt(*_ci(ratio), digits=2)]
-    occ = [_mean_over_steps(r, "slot_occupancy") for r in rs.values()]
+    occ = [
+      _fmt(*_ci([_mean_over_steps(r, k) for r in rs.values()]), digits=2) for k in ("slot_occupancy", "occupancy_wall")
+    ]
     stale = [_mean_over_steps(r, "staleness_mean") for r in rs.values()]
-    out += (
-      f"| {name} | {len(rs)} | {' | '.join(cells)} | {_fmt(*_ci(occ), digits=2)} | {_fmt(*_ci(stale), digits=2)} |\n"
-    )
+    out += f"| {name} | {len(rs)} | {' | '.join(cells)} | {' | '.join(occ)} | {_fmt(*_ci(stale), digits=2)} |\n"
   return out
 
 
@@ -240,16 +243,33 @@ def _band(ax, records, key, color, label, x_of=None, ls="-"):
   ax.fill_between(steps, np.nanmin(a, axis=0), np.nanmax(a, axis=0), color=color, alpha=0.15, lw=0)
 
 
+def occupancy_profile(rec: dict):
+  """[10] mean share of slots sampling in each tenth of a step's rollout wall time, over the run's steps after the
+  first (which compiles; all of them for a one-step run), or None when the run did not log it."""
+  rows = list(zip(*[rec.get(k) or [] for k in OCCUPANCY_TENTHS]))
+  rows = [r for r in (rows[1:] if len(rows) > 1 else rows) if None not in r]
+  return np.mean(np.asarray(rows, np.float64), axis=0) if rows else None
+
+
+def short_labels(names: list[str]) -> dict:
+  """Legend labels: each name's `+` parts less those every name shares, one part per line."""
+  parts = [n.split("+") for n in names]
+  common = set(parts[0]).intersection(*parts[1:]) if len(parts) > 1 else set()
+  return {n: "\n+".join([q for q in p if q not in common] or p) for n, p in zip(names, parts)}
+
+
 def plot(records: list[dict], path: str) -> None:
   from matplotlib.figure import Figure
+  from matplotlib.lines import Line2D
   from matplotlib.ticker import MaxNLocator
 
   by = defaultdict(list)
   for r in records:
     by[r["algorithm"]].append(r)
   colors = dict(zip(by, ["tab:gray", "tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]))
-  fig = Figure(figsize=(15, 8.5), constrained_layout=True)
-  axes = fig.subplots(2, 3)
+  labels = short_labels(list(by))
+  fig = Figure(figsize=(20, 8.5), constrained_layout=True)
+  axes = fig.subplots(2, 4)
   panels = [
     (axes[0, 0], None, "held-out accuracy (greedy)"),
     (axes[0, 1], "reward", "train reward"),
@@ -264,16 +284,33 @@ def plot(records: list[dict], path: str) -> None:
   for ax, key, title in panels:
     for algo, rs in by.items():
       if key is None:
-        _band(ax, rs, None, colors[algo], algo, x_of=lambda r: [e["step"] for e in r["evaluations"]])
+        _band(ax, rs, None, colors[algo], labels[algo], x_of=lambda r: [e["step"] for e in r["evaluations"]])
       else:
-        _band(ax, rs, key, colors[algo], algo)
+        _band(ax, rs, key, colors[algo], labels[algo])
       if key == "token_entropy_after_tool":
-        _band(ax, rs, "token_entropy_elsewhere", colors[algo], f"{algo} elsewhere", ls="--")
+        _band(ax, rs, "token_entropy_elsewhere", colors[algo], f"{labels[algo]} elsewhere", ls="--")
     ax.set_title(title)
     ax.set_xlabel("RL step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-  axes[0, 0].legend(loc="best", fontsize=8)
+  axes[1, 3].axis("off")  # the legend's own panel: the names of a sweep's variants are long
+  handles = [Line2D([], [], color=colors[a], marker="o", ms=3) for a in by]
+  names_ = [f"{labels[a]} (n={len(rs)})" for a, rs in by.items()]
+  axes[1, 3].legend(handles, names_, loc="center", fontsize=8, title="mean over seeds; band: seed range")
+  ax = axes[0, 3]
+  xs = np.arange(10) * 10 + 5
+  for algo, rs in by.items():
+    prof = [p for p in (occupancy_profile(r) for r in rs) if p is not None]
+    if prof:
+      a = np.asarray(prof)
+      ax.plot(xs, a.mean(axis=0), marker="o", ms=3, color=colors[algo])
+      ax.fill_between(xs, a.min(axis=0), a.max(axis=0), color=colors[algo], alpha=0.15, lw=0)
+  ax.set_title("slot occupancy over a step's rollout (steps 2..)")
+  ax.set_xlabel("% of the step's rollout wall time")
+  ax.set_ylabel("share of slots sampling")
+  ax.set_xlim(0, 100)
+  ax.set_ylim(bottom=0)
+  ax.grid(alpha=0.3)
   ax = axes[1, 2]
   names = list(by)
   x = np.arange(len(names))
@@ -285,7 +322,7 @@ def plot(records: list[dict], path: str) -> None:
     err = np.array([[m - min(v) for m, v in zip(means, per_seed)], [max(v) - m for m, v in zip(means, per_seed)]])
     err = np.maximum(err, 0.0)  # a mean of equal values may round past them
     ax.bar(x + (j - 0.5) * 0.38, means, 0.38, yerr=err, capsize=3, label=label, color=["tab:olive", "tab:cyan"][j])
-  ax.set_xticks(x, names)
+  ax.set_xticks(x, [labels[n] for n in names], fontsize=7)
   ax.set_ylim(0, 1.05)
   ax.set_title("branch concentration (mean over steps)")
   ax.set_ylabel("share of branches (whiskers: seed range)")

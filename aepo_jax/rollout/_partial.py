@@ -148,7 +148,7 @@ class PartialRollouts:
     if policy.needs_probe():
       probe = lambda: self.loop._probe(run.params, prompts, policy, seed)  # noqa: E731
     counts = policy.initial_counts(len(prompts), probe)
-    for q, prompt, payload, m in zip(slots, prompts, payloads, counts):
+    for k, (q, prompt, payload, m) in enumerate(zip(slots, prompts, payloads, counts)):
       run.counts_p[q] = 0
       policy.consecutive_p[q] = 0
       self.groups[q] = _Group(payload, version, self._admitted)
@@ -157,6 +157,10 @@ class PartialRollouts:
       run.group_rounds[q] = 0
       for _ in range(int(m)):
         self.loop._new_record(run, q, "global", prompt, first_round=0)
+      if (k + 1) % self.groups_per_call == 0:
+        # Prefill groups_per_call prompts at a time: the first call's capacity then runs the same prefill and
+        # fork programs as every later call's groups_per_call (one shape, compiled once).
+        self.loop._admit(run)
 
   def _complete(self, run: _Run) -> set:
     """Prompt slots whose group can change no more: its clock stopped after a round that left nothing alive (its

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from absl import app
 
@@ -188,6 +189,36 @@ def test_a_runs_record_and_table_carry_pass_at_k_and_the_per_token_entropy_split
   assert "| pass@1 before RL | pass@1 after RL | pass@4 before RL | pass@4 after RL |" in table
   assert "| 0.400 [0.400, 0.400] | 0.800 [0.800, 0.800] |" in table
   assert "| 0.900 / 0.400 |" in table  # per token: after tool results / elsewhere, means over steps
+
+
+def test_the_occupancy_profile_of_a_sweep_is_read_tabled_and_drawn(tmp_path):
+  """rollout/occupancy_t00..t90 per step -> the run's mean profile over the steps after the first (which compiles),
+  the wall-time occupancy column of the throughput table, and the profile panel of the plot."""
+  import types
+
+  import _compare_report as report
+
+  def line(step, profile):
+    occ = {f"rollout/occupancy_t{10 * i:02d}": v for i, v in enumerate(profile)}
+    return {"step": step, "reward/mean": 0.1, "rollout/trajectories": 16, "perf/rollout_s": 8.0, **occ,
+            "rollout/occupancy_wall": float(np.mean(profile)), "rollout/slot_occupancy": 0.5}  # fmt: skip
+
+  records = []
+  for algo, tail in (("sync", 0.1), ("partial", 0.6)):
+    d = tmp_path / algo
+    d.mkdir()
+    lines = [line(1, [0.9] * 10), line(2, [0.5] * 8 + [tail] * 2), line(3, [0.5] * 8 + [tail + 0.2] * 2)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (d / "summary.json").write_text(json.dumps({"wall_s": 60.0}))
+    run = dict(algorithm=algo, seed=0, dir=str(d), reverted=[], config=types.SimpleNamespace(workdir=str(d)))
+    records.append(report.read_run(run))
+  np.testing.assert_allclose(report.occupancy_profile(records[0]), [0.5] * 8 + [0.2] * 2)  # step 1 left out
+  np.testing.assert_allclose(report.occupancy_profile(records[1]), [0.5] * 8 + [0.7] * 2)
+  table = report.throughput_table(records)  # occupancy columns: means over all steps, per decode step and wall time
+  assert "| 0.50 [0.50, 0.50] | 0.59 [0.59, 0.59] |" in table  # sync: (0.9 + 0.42 + 0.46) / 3
+  assert "| 0.50 [0.50, 0.50] | 0.66 [0.66, 0.66] |" in table  # partial: (0.9 + 0.52 + 0.56) / 3
+  report.plot(records, str(tmp_path / "algorithms.png"))
+  assert (tmp_path / "algorithms.png").stat().st_size > 10_000
 
 
 def _sweep(out, tok_dir):
