@@ -31,6 +31,7 @@ SERIES = {
   "trajectories": "rollout/trajectories",
   "slot_occupancy": "rollout/slot_occupancy",
   "occupancy_wall": "rollout/occupancy_wall",  # the same over the rollout's wall time (prefill, tools: 0)
+  "engine_slots": "rollout/engine_slots",  # the slots those are shares of
   "staleness_mean": "rollout/staleness_mean",
 }
 OCCUPANCY_TENTHS = [f"occupancy_t{10 * i:02d}" for i in range(10)]  # each tenth of a step's rollout wall time
@@ -243,12 +244,19 @@ def _band(ax, records, key, color, label, x_of=None, ls="-"):
   ax.fill_between(steps, np.nanmin(a, axis=0), np.nanmax(a, axis=0), color=color, alpha=0.15, lw=0)
 
 
-def occupancy_profile(rec: dict):
+def occupancy_profile(rec: dict, slots: bool = False):
   """[10] mean share of slots sampling in each tenth of a step's rollout wall time, over the run's steps after the
-  first (which compiles; all of them for a one-step run), or None when the run did not log it."""
-  rows = list(zip(*[rec.get(k) or [] for k in OCCUPANCY_TENTHS]))
-  rows = [r for r in (rows[1:] if len(rows) > 1 else rows) if None not in r]
-  return np.mean(np.asarray(rows, np.float64), axis=0) if rows else None
+  first (which compiles; all of them for a one-step run), or None when the run did not log it. slots=True: in
+  slots (the share times the engine's slots, where the run logged them)."""
+  n = len(rec.get("steps") or [])
+  cols = [rec.get(k) or [None] * n for k in OCCUPANCY_TENTHS]
+  if slots:
+    cols.append([1.0 if x is None else x for x in rec.get("engine_slots") or [None] * n])
+  rows = [r for r in (list(zip(*cols))[1:] if n > 1 else zip(*cols)) if None not in r]
+  if not rows:
+    return None
+  a = np.asarray(rows, np.float64)
+  return (a[:, :-1] * a[:, -1:] if slots else a).mean(axis=0)
 
 
 def short_labels(names: list[str]) -> dict:
@@ -300,14 +308,14 @@ def plot(records: list[dict], path: str) -> None:
   ax = axes[0, 3]
   xs = np.arange(10) * 10 + 5
   for algo, rs in by.items():
-    prof = [p for p in (occupancy_profile(r) for r in rs) if p is not None]
+    prof = [p for p in (occupancy_profile(r, slots=True) for r in rs) if p is not None]
     if prof:
       a = np.asarray(prof)
       ax.plot(xs, a.mean(axis=0), marker="o", ms=3, color=colors[algo])
       ax.fill_between(xs, a.min(axis=0), a.max(axis=0), color=colors[algo], alpha=0.15, lw=0)
-  ax.set_title("slot occupancy over a step's rollout (steps 2..)")
+  ax.set_title("slots sampling over a step's rollout (steps 2..)")
   ax.set_xlabel("% of the step's rollout wall time")
-  ax.set_ylabel("share of slots sampling")
+  ax.set_ylabel("slots sampling (mean over each tenth)")
   ax.set_xlim(0, 100)
   ax.set_ylim(bottom=0)
   ax.grid(alpha=0.3)

@@ -127,6 +127,7 @@ class _Run:
     profile = occupancy_profile(self.chunk_spans, self.phase_start, time.monotonic())  # the tail made visible
     out.update({f"rollout/occupancy_t{100 * i // profile.size:02d}": float(v) for i, v in enumerate(profile)})
     out["rollout/occupancy_wall"] = float(profile.mean())
+    out["rollout/engine_slots"] = float(self.engine.max_slots)  # what the occupancies are shares of (per host)
     if paged:
       out["rollout/preemptions"] = float(self.preemptions)
     if self.tool_overlap:

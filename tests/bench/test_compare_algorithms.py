@@ -198,22 +198,25 @@ def test_the_occupancy_profile_of_a_sweep_is_read_tabled_and_drawn(tmp_path):
 
   import _compare_report as report
 
-  def line(step, profile):
+  def line(step, profile, slots):
     occ = {f"rollout/occupancy_t{10 * i:02d}": v for i, v in enumerate(profile)}
     return {"step": step, "reward/mean": 0.1, "rollout/trajectories": 16, "perf/rollout_s": 8.0, **occ,
-            "rollout/occupancy_wall": float(np.mean(profile)), "rollout/slot_occupancy": 0.5}  # fmt: skip
+            "rollout/occupancy_wall": float(np.mean(profile)), "rollout/slot_occupancy": 0.5,
+            "rollout/engine_slots": slots}  # fmt: skip
 
   records = []
-  for algo, tail in (("sync", 0.1), ("partial", 0.6)):
+  for algo, tail, slots in (("sync", 0.1, 16), ("partial", 0.6, 32)):
     d = tmp_path / algo
     d.mkdir()
-    lines = [line(1, [0.9] * 10), line(2, [0.5] * 8 + [tail] * 2), line(3, [0.5] * 8 + [tail + 0.2] * 2)]
+    lines = [line(1, [0.9] * 10, slots), line(2, [0.5] * 8 + [tail] * 2, slots)]
+    lines.append(line(3, [0.5] * 8 + [tail + 0.2] * 2, slots))
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (d / "summary.json").write_text(json.dumps({"wall_s": 60.0}))
     run = dict(algorithm=algo, seed=0, dir=str(d), reverted=[], config=types.SimpleNamespace(workdir=str(d)))
     records.append(report.read_run(run))
   np.testing.assert_allclose(report.occupancy_profile(records[0]), [0.5] * 8 + [0.2] * 2)  # step 1 left out
   np.testing.assert_allclose(report.occupancy_profile(records[1]), [0.5] * 8 + [0.7] * 2)
+  np.testing.assert_allclose(report.occupancy_profile(records[1], slots=True), [16.0] * 8 + [22.4] * 2)  # x 32
   table = report.throughput_table(records)  # occupancy columns: means over all steps, per decode step and wall time
   assert "| 0.50 [0.50, 0.50] | 0.59 [0.59, 0.59] |" in table  # sync: (0.9 + 0.42 + 0.46) / 3
   assert "| 0.50 [0.50, 0.50] | 0.66 [0.66, 0.66] |" in table  # partial: (0.9 + 0.52 + 0.56) / 3
