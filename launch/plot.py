@@ -177,18 +177,26 @@ def _entropy_histograms(workdir, out, plt, hist_file, read_metrics, sft_total=0)
     return []
   if not hists:
     return []
-  picks = [hists[0], hists[len(hists) // 2], hists[-1]]
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  for h in {id(h): h for h in picks}.values():
+  for h in _first_middle_last(hists):
     edges = h["edges"]
     centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
     total = max(sum(h["counts"]), 1)
     ax.plot(centers, [c / total for c in h["counts"]], label=f"step {sft_total + int(h['step'])} (RL {h['step']})")
   ax.set_title("token entropy distribution")
   ax.set_xlabel("entropy (nats)")
+  return _save(fig, ax, plt, out, "entropy_histogram.png")
+
+
+def _first_middle_last(rows: list) -> list:
+  return list({id(r): r for r in (rows[0], rows[len(rows) // 2], rows[-1])}.values())
+
+
+def _save(fig, ax, plt, out, name) -> list:
+  """The legend, then the figure as out/name; [its path]."""
   ax.legend(fontsize=7)
   fig.tight_layout()
-  path = os.path.join(out, "entropy_histogram.png")
+  path = os.path.join(out, name)
   fig.savefig(path, dpi=100)
   plt.close(fig)
   return [path]
@@ -202,23 +210,15 @@ def _occupancy_profiles(records, out, plt, sft_total=0):
   rows = [r for r in records if not _is_sft(r) and all(k in r for k in keys)] if keys else []
   if not rows:
     return []
-  picks = {id(r): r for r in (rows[0], rows[len(rows) // 2], rows[-1])}.values()
   xs = [int(k[-2:]) + 50 / len(keys) for k in keys]  # the middle of each bin, in % of the phase
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  for r in picks:
+  for r in _first_middle_last(rows):
     ax.plot(xs, [r[k] for k in keys], marker="o", ms=3, label=f"step {sft_total + int(r['step'])} (RL {r['step']})")
-  ax.set_title("slot occupancy over the rollout phase")
-  ax.set_xlabel("% of the step's rollout time")
+  ax.set(title="slot occupancy over the rollout phase", xlabel="% of the step's rollout time", xlim=(0, 100))
   ax.set_ylabel("share of slots sampling")
-  ax.set_xlim(0, 100)
   ax.set_ylim(bottom=0)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
-  path = os.path.join(out, "occupancy_profile.png")
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return [path]
+  return _save(fig, ax, plt, out, "occupancy_profile.png")
 
 
 def main(argv):
