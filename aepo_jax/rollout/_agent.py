@@ -317,16 +317,18 @@ class AgentLoop(_Scheduling):
     recs = [run.records[i] for i in take]
     for i in take:
       run.queue.remove(i)
-    run.state = self.engine.add(
-      run.params,
-      run.state,
-      slots,
-      [r.prompt_tokens + r.tokens for r in recs],
-      [self._seed(run, r.index) for r in recs],
-      [self._resume_budget(r, run) if r.index in run.seg_resume else self._call_budget(r) for r in recs],
-    )
+    added = self._fork_refills(run, slots, recs)  # fresh samples of a prompt another slot holds: forked
+    if added:
+      run.state = self.engine.add(
+        run.params,
+        run.state,
+        [s for s, _ in added],
+        [r.prompt_tokens + r.tokens for _, r in added],
+        [self._seed(run, r.index) for _, r in added],
+        [self._resume_budget(r, run) if r.index in run.seg_resume else self._call_budget(r) for _, r in added],
+      )
     resumed = []
-    for s, r in zip(slots, recs):
+    for s, r in added:
       r.slot, r.device_len = s, r.response_len
       run.slot_rec[s] = r.index
       if r.index in run.seg_resume:  # preempted mid-segment: the same segment goes on

@@ -220,9 +220,11 @@ class _Scheduling:
         run.queue.append(child.index)
     if forks:
       self._fork_on_device(run, forks)
+    refills = []
     for p in plan.refills:
       first = next(r for r in run.records if r.prompt == p and r.kind != "probe")
-      self._new_record(run, p, "refill", first.prompt_tokens, rnd + 1)
+      refills.append(self._new_record(run, p, "refill", first.prompt_tokens, rnd + 1))
+    self._start_refills(run, refills)
     return plan
 
   def _end_group_rounds(self, run: _Run, policy: RolloutPolicy) -> bool:
@@ -306,6 +308,58 @@ class _Scheduling:
         c.device_len = c.fork_pos
         self._start_segment(c)
         run.decoding.add(c.slot)
+
+  def _fork_refills(self, run: _Run, slots, recs) -> list:
+    """Starts the fresh trajectories among `recs` (a refill, a new global sample: nothing generated yet) whose prompt
+    another slot holds by copying that slot and rewinding it to the prompt, instead of prefilling the prompt again
+    (the same KV, computed once; paged: its full pages shared). Each keeps its own key and budget, as `add` would
+    give it. Returns the (slot, record) pairs left for `add`. A prompt's KV may have been computed by an earlier
+    version of the weights (partial rollouts), as a carried trajectory's is."""
+    holder = {}
+    for s, i in run.slot_rec.items():
+      other = run.records[i]
+      if other.kind != "probe":
+        holder.setdefault((other.prompt, len(other.prompt_tokens)), (s, other.prompt_tokens))
+    forks, rest = [], []
+    for s, r in zip(slots, recs):
+      src = holder.get((r.prompt, len(r.prompt_tokens)))
+      fresh = not r.response_len and r.index not in run.seg_resume and r.kind != "probe"
+      if fresh and src is not None and src[1] == r.prompt_tokens:
+        forks.append((src[0], s, r))
+      else:
+        rest.append((s, r))
+    if forks and self._paged():  # a fork takes at most 3 pages (its copied last page, a cut's copy, its first write)
+      need = 3 * len(forks) + sum(self._pages_for(len(r.prompt_tokens) + r.response_len + 1) for _, r in rest)
+      if need > self._spare_pages(run):
+        return list(zip(slots, recs))
+    if forks:
+      dst = [d for _, d, _ in forks]
+      seeds = [self._seed(run, r.index) for _, _, r in forks]
+      run.state = self.engine.copy_slots(run.state, [a for a, _, _ in forks], dst, seeds)
+      run.state = self.engine.truncate(run.state, dst, [len(r.prompt_tokens) for _, _, r in forks])
+      budgets = [self._call_budget(r) for _, _, r in forks]
+      run.state = self.engine.extend(run.params, run.state, dst, [[] for _ in forks], budgets)
+      for _, d, r in forks:
+        r.forked_on_device, r.slot, r.device_len = True, d, 0
+        run.slot_rec[d] = r.index
+        self._start_segment(r)
+        run.decoding.add(d)
+    return rest
+
+  def _start_refills(self, run: _Run, refills) -> None:
+    """Refills planned at a round's close start at once where a slot is free and a slot of their group holds the
+    prompt (forked as `_fork_refills`; before the round's finished trajectories give their slots back), as
+    branches do; the others wait in the queue for `_admit`."""
+    take = refills[: len(run.free)]
+    if not take:
+      return
+    slots = [run.free.pop(0) for _ in take]
+    for r in take:
+      run.queue.remove(r.index)
+    for s, r in self._fork_refills(run, slots, take):  # no slot holds the prompt: prefilled when admitted
+      run.free.append(s)
+      run.queue.append(r.index)
+    run.free.sort()
 
   # ------------------------------------------------------------------------------------------------ pages
   def _paged(self) -> bool:

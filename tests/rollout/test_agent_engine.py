@@ -113,6 +113,22 @@ def check_trajectories(params, tr, n=4):
   return int((tr.parent_b >= 0).sum())
 
 
+@pytest.mark.parametrize("layout", ["dense", pytest.param("paged", marks=pytest.mark.slow)])
+def test_refills_fork_a_slot_holding_their_prompt(params, layout, monkeypatch):
+  """ARPO that never branches (tau = w = 0): each prompt's 3 refills (fresh samples after its first one) start from
+  a copy of a slot holding the prompt, rewound to it, instead of a prefill; their tokens, log-probs and entropies
+  equal a teacher-forced forward (the copied KV is the prompt's), and with every slot kept none is prefilled twice."""
+  loop = _loop(max_slots=16) if layout == "dense" else _paged_loop(num_pages=16 * 12 + 1, max_slots=16)
+  added, add = [], loop.engine.add
+  monkeypatch.setattr(loop.engine, "add", lambda p, s, slots, *a, **k: added.extend(slots) or add(p, s, slots, *a, **k))
+  policy = rollout_policy("arpo", n=4, initial_rollouts=1, branch_threshold=0.0, entropy_weight=0.0)
+  tr = loop.rollout(params, PROMPTS, policy, seed=5)
+  assert check_trajectories(params, tr) == 0 and (tr.parent_b < 0).all()
+  assert len(added) == len(PROMPTS)  # one prefill per prompt
+  assert tr.stats["rollout/prefill_tokens_saved_by_fork"] == 3 * sum(len(p) for p in PROMPTS)
+  assert len({tuple(t) for t in tr.tokens_bt.tolist()}) > len(PROMPTS)  # the refills sampled with their own keys
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["corrected", "faithful"])
 def test_multi_turn_arpo_on_real_engine(params, mode):

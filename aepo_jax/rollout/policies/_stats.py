@@ -126,7 +126,9 @@ def tree_stats(records, *, estimator: str = "exact", window: int = 20, vocab_siz
         after_tool.append(s.accum)
   h_first = _stat(first, estimator, window, vocab_size)
   h_after = _stat(after_tool, estimator, window, vocab_size)
-  saved = sum(len(r.prompt_tokens) + r.fork_pos for r in records if r.kind == "branch" and r.forked_on_device)
+  # Branches forked on device save their prompt and prefix; fresh samples forked from a slot holding their prompt
+  # (refills) the prompt.
+  saved = sum(len(r.prompt_tokens) + max(r.fork_pos, 0) for r in records if r.forked_on_device)
   depths = [depth[r.index] for r in records]
   stops = collections.Counter(r.stop_reason for r in records)
   n = max(len(records), 1)
