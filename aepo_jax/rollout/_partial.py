@@ -13,7 +13,13 @@ a step's slowest trajectories finish. What makes it safe for the objective:
   sampling log-prob (the behaviour policy of `algo.off_policy`).
 - Bounded staleness, by finishing first: a call does not return before every group started at version
   <= version - max_staleness is complete, and complete groups are handed back oldest first, so no token of an
-  update is more than max_staleness versions older than the weights being updated. Nothing is dropped for
+  update is more than max_staleness versions older than the weights being updated.
+- Which complete groups a call hands back (`order`): 'completion' (the default) returns as soon as any
+  groups_per_call groups are complete, the oldest of them first; groups whose trees are short (no tool call, no
+  branch) thus reach the update sooner than long ones of the same prompts' batch. 'admission' returns exactly the
+  groups_per_call oldest groups, once all of them are complete: every update sees the prompts in the order the data
+  gave them, with no bias toward short trees, at the cost of waiting for the oldest group's slowest trajectory (the
+  younger groups decode meanwhile). Nothing is dropped for
   staleness (`rollout/dropped_stale` stays 0); what was carried over is dropped only when the run stops (a
   preemption, a restart: the resumed run starts with an empty carry, `drop()`).
 - The KV cache of a carried trajectory is kept as computed by the older weights (as PipelineRL does; AReaL
@@ -57,13 +63,17 @@ class PartialRollouts:
   step with the calls) and returns `groups_per_call` complete groups, group ids 0.. in the order of `payloads`.
   """
 
-  def __init__(self, loop: AgentLoop, policy, *, groups_per_call: int, max_staleness: int):
+  ORDERS = ("completion", "admission")
+
+  def __init__(self, loop: AgentLoop, policy, *, groups_per_call: int, max_staleness: int, order: str = "completion"):
     if groups_per_call < 1 or max_staleness < 1:
       raise ValueError(
         f"PartialRollouts: groups_per_call={groups_per_call} must be >= 1 and max_staleness={max_staleness} >= 1 "
         "(0 is the synchronous rollout: use AgentLoop.rollout)."
       )
-    self.loop, self.policy = loop, policy
+    if order not in self.ORDERS:
+      raise ValueError(f"PartialRollouts: order={order!r}; use one of {self.ORDERS} (train.hand_back).")
+    self.loop, self.policy, self.order = loop, policy, order
     self.groups_per_call, self.max_staleness = int(groups_per_call), int(max_staleness)
     # Groups alive at once: at most those of the last max_staleness + 1 versions (the bound), one table of them.
     self.capacity = self.groups_per_call * (self.max_staleness + 1)
@@ -167,15 +177,18 @@ class PartialRollouts:
     budget spent: a group with budget left is refilled when its round closes)."""
     return set(self.groups) - set(run.group_rounds)
 
+  def _oldest(self, groups) -> list:
+    return sorted(groups, key=lambda q: (self.groups[q].version, self.groups[q].order))[: self.groups_per_call]
+
   def _ready(self, run: _Run, version: int) -> bool:
     done = self._complete(run)
+    if self.order == "admission":
+      return set(self._oldest(self.groups)) <= done
     forced = {q for q, g in self.groups.items() if g.version <= version - self.max_staleness}
     return len(done) >= self.groups_per_call and forced <= done
 
   def _choose(self, run: _Run) -> list:
-    done = self._complete(run)
-    order = sorted(done, key=lambda q: (self.groups[q].version, self.groups[q].order))
-    return order[: self.groups_per_call]
+    return self._oldest(self._complete(run))
 
   def _hand_back(self, run: _Run, slots: list, version: int, decoded: int, slot_steps: int) -> tuple:
     rank = {q: i for i, q in enumerate(slots)}

@@ -352,6 +352,11 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     f"train.max_staleness={t.max_staleness!r}: an integer >= 0 (0 = synchronous steps).",
   )
   need(
+    t.hand_back in ("completion", "admission"),
+    f"train.hand_back={t.hand_back!r}: use 'completion' or 'admission' (which complete groups a partial-rollout "
+    "step trains on).",
+  )
+  need(
     not (t.max_staleness and a.filter_groups),
     f"train.max_staleness={t.max_staleness} with algo.filter_groups=True: DAPO's dynamic sampling is not supported "
     "with partial rollouts; set one of them off.",

@@ -229,6 +229,11 @@ def base_config() -> ml_collections.ConfigDict:
   # to the next step under the new weights, and no token of an update was sampled more than k steps (weight versions)
   # before it (algo.off_policy corrects for it). Carried-over trajectories are dropped at a restart.
   c.train.max_staleness = 0
+  # With max_staleness > 0, which complete groups a step trains on: 'completion' = the first data.prompts_per_step
+  # to complete (oldest first; a group more than max_staleness steps old is always waited for), 'admission' = the
+  # oldest data.prompts_per_step groups, in the data's order (no bias toward groups with short trees; waits for
+  # their slowest trajectory while the younger groups decode).
+  c.train.hand_back = "completion"
   c.train.nan_limit = 3  # non-finite losses skipped before a clear stop
   c.train.eval_every = 0  # 0 = only before and after RL
   c.train.log_every = 1

@@ -180,7 +180,11 @@ class Rollout:
 
     if self.partial is None:
       self.partial = rollout_lib.PartialRollouts(
-        self.loop, self.policy, groups_per_call=self.prompts_per_call, max_staleness=self.config.train.max_staleness
+        self.loop,
+        self.policy,
+        groups_per_call=self.prompts_per_call,
+        max_staleness=self.config.train.max_staleness,
+        order=self.config.train.hand_back,
       )
     prompts = []
     while len(prompts) < self.partial.wanted():

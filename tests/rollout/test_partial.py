@@ -76,6 +76,32 @@ def test_an_engine_running_6_rows_a_call_decodes_the_oldest_groups_first(params)
   assert max(len(d) for _, d in calls) > 6  # more decoding than the 6 rows a call runs
 
 
+def test_admission_order_hands_back_the_oldest_groups_in_the_datas_order(params):  # noqa: F811
+  """order='admission': each call returns exactly the groups_per_call oldest groups, in the order they were given,
+  complete and exact, and it waits for them: at some point enough younger groups were complete for a
+  'completion'-order call to return with them (which 'admission' removes: no bias toward short trees)."""
+  loop = _loop()
+  policy = rollout_policy("arpo", n=4, initial_rollouts=2, mode="corrected")
+  partial = PartialRollouts(loop, policy, groups_per_call=len(PROMPTS), max_staleness=2, order="admission")
+  waited, ready = [], partial._ready
+
+  def watch(run, version):
+    done = partial._complete(run)
+    waited.append(len(done) >= partial.groups_per_call and not set(partial._oldest(partial.groups)) <= done)
+    return ready(run, version)
+
+  partial._ready = watch
+  got = []
+  for v, tr, payloads, m in _calls(partial, params, range(5)):
+    check_trajectories(params, tr)
+    assert all(v - g <= 2 for g, _ in payloads) and m["rollout/staleness_max"] <= 2
+    got += payloads
+  assert got == [(0, i) for i in range(9)] + [(v, i) for v in (1, 2) for i in range(3)]  # 9 in the first call
+  assert any(waited)
+  with pytest.raises(ValueError, match="order='fifo'"):
+    PartialRollouts(loop, policy, groups_per_call=2, max_staleness=1, order="fifo")
+
+
 def test_versions_follow_the_weights(params):  # noqa: F811
   """Each call is a new policy version: the tokens of carried trajectories carry the version of the call that sampled
   them, never decreasing along a trajectory and never beyond the last call, within the staleness bound."""
