@@ -29,6 +29,7 @@ SERIES = {
   "rollout_s": "perf/rollout_s",
   "rollout_compile_s": "perf/rollout_compile_s",  # the part of rollout_s spent compiling (new shapes)
   "trajectories": "rollout/trajectories",
+  "decode_tokens": "rollout/decode_tokens",  # tokens sampled in the step's rollout (carried trajectories' too)
   "slot_occupancy": "rollout/slot_occupancy",
   "occupancy_wall": "rollout/occupancy_wall",  # the same over the rollout's wall time (prefill, tools: 0)
   "engine_slots": "rollout/engine_slots",  # the slots those are shares of
@@ -184,14 +185,17 @@ def table(records: list[dict]) -> str:
   return head + "\n".join(rows) + "\n"
 
 
-def trajectories_per_rollout_s(rec: dict, skip_first: bool = True, compiles: bool = True) -> float | None:
-  """Completed trajectories per second of rollout time over a run's steps (the first step, which compiles the
-  engine, left out when there are others); compiles=False: less the rollout's compile time (a later step's first
-  call of a new shape), the steady state of a long run (runs without the metric count it as 0)."""
+def trajectories_per_rollout_s(
+  rec: dict, skip_first: bool = True, compiles: bool = True, key: str = "trajectories"
+) -> float | None:
+  """Completed trajectories (key='decode_tokens': sampled tokens) per second of rollout time over a run's steps (the
+  first step, which compiles the engine, left out when there are others); compiles=False: less the rollout's
+  compile time (a later step's first call of a new shape), the steady state of a long run (runs without the metric
+  count it as 0)."""
   comp = rec.get("rollout_compile_s") or [None] * len(rec["rollout_s"])
   pairs = [
     (t, s - (0.0 if compiles or c is None else c))
-    for t, s, c in zip(rec["trajectories"], rec["rollout_s"], comp)
+    for t, s, c in zip(rec.get(key) or [None] * len(rec["rollout_s"]), rec["rollout_s"], comp)
     if t is not None and s
   ]
   if skip_first and len(pairs) > 1:
@@ -209,8 +213,10 @@ def throughput_table(records: list[dict]) -> str:
   out = (
     f"| algorithm | seeds | trajectories per rollout second, steps 2.. | ratio to {names[0]} (same seeds) | "
     f"steps 2.., compile time excluded | ratio to {names[0]} | all steps (the first compiles) | ratio to "
-    f"{names[0]} | slot occupancy (decode steps) | slot occupancy (rollout wall time) | staleness (tokens, mean) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    f"{names[0]} | slot occupancy (decode steps) | slot occupancy (rollout wall time) | staleness (tokens, mean) | "
+    f"tokens sampled per rollout second, steps 2.. | ratio to {names[0]} | response tokens per trajectory (mean "
+    "over steps) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
   )
   for name in names:
     rs = by[name]
@@ -223,7 +229,17 @@ def throughput_table(records: list[dict]) -> str:
       _fmt(*_ci([_mean_over_steps(r, k) for r in rs.values()]), digits=2) for k in ("slot_occupancy", "occupancy_wall")
     ]
     stale = [_mean_over_steps(r, "staleness_mean") for r in rs.values()]
-    out += f"| {name} | {len(rs)} | {' | '.join(cells)} | {' | '.join(occ)} | {_fmt(*_ci(stale), digits=2)} |\n"
+    # What the trajectory rate hides: a run whose trajectories got shorter (fewer tool calls) completes more a second
+    # at the same sampling speed.
+    toks = {s: trajectories_per_rollout_s(r, key="decode_tokens") for s, r in rs.items()}
+    base_toks = {s: trajectories_per_rollout_s(r, key="decode_tokens") for s, r in base.items()}
+    tok_ratio = [toks[s] / base_toks[s] for s in rs if toks[s] and base_toks.get(s)]
+    length = [_mean_over_steps(r, "response_len") for r in rs.values()]
+    out += (
+      f"| {name} | {len(rs)} | {' | '.join(cells)} | {' | '.join(occ)} | {_fmt(*_ci(stale), digits=2)} | "
+      f"{_fmt(*_ci([t for t in toks.values() if t]), digits=1)} | {_fmt(*_ci(tok_ratio), digits=2)} | "
+      f"{_fmt(*_ci(length), digits=1)} |\n"
+    )
   return out
 
 
@@ -266,6 +282,16 @@ def short_labels(names: list[str]) -> dict:
   return {n: "\n+".join([q for q in p if q not in common] or p) for n, p in zip(names, parts)}
 
 
+def plot_labels(names: list[str]) -> tuple:
+  """(legend labels, bar-axis ticks): the short labels, and as ticks too where they are short; else the ticks are
+  numbers, which the legend labels then start with (long variant names overlapped under the bars)."""
+  labels = short_labels(names)
+  if not any("\n" in v or len(v) > 14 for v in labels.values()):
+    return labels, dict(labels)
+  ticks = {n: f"({i + 1})" for i, n in enumerate(names)}
+  return {n: f"{ticks[n]} {labels[n]}" for n in names}, ticks
+
+
 def plot(records: list[dict], path: str) -> None:
   from matplotlib.figure import Figure
   from matplotlib.lines import Line2D
@@ -275,7 +301,7 @@ def plot(records: list[dict], path: str) -> None:
   for r in records:
     by[r["algorithm"]].append(r)
   colors = dict(zip(by, ["tab:gray", "tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]))
-  labels = short_labels(list(by))
+  labels, ticks = plot_labels(list(by))
   fig = Figure(figsize=(20, 8.5), constrained_layout=True)
   axes = fig.subplots(2, 4)
   panels = [
@@ -330,7 +356,7 @@ def plot(records: list[dict], path: str) -> None:
     err = np.array([[m - min(v) for m, v in zip(means, per_seed)], [max(v) - m for m, v in zip(means, per_seed)]])
     err = np.maximum(err, 0.0)  # a mean of equal values may round past them
     ax.bar(x + (j - 0.5) * 0.38, means, 0.38, yerr=err, capsize=3, label=label, color=["tab:olive", "tab:cyan"][j])
-  ax.set_xticks(x, [labels[n] for n in names], fontsize=7)
+  ax.set_xticks(x, [ticks[n] for n in names], fontsize=8)
   ax.set_ylim(0, 1.05)
   ax.set_title("branch concentration (mean over steps)")
   ax.set_ylabel("share of branches (whiskers: seed range)")

@@ -202,7 +202,8 @@ def test_the_occupancy_profile_of_a_sweep_is_read_tabled_and_drawn(tmp_path):
     occ = {f"rollout/occupancy_t{10 * i:02d}": v for i, v in enumerate(profile)}
     return {"step": step, "reward/mean": 0.1, "rollout/trajectories": 16, "perf/rollout_s": 8.0, **occ,
             "rollout/occupancy_wall": float(np.mean(profile)), "rollout/slot_occupancy": 0.5,
-            "rollout/engine_slots": slots}  # fmt: skip
+            "rollout/engine_slots": slots, "rollout/decode_tokens": 25 * slots + 400,
+            "rollout/response_len_mean": slots / 4}  # fmt: skip
 
   records = []
   for algo, tail, slots in (("sync", 0.1, 16), ("partial", 0.6, 32)):
@@ -220,8 +221,21 @@ def test_the_occupancy_profile_of_a_sweep_is_read_tabled_and_drawn(tmp_path):
   table = report.throughput_table(records)  # occupancy columns: means over all steps, per decode step and wall time
   assert "| 0.50 [0.50, 0.50] | 0.59 [0.59, 0.59] |" in table  # sync: (0.9 + 0.42 + 0.46) / 3
   assert "| 0.50 [0.50, 0.50] | 0.66 [0.66, 0.66] |" in table  # partial: (0.9 + 0.52 + 0.56) / 3
+  # Tokens sampled per rollout second (steps 2..): 800 / 8 and 1200 / 8, ratio 1.5; response tokens 4 and 8.
+  assert "| 100.0 [100.0, 100.0] | 1.00 [1.00, 1.00] | 4.0 [4.0, 4.0] |" in table
+  assert "| 150.0 [150.0, 150.0] | 1.50 [1.50, 1.50] | 8.0 [8.0, 8.0] |" in table
   report.plot(records, str(tmp_path / "algorithms.png"))
   assert (tmp_path / "algorithms.png").stat().st_size > 10_000
+
+
+def test_plot_labels_number_long_variant_names():
+  import _compare_report as report
+
+  assert report.plot_labels(["grpo", "aepo"]) == ({"grpo": "grpo", "aepo": "aepo"},) * 2
+  names = ["config+train.max_staleness=0", "config+train.max_staleness=1+train.hand_back=admission"]
+  labels, ticks = report.plot_labels(names)
+  assert ticks == {names[0]: "(1)", names[1]: "(2)"}
+  assert labels[names[1]] == "(2) train.max_staleness=1\n+train.hand_back=admission"
 
 
 def _sweep(out, tok_dir):
