@@ -13,15 +13,15 @@ a step's slowest trajectories finish. What makes it safe for the objective:
   sampling log-prob (the behaviour policy of `algo.off_policy`).
 - Bounded staleness, by finishing first: a call does not return before every group started at version
   <= version - max_staleness is complete, and complete groups are handed back oldest first, so no token of an
-  update is more than max_staleness versions older than the weights being updated.
+  update is more than max_staleness versions older than the weights being updated. Nothing is dropped for
+  staleness (`rollout/dropped_stale` stays 0); what was carried over is dropped only when the run stops (a
+  preemption, a restart: the resumed run starts with an empty carry, `drop()`).
 - Which complete groups a call hands back (`order`): 'completion' (the default) returns as soon as any
   groups_per_call groups are complete, the oldest of them first; groups whose trees are short (no tool call, no
   branch) thus reach the update sooner than long ones of the same prompts' batch. 'admission' returns exactly the
   groups_per_call oldest groups, once all of them are complete: every update sees the prompts in the order the data
   gave them, with no bias toward short trees, at the cost of waiting for the oldest group's slowest trajectory (the
-  younger groups decode meanwhile). Nothing is dropped for
-  staleness (`rollout/dropped_stale` stays 0); what was carried over is dropped only when the run stops (a
-  preemption, a restart: the resumed run starts with an empty carry, `drop()`).
+  younger groups decode meanwhile).
 - The KV cache of a carried trajectory is kept as computed by the older weights (as PipelineRL does; AReaL
   recomputes it): the new tokens' sampling log-probs are those of what actually sampled them, which the off-policy
   correction needs.

@@ -169,7 +169,7 @@ def mesh_rules(config) -> tuple:
 def _choices(config) -> list:
   """(key, value, known names) for every key whose choices a registry or a part's own table holds."""
   from aepo_jax import objectives, tools
-  from aepo_jax.rollout import policies
+  from aepo_jax.rollout import PartialRollouts, policies
   from aepo_jax.train._step import AGGREGATIONS
 
   r, a = config.rollout, config.algo
@@ -185,6 +185,7 @@ def _choices(config) -> list:
     ("rollout.entropy_estimator", r.entropy_estimator, policies.ESTIMATORS),
     ("rollout.mode", r.mode, policies.MODES),
     ("rollout.premonitor_formula", r.premonitor_formula, policies.PREMONITOR_FORMULAS),
+    ("train.hand_back", config.train.hand_back, PartialRollouts.ORDERS),
     ("tools.search_mode", config.tools.search_mode, tools.SEARCH_MODES),
   ]
 
@@ -350,11 +351,6 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(
     isinstance(t.max_staleness, int) and t.max_staleness >= 0,
     f"train.max_staleness={t.max_staleness!r}: an integer >= 0 (0 = synchronous steps).",
-  )
-  need(
-    t.hand_back in ("completion", "admission"),
-    f"train.hand_back={t.hand_back!r}: use 'completion' or 'admission' (which complete groups a partial-rollout "
-    "step trains on).",
   )
   need(
     not (t.max_staleness and a.filter_groups),

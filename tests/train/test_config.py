@@ -211,6 +211,6 @@ def test_partial_rollout_settings_are_checked():
   c.algo.filter_groups = False
   validate(c, num_devices=8)
   c.train.hand_back = "fifo"
-  assert "train.hand_back='fifo': use 'completion' or 'admission'" in _error(c, num_devices=8)
+  assert "train.hand_back='fifo' is not registered (known: completion, admission)" in _error(c, num_devices=8)
   c.train.hand_back = "admission"
   validate(c, num_devices=8)
