@@ -32,6 +32,7 @@ from aepo_jax.parallel import use_cpu_xla_flags  # noqa: E402  (imports jax; its
 use_cpu_xla_flags()  # the XLA:CPU flags the launchers use, so tests compile what users run
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -46,3 +47,12 @@ def pytest_collection_modifyitems(config, items):
   path = pathlib.Path(__file__).with_name("durations.json")
   seconds = json.loads(path.read_text()) if path.exists() else {}
   items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin has made its stderr copy
+def pytest_configure(config):
+  if not config.pluginmanager.hasplugin("xdist"):
+    return  # no xdist in this run
+  from xdist_crash_safe import register
+
+  register(config)  # `--dist loadfile` that survives a crashed worker; a worker's SIGINT dumps its stacks

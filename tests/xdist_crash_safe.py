@@ -1,0 +1,128 @@
+"""`--dist loadfile` that survives a crashed worker (loaded by tests/conftest.py's `pytest_xdist_make_scheduler`).
+
+pytest-xdist 3.8's LoadFileScheduling handles a worker that dies (segfault, abort, SIGKILL, a SIGINT that ends its
+session) badly: it puts the dead worker's whole file back at the end of the queue, so tests that already passed run
+again and the crashed test both fails and runs again; and the rescheduling can hand work to the replacement worker
+before its collection is registered, after which the session can wait forever (upstream #784, #1313, #1363: one CI
+run here sat until the CI limit). This scheduler, on a crash:
+- names the test that was running (the first unfinished one of the dead worker's files: a worker runs its tests in
+  the order they were handed out) and prints the crash;
+- puts the dead worker's unfinished tests back at the front of the queue, in their order, so the replacement worker
+  picks them up first;
+- runs the crashed test once more on the fresh worker: a crash that repeats fails the test (xdist's "worker crashed
+  while running" report), one that does not is listed in the terminal summary as a crash that passed on its rerun,
+  so a flaky crash is visible in the log without failing CI;
+- hands work only to workers whose collection is registered.
+And in a worker, a SIGINT dumps every thread's stack to the real stderr before Python raises KeyboardInterrupt
+(xdist's controller never sends one; execnet sends one to its own worker when the worker's input pipe ends, then
+exits it 10 s later), so a worker that dies that way says where it was.
+
+Register it from a conftest's `pytest_configure` (trylast): `register(config)`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+from collections import OrderedDict
+
+import pytest
+
+from xdist.scheduler import LoadFileScheduling
+
+RERUNS_AFTER_CRASH = 1
+
+
+class CrashSafeLoadFileScheduling(LoadFileScheduling):
+  def __init__(self, config, log=None):
+    super().__init__(config, log)
+    self.crashes: list[tuple[str, str, int]] = []  # (worker id, test id, how often that test had crashed before)
+    self._crash_counts: dict[str, int] = {}
+
+  def remove_node(self, node):
+    workload = self.assigned_work.pop(node)
+    unfinished = OrderedDict(
+      (scope, OrderedDict((nodeid, False) for nodeid, done in unit.items() if not done))
+      for scope, unit in workload.items()
+    )
+    unfinished = OrderedDict((scope, unit) for scope, unit in unfinished.items() if unit)
+    if not unfinished:
+      return None  # a clean finish
+    crashitem = next(iter(next(iter(unfinished.values()))))
+    before = self._crash_counts.get(crashitem, 0)
+    self._crash_counts[crashitem] = before + 1
+    self.crashes.append((node.gateway.id, crashitem, before))
+    rerun = before < RERUNS_AFTER_CRASH
+    if not rerun:  # reported failed by xdist; the rest of its file still runs
+      scope = self._split_scope(crashitem)
+      del unfinished[scope][crashitem]
+      if not unfinished[scope]:
+        del unfinished[scope]
+    self._say(
+      f"worker {node.gateway.id} died while running {crashitem}"
+      + (": running it once more on a fresh worker" if rerun else f" (crash {before + 1}: reported failed)")
+    )
+    # The dead worker's unfinished files go first, in the order it had them. A file another worker has already
+    # started is never split: `scope` keys are unique across the queue and the assigned work.
+    self.workqueue = OrderedDict(
+      list(unfinished.items()) + [kv for kv in self.workqueue.items() if kv[0] not in unfinished]
+    )
+    for other in list(self.assigned_work):
+      self._reschedule(other)
+    return None if rerun else crashitem
+
+  def _reschedule(self, node):
+    if node not in self.registered_collections:
+      return  # a replacement worker still collecting: `schedule()` runs again once it has
+    super()._reschedule(node)
+
+  def _say(self, message: str) -> None:
+    reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+      reporter.write_line(f"\n[crash-safe loadfile] {message}", red=True, bold=True)
+
+  def summary_lines(self) -> list[str]:
+    lines = []
+    for worker, nodeid, before in self.crashes:
+      again = self._crash_counts[nodeid] > before + 1
+      if before == 0 and not again:
+        lines.append(
+          f"{nodeid}: worker {worker} died while running it; it ran again on a fresh worker (see its result)"
+        )
+      elif before == 0:
+        lines.append(f"{nodeid}: worker {worker} died while running it")
+      else:
+        lines.append(f"{nodeid}: worker {worker} died again on its rerun: reported failed")
+    return lines
+
+
+class CrashSafePlugin:
+  def __init__(self):
+    self.scheduler = None
+
+  def pytest_xdist_make_scheduler(self, config, log):
+    if config.getvalue("dist") != "loadfile":
+      return None  # other --dist modes are xdist's own
+    self.scheduler = CrashSafeLoadFileScheduling(config, log)
+    return self.scheduler
+
+  def pytest_terminal_summary(self, terminalreporter):
+    if self.scheduler is not None and self.scheduler.crashes:
+      terminalreporter.write_sep("=", "workers that died (tests/xdist_crash_safe.py)", red=True)
+      for line in self.scheduler.summary_lines():
+        terminalreporter.write_line(line)
+
+  @pytest.hookimpl(tryfirst=True)
+  def pytest_unconfigure(self, config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+      faulthandler.unregister(signal.SIGINT)  # before pytest closes the stderr copy it writes to
+
+
+def register(config) -> None:
+  from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+  config.pluginmanager.register(CrashSafePlugin(), "xdist_crash_safe")
+  fd = config.stash.get(fault_handler_stderr_fd_key, None)
+  if os.environ.get("PYTEST_XDIST_WORKER") and fd is not None:
+    faulthandler.register(signal.SIGINT, file=fd, all_threads=True, chain=True)
