@@ -93,15 +93,13 @@ from aepo_jax.tools._search import (
 )
 from aepo_jax.tools._sds import (
   SdsBrowseTool,
-  fetch_page_text,
   final_information,
-  pdf_text,
   sds_summarizer,
   snippet_window,
   summary_prompt,
   truncated_prev_reasoning,
-  visible_text,
 )
+from aepo_jax.tools._sds_pages import fetch_page_text, pdf_text, visible_text
 from aepo_jax.tools._toolset import CallState, ToolOutput, ToolSet
 from aepo_jax.tools._web import BingBackend, BraveBackend, SerperBackend, make_search_backend
 from aepo_jax.tools._builtin import EVALUATION_TOOLS  # registers python, search and browse

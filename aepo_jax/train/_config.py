@@ -20,13 +20,11 @@ from aepo_jax.train._defaults import base_config
 from aepo_jax.train._config_checks import (  # re-exported: the config's names are all in this module
   MODES,
   ConfigError,
-  did_you_mean,
-  flatten,
   mesh_rules,
   mesh_shape,
-  unknown_key_hint,
   validate,
 )
+from aepo_jax.train._config_names import did_you_mean, flatten, unknown_key_hint
 
 __all__ = [
   "MODES",
