@@ -13,9 +13,11 @@ run here sat until the CI limit). This scheduler, on a crash:
   while running" report), one that does not is listed in the terminal summary as a crash that passed on its rerun,
   so a flaky crash is visible in the log without failing CI;
 - hands work only to workers whose collection is registered.
-And in a worker, a SIGINT dumps every thread's stack to the real stderr before Python raises KeyboardInterrupt
-(xdist's controller never sends one; execnet sends one to its own worker when the worker's input pipe ends, then
-exits it 10 s later), so a worker that dies that way says where it was.
+And a worker that gets SIGINT prints every thread's stack to the real stderr and exits at once. xdist's controller
+never sends one; execnet sends it to its own worker when the worker's input pipe has ended (and exits it 10 s
+later), after which the worker can take no more work: as a KeyboardInterrupt it would end the whole session (xdist
+stops everything when a worker reports one), as an exit it is a crash, rerun above. A Ctrl-C at the terminal still
+stops the session: the controller gets it too.
 
 Register it from a conftest's `pytest_configure` (trylast): `register(config)`.
 """
@@ -116,13 +118,23 @@ class CrashSafePlugin:
   @pytest.hookimpl(tryfirst=True)
   def pytest_unconfigure(self, config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-      faulthandler.unregister(signal.SIGINT)  # before pytest closes the stderr copy it writes to
+      signal.signal(signal.SIGINT, signal.default_int_handler)  # before pytest closes the stderr copy it writes to
 
 
 def register(config) -> None:
   from _pytest.faulthandler import fault_handler_stderr_fd_key
 
   config.pluginmanager.register(CrashSafePlugin(), "xdist_crash_safe")
-  fd = config.stash.get(fault_handler_stderr_fd_key, None)
-  if os.environ.get("PYTEST_XDIST_WORKER") and fd is not None:
-    faulthandler.register(signal.SIGINT, file=fd, all_threads=True, chain=True)
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    fd = config.stash.get(fault_handler_stderr_fd_key, None)
+    signal.signal(signal.SIGINT, lambda signum, frame: _exit_on_sigint(fd))
+
+
+def _exit_on_sigint(fd) -> None:
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if fd is not None:
+    os.write(
+      fd, f"\n[crash-safe loadfile] worker {worker} (pid {os.getpid()}) got SIGINT: exiting; its threads:\n".encode()
+    )
+    faulthandler.dump_traceback(file=fd, all_threads=True)
+  os._exit(1)
