@@ -30,7 +30,7 @@ import ctypes, os, pathlib, signal, time
 LOG = pathlib.Path(__file__).with_name("runs.log")
 def ran(name):
   with open(LOG, "a") as f:
-    f.write(name + "\\n")
+    f.write(name + " " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
 def segfault():
   ctypes.string_at(0)
 """
@@ -92,8 +92,13 @@ def test_crashed_workers_rerun_once_and_nothing_else_reruns(tmp_path):
     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
   )  # fmt: skip
   out = proc.stdout + proc.stderr
-  runs = (tmp_path / "runs.log").read_text().split()
-  counts = {name: runs.count(name) for name in set(runs)}
+  runs = [line.split() for line in (tmp_path / "runs.log").read_text().splitlines()]
+  names = [name for name, _ in runs]
+  counts = {name: names.count(name) for name in set(names)}
+  # Each rerun ran on a worker started after the crash (gw0 and gw1 are the first two).
+  for name in ("a_crash_once", "b_crash_always", "c_sigint_once"):
+    first, again = [int(worker[2:]) for n, worker in runs if n == name]
+    assert again >= 2 and again != first, (name, runs)
   # The crashed tests ran twice; the always-crashing one failed; every other test ran exactly once.
   assert counts.pop("a_crash_once") == 2 and counts.pop("b_crash_always") == 2, out
   assert counts.pop("c_sigint_once") == 2, out
@@ -102,6 +107,6 @@ def test_crashed_workers_rerun_once_and_nothing_else_reruns(tmp_path):
   assert "1 failed, 17 passed" in out, out
   assert "FAILED test_b.py::test_b_crash_always" in out, out
   assert "died while running test_a.py::test_a_crash_once: running it once more on a fresh worker" in out, out
-  assert "test_b.py::test_b_crash_always: worker" in out and "died again on its rerun: reported failed" in out, out
+  assert "test_b.py::test_b_crash_always: worker" in out and "died while running it; reported failed" in out, out
   assert "got SIGINT: exiting" in out and "in test_c_sigint_once" in out, out  # the stacks at the SIGINT
   assert "workers that died (tests/xdist_crash_safe.py)" in out, out
