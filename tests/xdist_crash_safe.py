@@ -1,4 +1,4 @@
-"""`--dist loadfile` that survives a crashed worker (loaded by tests/conftest.py's `pytest_xdist_make_scheduler`).
+"""`--dist loadfile` that survives a crashed worker (registered by tests/conftest.py's `pytest_configure`).
 
 pytest-xdist 3.8's LoadFileScheduling handles a worker that dies (segfault, abort, SIGKILL, a SIGINT that ends its
 session) badly: it puts the dead worker's whole file back at the end of the queue, so tests that already passed run

@@ -18,7 +18,7 @@ def _copy_project(dst: str) -> None:
   ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".pytest_cache")
   shutil.copytree(os.path.join(ROOT, "aepo_jax"), os.path.join(dst, "aepo_jax"), ignore=ignore)
   shutil.copytree(os.path.join(ROOT, "tests", "tools"), os.path.join(dst, "tests", "tools"), ignore=ignore)
-  for name in ("tests/conftest.py", "pytest.ini", "setup.py"):
+  for name in ("tests/conftest.py", "tests/xdist_crash_safe.py", "pytest.ini", "setup.py"):
     if os.path.exists(os.path.join(ROOT, name)):
       shutil.copy(os.path.join(ROOT, name), os.path.join(dst, name))
 
