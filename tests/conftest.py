@@ -27,6 +27,11 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+# Tiny models: compiling dominates most tests, so XLA:CPU compiles without LLVM optimisation (docs/performance.md,
+# "Compile time against run time"); inherited by every process a test starts. Tests that time or run real workloads
+# as users do (the notebooks, the newcomer's run) take it out: aepo_jax.parallel._xla_flags.without_cpu_fast_compile.
+os.environ.setdefault("AEPO_JAX_CPU_FAST_COMPILE", "1")
+
 from aepo_jax.parallel import use_cpu_xla_flags  # noqa: E402  (imports jax; its backend starts later)
 
 use_cpu_xla_flags()  # the XLA:CPU flags the launchers use, so tests compile what users run

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from aepo_jax.parallel._xla_flags import FAST_COMPILE_ENV
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The README command line with these overrides appended, every size at its smallest useful value (those of the
@@ -66,7 +68,11 @@ def test_readme_main_command_in_a_fresh_clone_and_venv_without_bubblewrap(tmp_pa
       shutil.copy2(os.path.join(ROOT, f), clone / f)
   subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
   path = os.pathsep.join([str(venv / "bin"), _path_without_bwrap(tmp_path)])
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX_", "XLA_", "VIRTUAL_ENV"))}
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("PYTHON", "JAX_", "XLA_", "VIRTUAL_ENV")) and k != FAST_COMPILE_ENV  # as a user runs it
+  }
   env.update(PATH=path, VIRTUAL_ENV=str(venv), PIP_DISABLE_PIP_VERSION_CHECK="1", HF_HUB_OFFLINE="1")
   # pip's --no-compile (its environment variable reads inverted: "0" turns byte-compilation off): the ~11,000
   # modules installed are not all compiled at install time; the run compiles those it imports.

@@ -16,6 +16,8 @@ import time
 import nbformat
 import pytest
 
+from aepo_jax.parallel._xla_flags import FAST_COMPILE_ENV, without_cpu_fast_compile
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "colabs").glob("*.ipynb"))
 EXPECTED = {"aepo_objective.ipynb", "quickstart.ipynb", "evaluate_checkpoint.ipynb"}
@@ -55,10 +57,12 @@ def _kernel_env(monkeypatch):
   monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
   monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+  env = without_cpu_fast_compile(dict(os.environ))  # a notebook runs as a user's: compiled for speed
   flags = " ".join(
-    f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
   )
   monkeypatch.setenv("XLA_FLAGS", flags)
+  monkeypatch.setenv(FAST_COMPILE_ENV, env[FAST_COMPILE_ENV])
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,8 @@ def test_emulation_refuses_a_run_that_is_not_the_slice():
 _WORKER = textwrap.dedent("""
     import json, sys
     import numpy as np
+    from aepo_jax.parallel import use_cpu_xla_flags
+    use_cpu_xla_flags()  # the launchers' XLA:CPU flags (and the test session's fast compiles), as a host gets them
     import jax
     import jax.numpy as jnp
     import optax

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from aepo_jax.parallel import CPU_XLA_FLAGS, use_cpu_xla_flags
 
 
@@ -44,3 +46,25 @@ def test_cpu_flags_stay_off_other_platforms(monkeypatch):
   monkeypatch.delenv("JAX_PLATFORMS")
   monkeypatch.setenv("TPU_WORKER_ID", "0")  # a Cloud TPU VM's marker, before JAX starts
   assert not platform_is_cpu()
+
+
+def test_fast_compile_switch():
+  """AEPO_JAX_CPU_FAST_COMPILE=1 adds LLVM optimisation level 0 (a value the user set stays), 0 or unset adds
+  nothing, anything else is an error naming the variable; without_cpu_fast_compile takes it back out."""
+  from aepo_jax.parallel._xla_flags import FAST_COMPILE_ENV, without_cpu_fast_compile
+
+  off = use_cpu_xla_flags({FAST_COMPILE_ENV: "0"})
+  assert "xla_backend_optimization_level" not in off and use_cpu_xla_flags({}) == off
+  env = {FAST_COMPILE_ENV: "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  on = use_cpu_xla_flags(env)
+  assert on.split() == ["--xla_force_host_platform_device_count=8", *off.split(), "--xla_backend_optimization_level=0"]
+  assert use_cpu_xla_flags({FAST_COMPILE_ENV: "1", "XLA_FLAGS": "--xla_backend_optimization_level=2"}).startswith(
+    "--xla_backend_optimization_level=2 "
+  ) and "level=0" not in use_cpu_xla_flags({FAST_COMPILE_ENV: "1", "XLA_FLAGS": "--xla_backend_optimization_level=2"})
+  assert without_cpu_fast_compile(env)["XLA_FLAGS"].split() == [
+    "--xla_force_host_platform_device_count=8",
+    *off.split(),
+  ]
+  assert env[FAST_COMPILE_ENV] == "0" and use_cpu_xla_flags(env) == env["XLA_FLAGS"]
+  with pytest.raises(ValueError, match="AEPO_JAX_CPU_FAST_COMPILE='fast' is not a switch: set it to 1"):
+    use_cpu_xla_flags({FAST_COMPILE_ENV: "fast"})
