@@ -47,8 +47,9 @@ def without_cpu_fast_compile(env: MutableMapping[str, str]) -> MutableMapping[st
 
 def use_cpu_xla_flags(env: Optional[MutableMapping[str, str]] = None) -> str:
   """Appends CPU_XLA_FLAGS (and, with AEPO_JAX_CPU_FAST_COMPILE=1, `--xla_backend_optimization_level=0`) to
-  env['XLA_FLAGS'] (default os.environ) where the user has not set them; returns the new value. Takes effect only if called before JAX's CPU backend starts (before the first array or jit
-  call); later it logs a warning and changes nothing that is already compiled.
+  env['XLA_FLAGS'] (default os.environ) where the user has not set them; returns the new value. Takes effect only
+  if called before JAX's CPU backend starts (before the first array or jit call); later it logs a warning and
+  changes nothing that is already compiled.
 
   Only when JAX will run on the CPU (`platform_is_cpu`: JAX_PLATFORMS says cpu, or no TPU or GPU is visible): the
   flags are unknown to XLA:TPU and XLA:GPU. On the CPU it also sets JAX_PLATFORMS=cpu unless set, so an installed
