@@ -24,7 +24,7 @@ MOD = _module()
 
 def test_nested_calls_are_timed_exclusively_and_only_inside_a_rollout_call():
   tl = MOD.Timeline()
-  inner = tl.timed("inner", lambda: time.sleep(0.05))
+  inner = tl.timed("inner", lambda: time.sleep(0.3))
 
   def outer_fn():
     time.sleep(0.05)
@@ -40,8 +40,9 @@ def test_nested_calls_are_timed_exclusively_and_only_inside_a_rollout_call():
   tl.end()
   (call,) = tl.calls
   assert call["items"] == 14
-  assert call["inner_s"] == pytest.approx(0.10, abs=0.03)
-  assert call["outer_s"] == pytest.approx(0.10, abs=0.03)  # its own 2 x 50 ms, not the inner 2 x 50 ms
+  assert call["inner_s"] >= 0.6
+  # Its own 2 x 50 ms, not the inner 2 x 300 ms (bounds loose enough for a loaded machine's oversleeping).
+  assert 0.1 <= call["outer_s"] < 0.45
   assert call["wall"] >= call["inner_s"] + call["outer_s"]
 
 
