@@ -1,9 +1,9 @@
 r"""Where a rollout's wall time goes, engine op by engine op: the synchronous step against partial rollouts.
 
   python bench/rollout_timeline.py --init=/tmp/partial/sft/seed0/work/checkpoints/sft --steps=5 \
-      --arms=train.max_staleness=0,train.max_staleness=1+algo.off_policy=decoupled+rollout.max_slots=32
+      --arms=config+train.max_staleness=0,config+train.max_staleness=1+algo.off_policy=decoupled+rollout.max_slots=32
 
-Each arm (`KEY=VALUE[+KEY=VALUE...]` on --config, as in bench/compare_algorithms.py) trains --steps RL steps in this
+Each arm (an algorithm label of bench/compare_algorithms.py on --config: `config` or a preset, `+KEY=VALUE...`) trains --steps RL steps in this
 process, from --init (an SFT run's checkpoint; without it the config's own model.init), with no evaluation. Every
 engine call (add = prompt prefill, extend = tool results, copy_slots = forks, decode, the small state edits) is
 timed with `jax.block_until_ready` on what it returns, exclusive of the calls nested in it (the CPU decode kernel's
@@ -36,7 +36,11 @@ use_cpu_xla_flags()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-OPS = ("add", "extend", "copy_slots", "decode", "truncate", "release", "set_segment", "resume", "host_info")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare_algorithms  # noqa: E402  (its algorithm labels: presets, `config`, +KEY=VALUE)
+
+OTHER_OPS = ("truncate", "release", "set_segment", "resume", "host_info")  # small state edits: one line together
+OPS = ("add", "extend", "copy_slots", "decode") + OTHER_OPS
 
 
 class Timeline:
@@ -97,8 +101,8 @@ def install(timeline: Timeline) -> None:
     setattr(cls, op, timeline.timed(op, getattr(cls, op), count))
   pw = _compiled.prepared_weights
   pw.get = timeline.timed("weights_transpose", pw.get)
-  wait = concurrent.futures.wait
-  _agent.concurrent.futures.wait = timeline.timed("tool_wait", wait)
+  # concurrent.futures.wait is the agent loop's only blocking wait on tools (process-wide patch: a bench process)
+  concurrent.futures.wait = timeline.timed("tool_wait", concurrent.futures.wait)
 
   def call_boundary(fn):
     def wrapper(*args, **kwargs):
@@ -118,10 +122,7 @@ def arm_config(args, arm: str, workdir: str):
   from aepo_jax import train
 
   path, _, carg = args.config.partition(":")
-  c = train.load_config(path, carg or None)
-  for item in filter(None, arm.split("+")):
-    key, _, value = item.partition("=")
-    train.set_key(c, key, _value(value))
+  c, _ = compare_algorithms.algorithm_config(train.load_config(path, carg or None), arm)
   c.mode = "rl"
   c.train.steps = args.steps
   c.eval.before_rl = c.eval.after_rl = False
@@ -134,15 +135,6 @@ def arm_config(args, arm: str, workdir: str):
     c.model.init, c.model.name = "checkpoint", args.init
   c.workdir = workdir
   return c
-
-
-def _value(text: str):
-  import json
-
-  try:
-    return json.loads(text)
-  except json.JSONDecodeError:
-    return text
 
 
 def summarize(calls: list) -> dict:
@@ -176,9 +168,7 @@ def report(results: dict) -> str:
     ("decode_share", "share of the call in decode"),
   ]
   for m in results.values():
-    m["other_ops_s"] = sum(
-      m.get(op + "_s", 0.0) for op in ("truncate", "release", "set_segment", "resume", "host_info")
-    )
+    m["other_ops_s"] = sum(m.get(op + "_s", 0.0) for op in OTHER_OPS)
     m["rows"] = m.get("tokens_decode", 0.0) / max(m.get("decode_steps", 0.0), 1.0)
     m["ms_step"] = 1e3 * m.get("decode_s", 0.0) / max(m.get("decode_steps", 0.0), 1.0)
     pre = m.get("tokens_add", 0.0) + m.get("tokens_extend", 0.0)
@@ -208,7 +198,9 @@ def main() -> None:
   p.add_argument("--config", default="configs/cpu_default.py")
   p.add_argument("--init", default="", help="checkpoint to start RL from (an SFT run's checkpoints/sft)")
   p.add_argument(
-    "--arms", default="train.max_staleness=0,train.max_staleness=1+algo.off_policy=decoupled+rollout.max_slots=32"
+    "--arms",
+    default="config+train.max_staleness=0,config+train.max_staleness=1+algo.off_policy=decoupled+rollout.max_slots=32",
+    help="comma-separated labels, as bench/compare_algorithms.py's --algorithms takes them",
   )
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--seed", type=int, default=0)
