@@ -35,6 +35,7 @@ from aepo_jax.checkpoint._storage import (
   CheckpointError,
   _finalize_quietly,
   _first_line,
+  _quiet_failed_read_noise,
   _read_error,
   bound_exit,
   check_remote,
@@ -295,6 +296,7 @@ class Checkpointer:
         )
     target = jax.tree.map(_abstract, target)
     mismatch = unreadable = None
+    _quiet_failed_read_noise()  # before the read: a failing read's other callbacks report from their threads
     try:
       state = self._mgr.restore(step, args=ocp.args.Composite(state=_pytree_restore(target, partial)))["state"]
     except Exception as e:  # noqa: BLE001 - sorted into a mismatch or damage below

@@ -186,10 +186,12 @@ def _is_failed_read_noise(exc, tb=None, obj=None) -> bool:
   return "orbax" in getattr(getattr(obj, "cr_code", None), "co_filename", "")
 
 
-def _finalize_quietly():
-  """A failed tensorstore read leaves the other reads' coroutines pending; collect them now, and from then on
-  drop the 'Event loop is closed' and coroutine-finalizer reports their callbacks print (some arrive from
-  tensorstore's threads after this returns), passing every other report to the hooks that were there."""
+def _quiet_failed_read_noise():
+  """From now on drop the 'Event loop is closed' and coroutine-finalizer reports that the other reads' callbacks of
+  a failed tensorstore read print, passing every other report to the hooks that were there. Installed before a
+  read, not after it failed: some reports come from tensorstore's threads while the failing read is still being
+  unwound (a truncated-checkpoint trainer test printed them in 1 of its local CI runs with the hooks installed only
+  after the failure)."""
   if not getattr(sys.unraisablehook, "_aepo_quiet", False):
     unraisable_hook, except_hook = sys.unraisablehook, sys.excepthook
 
@@ -203,6 +205,12 @@ def _finalize_quietly():
 
     quiet_unraisable._aepo_quiet = True
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_except
+
+
+def _finalize_quietly():
+  """A failed tensorstore read leaves the other reads' coroutines pending: collect them now, their reports
+  dropped (`_quiet_failed_read_noise`)."""
+  _quiet_failed_read_noise()
   gc.collect()
 
 
