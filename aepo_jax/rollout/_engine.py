@@ -67,10 +67,11 @@ class Engine(_FillOps, _SlotOps):
     (float32 model on one CPU device, max_slots <= 64, kernel built), True to require it (an error says why it
     cannot), False for XLA's dots.
     compact: unless slots are split over devices (mesh data x fsdp > 1), a decode call with at most max(4, ceil(S/4)) active slots (< S) runs only
-    those rows (padded with inactive ones to that size; one more compiled variant) instead of all S slots. Fewer
-    rows than 4 would save little: a small-batch step is bound by reading the weights.
-    max_decode_rows: through the CPU decode kernel, a call runs at most this many active slots (rounded up to its
-    row sizes, S/4 doubling below S): the first of `decode(order=...)`, the rest wait unchanged. A step's cost grows
+    those rows (padded with inactive ones to that size; one more compiled variant) instead of all S slots; through
+    the CPU decode kernel also larger row sizes below S (`decode_row_sizes`). Fewer rows than 4 would save little:
+    a small-batch step is bound by reading the weights.
+    max_decode_rows: through the CPU decode kernel, a call runs at most this many active slots (its row sizes:
+    `decode_row_sizes`): the first of `decode(order=...)`, the rest wait unchanged. A step's cost grows
     with its rows there, so past the rows where the machine's matmuls saturate (16 for SmolLM2-135M on 2 cores: 55
     ms a step against 110 ms at 32) more rows add no tokens per second, only latency to every row; partial rollouts
     thus finish their oldest groups sooner. 0 (default): every active slot.
@@ -346,23 +347,45 @@ class Engine(_FillOps, _SlotOps):
     r = max(4, -(-self.max_slots // 4))
     return r if self.compact and r < self.max_slots and not self._rows_sharded() else 0
 
-  def _decode_rows(self, state, ladder: bool = False, order=None) -> Optional[jax.Array]:
-    """The slots a compact decode call runs (every active slot, padded with inactive ones to the call's rows), or
-    None for all slots. One small device read of `active`. Rows: compact_slots; with `ladder` (decode through the
-    CPU kernel, whose cost grows with the rows: ~46 / 55 / 110 ms a step at 8 / 16 / 32 rows of SmolLM2-135M on 2
-    cores) also twice that, and so on below S, one compiled variant each; there max_decode_rows caps the active
-    slots a call runs, the first of `order`."""
+  def decode_row_sizes(self, ladder: bool = True) -> tuple:
+    """The row counts a compact decode call may run, smallest first (empty: this engine never compacts). XLA's path
+    (ladder=False): compact_slots only. Through the CPU decode kernel (ladder=True), whose cost grows with the rows
+    (SmolLM2-135M on 2 cores: a step of 12 rows 10-20% cheaper than one of 16, bench/decode_rows.py), also the
+    sizes above it, each 1.5x the last rounded up to the kernel's 4-row tile, while below S and max_decode_rows,
+    plus max_decode_rows itself where it is below S (in place of a size less than 4 rows below it): S = 32 gives
+    8, 12, 16 (cap 16), 8, 13 (cap 13) or 8, 12, 20 (no cap). One compiled variant each."""
     r = self.compact_slots
     if not r:
+      return ()
+    cap = self.max_decode_rows if ladder and 0 < self.max_decode_rows < self.max_slots else self.max_slots
+    sizes = [min(r, cap)]
+    while ladder:
+      nxt = max(sizes[-1] + 4, -(-(3 * sizes[-1]) // 8) * 4)  # 1.5x, rounded up to a multiple of 4
+      if nxt >= cap:
+        break
+      sizes.append(nxt)
+    if ladder and cap < self.max_slots and sizes[-1] < cap:
+      if len(sizes) > 1 and cap - sizes[-1] < 4:  # a size just below the cap saves less than a row tile
+        sizes.pop()
+      sizes.append(cap)
+    return tuple(sizes)
+
+  def _decode_rows(self, state, ladder: bool = False, order=None) -> Optional[jax.Array]:
+    """The slots a compact decode call runs (every active slot, padded with inactive ones to the call's rows: the
+    smallest of `decode_row_sizes(ladder)` that holds them), or None for all slots. One small device read of
+    `active`. With `ladder` (through the CPU kernel) max_decode_rows caps the active slots a call runs, the first
+    of `order`."""
+    sizes = self.decode_row_sizes(ladder)
+    if not sizes:
       return None
     active = np.asarray(jax.device_get(state.active), bool)
     n = int(active.sum())
     if ladder and self.max_decode_rows:
       n = min(n, self.max_decode_rows)
-    while ladder and n > r and 2 * r < self.max_slots:
-      r *= 2
-    if n > r:
+    fits = [k for k in sizes if k >= n]
+    if not fits:
       return None
+    r = fits[0]
     live = np.flatnonzero(active)
     if order is not None and live.size > r:  # more active slots than rows: the first of `order` run
       rank = np.full(self.max_slots, self.max_slots, np.int64)

@@ -136,8 +136,9 @@ class Server:
 
   def warmup(self, full: bool = False):
     """Compiles before serving: one short job (the first-token step and a full chunk); with `full`, also every
-    prefill variant requests can meet (n jobs joining together, n a power of two up to max_slots, times each
-    prefill chunk size), so no request waits for a compilation later. Needs the scheduler started."""
+    prefill variant requests can meet (n jobs joining together, n a power of two up to max_slots or one of the
+    engine's compact decode row sizes, times each prefill chunk size), so no request waits for a compilation later.
+    Needs the scheduler started."""
     from aepo_jax.rollout import SamplingParams
 
     eng = self.engine
@@ -150,6 +151,8 @@ class Server:
     from tqdm.auto import tqdm
 
     widths = [1 << i for i in range(max(eng.max_slots, 1).bit_length())] if full else [1]
+    if full:  # n jobs together decode in the engine's compact row size for n active slots: one variant each
+      widths = sorted(set(widths) | set(eng.decode_row_sizes()))
     bar = tqdm(total=len(lens) * len(widths), desc=f"warm-up: compiling {len(lens) * len(widths)} programs")
     for length in lens:
       for n in widths:

@@ -2,24 +2,12 @@
 rollout call, nothing outside a rollout call is recorded, and the report's derived rows follow from the recorded
 ones."""
 
-import importlib.util
-import os
 import time
 
 import pytest
+from bench_script import load
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "bench", "rollout_timeline.py")
-
-
-def _module():
-  spec = importlib.util.spec_from_file_location("rollout_timeline", SCRIPT)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
-MOD = _module()
+MOD = load("rollout_timeline")
 
 
 def test_nested_calls_are_timed_exclusively_and_only_inside_a_rollout_call():

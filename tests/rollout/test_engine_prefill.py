@@ -149,22 +149,45 @@ def test_a_prompt_given_to_several_slots_is_prefilled_once_with_each_slots_own_s
   _check_against_forward(eng, params, s, out, [0, 1, 2, 3], 0.8)
 
 
+def test_decode_row_sizes():
+  """The compact call's row sizes: S/4, then 1.5x rounded up to the kernel's 4-row tile while below S and
+  max_decode_rows (which is a size itself where below S); XLA's path keeps S/4 only."""
+  kw = dict(max_len=40, eos_ids=())
+  assert Engine(CFG, max_slots=32, **kw).decode_row_sizes() == (8, 12, 20)
+  assert Engine(CFG, max_slots=32, max_decode_rows=16, **kw).decode_row_sizes() == (8, 12, 16)
+  assert Engine(CFG, max_slots=32, max_decode_rows=16, **kw).decode_row_sizes(ladder=False) == (8,)
+  assert Engine(CFG, max_slots=16, **kw).decode_row_sizes() == (4, 8, 12)
+  assert Engine(CFG, max_slots=40, **kw).decode_row_sizes() == (10, 16, 24, 36)
+  assert Engine(CFG, max_slots=16, max_decode_rows=4, **kw).decode_row_sizes() == (4,)
+  assert Engine(CFG, max_slots=4, **kw).decode_row_sizes() == ()
+  assert Engine(CFG, max_slots=32, compact=False, **kw).decode_row_sizes() == ()
+  assert Engine(CFG, max_slots=32, max_decode_rows=6, **kw).decode_row_sizes() == (6,)  # a cap below S/4
+  assert Engine(CFG, max_slots=32, max_decode_rows=18, **kw).decode_row_sizes() == (8, 12, 18)
+  assert Engine(CFG, max_slots=32, max_decode_rows=13, **kw).decode_row_sizes() == (8, 13)  # not 12 and 13
+  assert Engine(CFG, max_slots=32, max_decode_rows=32, **kw).decode_row_sizes() == (8, 12, 20)  # cap >= S: none
+  assert Engine(CFG, max_slots=8, **kw).decode_row_sizes() == (4,)
+
+
 def test_compact_decode_ladder_through_the_cpu_kernel(params):
-  """Through the CPU decode kernel a call runs the smallest of S/4, S/2 rows that holds the active slots (its cost
-  grows with the rows); XLA's path keeps one compact size. Same tokens and log-probs as decoding all slots."""
+  """Through the CPU decode kernel a call runs the smallest of its row sizes (S = 16: 4, 8, 12) that holds the
+  active slots (its cost grows with the rows); XLA's path keeps one compact size. Same tokens and log-probs as
+  decoding all slots, at 6 active slots (8 rows) and at 10 (12 rows)."""
   eng = Engine(CFG, max_slots=16, max_len=40, eos_ids=(), sampling=SamplingParams(0.8))
   full = Engine(CFG, max_slots=16, max_len=40, eos_ids=(), sampling=SamplingParams(0.8), compact=False)
   assert eng.uses_cpu_kernels(params)
-  slots = [0, 2, 3, 5, 8, 9]  # 6 active: more than S/4 = 4, fewer than S/2 = 8
-  prompts = [[5 + i, 6, 7 + i] for i in range(len(slots))]
-  s = eng.add(params, eng.init_decode_state(), slots, prompts, slots, 5)
-  assert eng._decode_rows(s, ladder=False) is None
-  np.testing.assert_array_equal(eng._decode_rows(s, ladder=True), [0, 1, 2, 3, 4, 5, 8, 9])
-  s, out = eng.decode(params, s, 5)
-  f, ref = _greedy(full, params, slots, prompts, slots, 5, budgets=5)
-  out = jax.device_get(out)
-  np.testing.assert_array_equal(out.token, ref.token)
-  np.testing.assert_allclose(np.where(out.valid, out.logprob, 0), np.where(ref.valid, ref.logprob, 0), atol=1e-5)
+  for slots, rows in (
+    ([0, 2, 3, 5, 8, 9], [0, 1, 2, 3, 4, 5, 8, 9]),  # 6 active: more than S/4 = 4, at most 8
+    ([0, 2, 3, 5, 6, 8, 9, 11, 13, 15], [0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 13, 15]),  # 10 active: 12 rows
+  ):
+    prompts = [[5 + i, 6, 7 + i] for i in range(len(slots))]
+    s = eng.add(params, eng.init_decode_state(), slots, prompts, slots, 5)
+    assert eng._decode_rows(s, ladder=False) is None
+    np.testing.assert_array_equal(eng._decode_rows(s, ladder=True), rows)
+    s, out = eng.decode(params, s, 5)
+    f, ref = _greedy(full, params, slots, prompts, slots, 5, budgets=5)
+    out = jax.device_get(out)
+    np.testing.assert_array_equal(out.token, ref.token)
+    np.testing.assert_allclose(np.where(out.valid, out.logprob, 0), np.where(ref.valid, ref.logprob, 0), atol=1e-5)
   s = eng.add(params, s, list(range(16)), [[5, 6]] * 16, list(range(16)), 4)
   assert eng._decode_rows(s, ladder=True) is None  # 16 of 16 active: all slots
 
