@@ -71,6 +71,7 @@ def get_config(arg=None):
   c.rollout.decode_chunk = 16
   c.rollout.decode_rows = 16  # at most 16 rows a decode step (the 2 cores saturate there); matters at 32 slots
   c.rollout.max_slots = 0  # every trajectory its slot: 4 x 4 = 16; partial rollouts (train.max_staleness=k): 16(k + 1)
+  c.rollout.tool_results = "next_chunk"  # local tools answer within a chunk: partial rollouts repeat run to run
 
   c.algo.loss = "aepo"
   c.algo.entropy_advantage_coef = 0.2

@@ -214,11 +214,12 @@ class AgentLoop(_Scheduling):
       self._unstall(run)
       self._admit(run)
       self._resume(run)
+      run.iteration += 1
       if run.decoding:
         self._decode_chunk(run)
-      elif run.futures:
+      elif run.futures and self.config.tool_results == "when_ready":
         concurrent.futures.wait(
-          [f for f, _ in run.futures.values()],
+          [f for f, _, _ in run.futures.values()],
           timeout=self.config.tool_poll_s,
           return_when=concurrent.futures.FIRST_COMPLETED,
         )
@@ -397,7 +398,8 @@ class AgentLoop(_Scheduling):
       steps = (
         self._steps(rec.tokens, rec.loss_mask, self.tokenizer.decode) if self.tools.wants_trajectory(call.tag) else None
       )
-      run.futures[rec.index] = (self.tools.submit(call, rec.call_state, trajectory=steps), run.decoded_tokens)
+      future = self.tools.submit(call, rec.call_state, trajectory=steps)
+      run.futures[rec.index] = (future, run.decoded_tokens, run.iteration)
       return None
     if reason == st.STOP_EOS:
       return self._end(rec, "eos")
@@ -431,9 +433,22 @@ class AgentLoop(_Scheduling):
       rec.append([self.eos_id], mask=1)
     self._end(rec, "call_limit")
 
+  def _due_tools(self, run: _Run) -> list:
+    """The calls whose results enter now (AgentConfig.tool_results): 'when_ready' those done; 'next_chunk' those
+    submitted in an earlier iteration of the loop (so after the decode chunk that followed them), waited for."""
+    if self.config.tool_results == "when_ready":
+      return [i for i, (f, _, _) in run.futures.items() if f.done()]
+    due = [i for i, (_, _, it) in run.futures.items() if it < run.iteration]
+    pending = [run.futures[i][0] for i in due]
+    while pending:
+      pending = list(concurrent.futures.wait(pending, timeout=0.5).not_done)
+      if pending and self._should_stop is not None and self._should_stop():
+        return []  # the loop raises RolloutInterrupted at its next check
+    return due
+
   def _collect_tools(self, run: _Run) -> None:
-    for idx in [i for i, (f, _) in run.futures.items() if f.done()]:
-      fut, at = run.futures.pop(idx)
+    for idx in self._due_tools(run):
+      fut, at, _ = run.futures.pop(idx)
       run.tool_overlap.append(run.decoded_tokens - at)
       rec, out = run.records[idx], fut.result()
       seg = rec.segments[-1]

@@ -27,7 +27,18 @@ class AgentConfig:
   compile is not counted; then decoding, waiting for tools, waiting to resume); past it the trajectory ends where it
   stands (stop reason 'timeout'), its slot is freed and a tool call it waits on is abandoned (the official
   evaluation's per-sample `asyncio.wait_for`, SAMPLE_TIMEOUT=1500 in its SDS scripts, on a served model that is
-  already warm). Checked between decode chunks and tool polls. 0: no limit (training)."""
+  already warm). Checked between decode chunks and tool polls. 0: no limit (training).
+  tool_results: when a tool's result enters its trajectory. 'when_ready' (default): after every decode chunk, the
+  results whose calls are done; no decode step waits for a tool, but which chunk a result enters depends on how
+  long the tool took. 'next_chunk': a result enters after the decode chunk that follows its call (the loop waits
+  for it there if it is still running): the rollout is then a function of the seeds, the weights and the tools'
+  outputs alone, so partial rollouts (train.max_staleness > 0), whose hand-back points depend on when groups
+  complete, repeat run to run. Its costs: a wait where a call takes longer than a decode chunk (local tools rarely
+  do; web search does), a result that is done early entering after that chunk all the same, and, with nothing
+  decoding, a wait for every due call rather than the first done. Not with sample_timeout_s. The synchronous
+  rollout's trajectories are the same under both when every live trajectory has a slot."""
+
+  TOOL_RESULTS = ("when_ready", "next_chunk")
 
   max_response_len: int = 1024
   max_tool_calls: int = 3
@@ -40,8 +51,19 @@ class AgentConfig:
   max_tokens_per_call: int = 0
   max_calls_per_turn: int = 1
   sample_timeout_s: float = 0.0
+  tool_results: str = "when_ready"
 
   def __post_init__(self):
+    if self.tool_results not in self.TOOL_RESULTS:
+      raise ValueError(
+        f"AgentConfig: tool_results={self.tool_results!r}; use one of {self.TOOL_RESULTS} (rollout.tool_results)."
+      )
+    if self.tool_results == "next_chunk" and self.sample_timeout_s:
+      raise ValueError(
+        f"AgentConfig: tool_results='next_chunk' waits for due tool calls, which sample_timeout_s="
+        f"{self.sample_timeout_s} (a wall-clock limit) could not interrupt in time; use tool_results='when_ready' "
+        "with a sample timeout."
+      )
     if self.sample_timeout_s < 0:
       raise ValueError(f"AgentConfig: sample_timeout_s={self.sample_timeout_s} must be >= 0 (0: no limit).")
     if self.max_calls_per_turn < 1:

@@ -85,7 +85,8 @@ class _Run:
     self.slot_rec: dict = {}
     self.free = list(range(engine.max_slots))
     self.decoding: set = set()
-    self.futures: dict = {}  # record index -> (future, decoded tokens at submit)
+    self.futures: dict = {}  # record index -> (future, decoded tokens at submit, loop iteration at submit)
+    self.iteration = 0  # the agent loop's iterations so far (AgentConfig.tool_results='next_chunk')
     self.round = 0
     self.counts_p = np.zeros((num_prompts,), np.int32)
     self.seed = int(seed)

@@ -22,9 +22,18 @@ a step's slowest trajectories finish. What makes it safe for the objective:
   groups_per_call oldest groups, once all of them are complete: every update sees the prompts in the order the data
   gave them, with no bias toward short trees, at the cost of waiting for the oldest group's slowest trajectory (the
   younger groups decode meanwhile).
+- Filling the run (`ramp`): by default the first call admits all groups_per_call x (max_staleness + 1) groups, so
+  the first max_staleness + 1 updates all train on groups the initial weights started. With ramp=True the first
+  call admits one batch (a synchronous step), and each later call one more than it hands back until the run is
+  full: the update of call t then trains on groups started at call t - max_staleness or later, as in the steady
+  state, at the cost of less overlap over the first max_staleness calls.
 - The KV cache of a carried trajectory is kept as computed by the older weights (as PipelineRL does; AReaL
   recomputes it): the new tokens' sampling log-probs are those of what actually sampled them, which the off-policy
   correction needs.
+
+Which group completes in which call depends on when tool results enter their trajectories: with
+`AgentConfig.tool_results='next_chunk'` (rollout.tool_results) that is fixed by the loop's own events, so partial
+rollouts repeat run to run; with 'when_ready' it depends on how long each tool took.
 
 Rounds are per group here (the synchronous rollout keeps the official lockstep of one round clock for the batch):
 a group's tree closes its rounds, branches and refills on its own clock, so a new group never waits for an old
@@ -65,7 +74,16 @@ class PartialRollouts:
 
   ORDERS = ("completion", "admission")
 
-  def __init__(self, loop: AgentLoop, policy, *, groups_per_call: int, max_staleness: int, order: str = "completion"):
+  def __init__(
+    self,
+    loop: AgentLoop,
+    policy,
+    *,
+    groups_per_call: int,
+    max_staleness: int,
+    order: str = "completion",
+    ramp: bool = False,
+  ):
     if groups_per_call < 1 or max_staleness < 1:
       raise ValueError(
         f"PartialRollouts: groups_per_call={groups_per_call} must be >= 1 and max_staleness={max_staleness} >= 1 "
@@ -73,13 +91,14 @@ class PartialRollouts:
       )
     if order not in self.ORDERS:
       raise ValueError(f"PartialRollouts: order={order!r}; use one of {self.ORDERS} (train.hand_back).")
-    self.loop, self.policy, self.order = loop, policy, order
+    self.loop, self.policy, self.order, self.ramp = loop, policy, order, bool(ramp)
     self.groups_per_call, self.max_staleness = int(groups_per_call), int(max_staleness)
     # Groups alive at once: at most those of the last max_staleness + 1 versions (the bound), one table of them.
     self.capacity = self.groups_per_call * (self.max_staleness + 1)
     self.run: Optional[_Run] = None
     self.groups: dict = {}  # prompt slot -> _Group
     self._admitted = 0
+    self.calls = 0  # calls returned since the run started (ramp: the run fills one more batch per call)
 
   # -------------------------------------------------------------------------------------------- state
   def carried(self) -> tuple:
@@ -89,13 +108,17 @@ class PartialRollouts:
     return len(self.groups), len(self.run.records)
 
   def wanted(self) -> int:
-    """New prompts the next call takes: what fills the run up to groups_per_call x (max_staleness + 1) groups."""
-    return self.capacity - len(self.groups)
+    """New prompts the next call takes: what fills the run up to groups_per_call x (max_staleness + 1) groups (with
+    `ramp`, up to groups_per_call x (calls so far + 1) while that is fewer)."""
+    limit = self.capacity
+    if self.ramp:
+      limit = min(limit, self.groups_per_call * (self.calls + 1))
+    return limit - len(self.groups)
 
   def drop(self) -> int:
     """Forget everything carried over (the engine state with it); returns the trajectories dropped."""
     n = 0 if self.run is None else sum(not r.done for r in self.run.records)
-    self.run, self.groups = None, {}
+    self.run, self.groups, self.calls = None, {}, 0
     return n
 
   def _start(self, params, seed: int) -> _Run:
@@ -123,7 +146,7 @@ class PartialRollouts:
       raise ValueError(
         f"PartialRollouts: {len(prompts)} prompts and {len(payloads)} payloads; this call takes wanted()="
         f"{self.wanted()} of both (groups_per_call={self.groups_per_call} x (max_staleness={self.max_staleness} "
-        "+ 1), less the groups carried over)."
+        "+ 1), or x (calls so far + 1) while filling with ramp=True, less the groups carried over)."
       )
     loop = self.loop
     loop._check_prompts(prompts)
@@ -149,6 +172,7 @@ class PartialRollouts:
     finally:
       loop._should_stop = loop._on_finished = None
     slots = self._choose(run)
+    self.calls += 1
     return self._hand_back(run, slots, version, run.decoded_tokens - tokens0, run.slot_steps - steps0)
 
   def _admit(self, run: _Run, prompts, payloads, version: int, seed: int) -> None:

@@ -51,6 +51,7 @@ class RolloutSettings:
   max_tokens_per_call: int = 0  # tokens one generation call may sample (0: only max_response_len bounds it)
   max_calls_per_turn: int = 1  # the official engine's continuation of a call that hit max_tokens_per_call
   sample_timeout_s: float = 0.0  # wall-clock seconds per trajectory, then it ends ('timeout'); 0: no limit
+  tool_results: str = "when_ready"  # when a tool result enters its trajectory (AgentConfig.tool_results)
   dtype: Optional[str] = None  # rollout weights' dtype (None: the model config's param_dtype)
   record_routes: bool = False  # keep each token's experts (a model with experts; routing replay, Trajectories)
 
@@ -158,6 +159,7 @@ class Rollouts:
         max_tokens_per_call=settings.max_tokens_per_call,
         max_calls_per_turn=settings.max_calls_per_turn,
         sample_timeout_s=settings.sample_timeout_s,
+        tool_results=settings.tool_results,
       ),
       pad_id=pad_id,
     )

@@ -106,7 +106,7 @@ def mesh_rules(config) -> tuple:
 def _choices(config) -> list:
   """(key, value, known names) for every key whose choices a registry or a part's own table holds."""
   from aepo_jax import objectives, tools
-  from aepo_jax.rollout import PartialRollouts, policies
+  from aepo_jax.rollout import AgentConfig, PartialRollouts, policies
   from aepo_jax.train._step import AGGREGATIONS
 
   r, a = config.rollout, config.algo
@@ -122,6 +122,7 @@ def _choices(config) -> list:
     ("rollout.entropy_estimator", r.entropy_estimator, policies.ESTIMATORS),
     ("rollout.mode", r.mode, policies.MODES),
     ("rollout.premonitor_formula", r.premonitor_formula, policies.PREMONITOR_FORMULAS),
+    ("rollout.tool_results", r.tool_results, AgentConfig.TOOL_RESULTS),
     ("train.hand_back", config.train.hand_back, PartialRollouts.ORDERS),
     ("tools.search_mode", config.tools.search_mode, tools.SEARCH_MODES),
   ]
@@ -288,6 +289,10 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
   need(
     isinstance(t.max_staleness, int) and t.max_staleness >= 0,
     f"train.max_staleness={t.max_staleness!r}: an integer >= 0 (0 = synchronous steps).",
+  )
+  need(
+    isinstance(t.staleness_ramp, bool),
+    f"train.staleness_ramp={t.staleness_ramp!r}: True or False (fill the partial-rollout run one batch per step).",
   )
   need(
     not (t.max_staleness and a.filter_groups),

@@ -133,6 +133,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Active slots a decode call runs through the CPU decode kernel (0 = all; oldest prompt groups first): past the
   # rows where the CPU's matmuls saturate, more rows only slow every row (Engine(max_decode_rows), docs/performance.md).
   c.rollout.decode_rows = 0
+  # When a tool result enters its trajectory: 'when_ready' (after any decode chunk once the call is done; no decode
+  # step waits for a tool) or 'next_chunk' (after the chunk that follows the call, waiting for it there if needed:
+  # partial rollouts then repeat run to run; the synchronous rollout is the same under both). AgentConfig.tool_results.
+  c.rollout.tool_results = "when_ready"
   # Each host rolls out its own prompts on its own devices, independently of the other hosts: the policy weights
   # are copied once per RL step from the training mesh onto this per-host mesh (-1 once: the rest of the host's
   # devices), in rollout.dtype ('' = model.dtype: bfloat16 on accelerators, float32 on CPU).
@@ -234,6 +238,10 @@ def base_config() -> ml_collections.ConfigDict:
   # oldest data.prompts_per_step groups, in the data's order (no bias toward groups with short trees; waits for
   # their slowest trajectory while the younger groups decode).
   c.train.hand_back = "completion"
+  # With max_staleness > 0: True = fill the carried-over run one batch per step (step 1 synchronous, then one more
+  # step's groups in flight each step until max_staleness + 1), so the first updates train on groups the latest
+  # weights started rather than max_staleness + 1 batches the initial policy started. False = all at the first step.
+  c.train.staleness_ramp = False
   c.train.nan_limit = 3  # non-finite losses skipped before a clear stop
   c.train.eval_every = 0  # 0 = only before and after RL
   c.train.log_every = 1

@@ -115,6 +115,7 @@ def rollout_settings(
     kv_tokens=r.kv_tokens,
     chunk_steps=r.decode_chunk,
     decode_rows=r.decode_rows,
+    tool_results=r.tool_results,
     max_tool_calls=config.tools.call_limit,
     result_mode=result_mode,
     dtype=r.dtype or config.model.dtype,
@@ -174,8 +175,9 @@ class Rollout:
   def carry_over(self, weights, loader, key, *, version: int, should_stop=None):
     """Partial rollouts (train.max_staleness > 0): batches from `loader` (this host's share of a step's prompts
     each) fill the carried-over run up to max_staleness + 1 steps' groups (all of them at the first call, one batch
-    after); returns (trajectories, the examples of their groups, metrics) for one batch's worth of complete groups,
-    the oldest first (an interrupted rollout drops what is carried)."""
+    after; with train.staleness_ramp one batch more per call until full); returns (trajectories, the examples of
+    their groups, metrics) for one batch's worth of complete groups, the oldest first (an interrupted rollout drops
+    what is carried)."""
     from aepo_jax import rollout as rollout_lib
 
     if self.partial is None:
@@ -185,6 +187,7 @@ class Rollout:
         groups_per_call=self.prompts_per_call,
         max_staleness=self.config.train.max_staleness,
         order=self.config.train.hand_back,
+        ramp=self.config.train.staleness_ramp,
       )
     prompts = []
     while len(prompts) < self.partial.wanted():

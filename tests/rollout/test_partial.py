@@ -168,3 +168,116 @@ def test_record_versions_through_truncation_and_forks():
   rec.append([4])
   assert rec.token_versions().tolist() == [0, 0, 1]
   assert child.token_versions().tolist() == [0, 0, 0, 1]  # the parent's prefix, versions included
+
+
+def _delayed_loop(mode: str, delay_s: float, max_slots: int = 8):
+  """The loop of these tests with AgentConfig(tool_results=mode) and a tool that takes delay_s."""
+  import dataclasses
+  import time
+
+  from aepo_jax.rollout import AgentLoop
+
+  def tool(code):
+    time.sleep(delay_s)
+    return "2"
+
+  base = _loop(max_slots, tool=tool)
+  return AgentLoop(base.engine, base.tokenizer, base.tools, dataclasses.replace(base.config, tool_results=mode))
+
+
+def _partial_run(params, mode, delay_s, calls=4):
+  """Four calls of staleness-1 partial rollouts whose weights change every call (the lm_head scaled), so which
+  version samples a token shows in the tokens; -> per call (payloads, tokens, version marks)."""
+  loop = _delayed_loop(mode, delay_s)
+  partial = PartialRollouts(
+    loop, rollout_policy("arpo", n=4, initial_rollouts=2, mode="corrected"), groups_per_call=2, max_staleness=1
+  )
+  out = []
+  for v in range(calls):
+    w = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * (1.0 + 0.5 * v)})
+    k = partial.wanted()
+    tr, payloads, m = partial(w, (PROMPTS * k)[:k], [(v, i) for i in range(k)], version=v, seed=5)
+    out.append((payloads, tr.tokens_bt.tolist(), m["rollout/staleness_mean"]))
+  return out
+
+
+def test_next_chunk_tool_results_make_partial_rollouts_repeat_whatever_the_tools_take(params):  # noqa: F811
+  """tool_results='next_chunk': a tool result enters after the decode chunk that follows its call, so the groups
+  each call hands back, their tokens and their versions are the same whether the tool answers at once or takes
+  0.2 s (several chunks of this model). With 'when_ready' the slow tool changes what the calls hand back."""
+  fast = _partial_run(params, "next_chunk", 0.0)
+  assert _partial_run(params, "next_chunk", 0.2) == fast
+  assert any(s > 0 for _, _, s in fast)  # tokens of an older version were handed back: the calls overlapped
+  assert _partial_run(params, "when_ready", 0.2) != _partial_run(params, "when_ready", 0.0)
+
+
+def test_the_synchronous_rollout_is_the_same_under_both_tool_result_modes(params):  # noqa: F811
+  """With a slot for every trajectory (16 slots for 3 x 4), no trajectory is evicted and restarted, so the rollout
+  does not depend on when results are collected, in either mode."""
+  for seed in range(2):
+    got = []
+    for mode, delay in (("when_ready", 0.0), ("next_chunk", 0.05), ("when_ready", 0.05)):
+      loop = _delayed_loop(mode, delay, max_slots=16)
+      got.append(
+        loop.rollout(params, PROMPTS, rollout_policy("arpo", n=4, initial_rollouts=2, mode="faithful"), seed=seed)
+      )
+      assert not any(loop.last_run.restarts.values())
+    for tr in got[1:]:
+      np.testing.assert_array_equal(tr.tokens_bt, got[0].tokens_bt)
+      np.testing.assert_array_equal(tr.parent_b, got[0].parent_b)
+
+
+def test_next_chunk_waits_for_a_slow_tool_but_not_past_an_interruption(params):  # noqa: F811
+  """A 3 s tool under 'next_chunk': should_stop turning True while the loop waits for it ends the call within about
+  the wait's 0.5 s poll, with RolloutInterrupted and the carry dropped."""
+  import time
+
+  loop = _delayed_loop("next_chunk", 3.0)
+  partial = PartialRollouts(loop, rollout_policy("none", n=4, initial_rollouts=4), groups_per_call=3, max_staleness=1)
+  stop_at = []
+
+  def should_stop():
+    if partial.run is not None and partial.run.futures and not stop_at:
+      stop_at.append(time.monotonic())  # the first check that sees a tool call in flight
+    return bool(stop_at) and time.monotonic() > stop_at[0] + 0.2
+
+  with pytest.raises(RolloutInterrupted):
+    partial(params, (PROMPTS * 2)[:6], list("abcdef"), version=0, should_stop=should_stop)
+  assert stop_at and time.monotonic() - stop_at[0] < 2.0  # well before the tool's 3 s
+  assert partial.carried() == (0, 0)
+
+
+def test_tool_results_is_checked():
+  from aepo_jax.rollout import AgentConfig
+
+  with pytest.raises(ValueError, match="tool_results='later'"):
+    AgentConfig(tool_results="later")
+  with pytest.raises(ValueError, match="sample_timeout_s"):
+    AgentConfig(tool_results="next_chunk", sample_timeout_s=60.0)
+  AgentConfig(tool_results="next_chunk")
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_a_ramped_run_fills_one_batch_per_call_and_trains_on_groups_the_latest_weights_started(params, staleness):  # noqa: F811
+  """ramp=True: the first call admits one batch and returns it (a synchronous step); each later call admits one
+  batch more than it hands back until max_staleness + 1 batches are in flight. Every call's groups were then started
+  at most max_staleness calls before it, also over the first calls (without the ramp, calls 1 to k + 1 all hand back
+  groups of the first call), and they come back complete and exact."""
+  gpc = len(PROMPTS)
+  policy = rollout_policy("arpo", n=4, initial_rollouts=2, mode="corrected")
+  ramped = PartialRollouts(_loop(), policy, groups_per_call=gpc, max_staleness=staleness, ramp=True)
+  wanted, started = [], []
+  for v in range(5):
+    k = ramped.wanted()
+    wanted.append(k // gpc)
+    tr, payloads, m = ramped(params, (PROMPTS * k)[:k], [(v, i) for i in range(k)], version=v, seed=11 + v)
+    check_trajectories(params, tr)
+    started.append(sorted({g for g, _ in payloads}))
+    assert all(v - g <= staleness for g, _ in payloads) and m["rollout/staleness_max"] <= staleness
+  full = [1] + [2] * staleness + [1] * (4 - staleness)  # batches admitted per call: one more than handed back
+  assert wanted == full, wanted
+  assert started[0] == [0] and started[1] == [1]  # call 2 trains on what the second weights started
+  unfinished = sum(not r.done for r in ramped.run.records)
+  assert ramped.drop() == unfinished and ramped.calls == 0 and ramped.wanted() == gpc  # a restart ramps again
+  plain = PartialRollouts(_loop(), policy, groups_per_call=gpc, max_staleness=staleness)
+  assert plain.wanted() == gpc * (staleness + 1)
