@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import defaultdict
 
 import numpy as np
@@ -88,6 +89,7 @@ def read_run(run: dict) -> dict:
     "steps": steps,
     "wall_s": summary.get("wall_s"),
     "kept_from_base": run["reverted"],
+    "max_staleness": int(getattr(getattr(run["config"], "train", None), "max_staleness", 0)),
   }
   for name, key in SERIES.items():
     out[name] = [train[s].get(key) for s in steps]
@@ -185,20 +187,31 @@ def table(records: list[dict]) -> str:
   return head + "\n".join(rows) + "\n"
 
 
+def max_staleness(rec: dict) -> int:
+  """The run's train.max_staleness: its record's, or (records written before it was kept) its label's
+  'train.max_staleness=K', else 0."""
+  if rec.get("max_staleness") is not None:
+    return int(rec["max_staleness"])
+  m = re.search(r"train\.max_staleness=(\d+)", str(rec.get("algorithm", "")))
+  return int(m.group(1)) if m else 0
+
+
 def trajectories_per_rollout_s(
-  rec: dict, skip_first: bool = True, compiles: bool = True, key: str = "trajectories"
+  rec: dict, skip_first: bool = True, compiles: bool = True, key: str = "trajectories", from_step: int = 0
 ) -> float | None:
   """Completed trajectories (key='decode_tokens': sampled tokens) per second of rollout time over a run's steps (the
   first step, which compiles the engine, left out when there are others); compiles=False: less the rollout's
   compile time (a later step's first call of a new shape), the steady state of a long run (runs without the metric
-  count it as 0)."""
-  comp = rec.get("rollout_compile_s") or [None] * len(rec["rollout_s"])
+  count it as 0); from_step: only steps numbered from_step or later (1-based)."""
+  n = len(rec["rollout_s"])
+  comp = rec.get("rollout_compile_s") or [None] * n
+  numbers = rec.get("steps") or list(range(1, n + 1))
   pairs = [
     (t, s - (0.0 if compiles or c is None else c))
-    for t, s, c in zip(rec.get(key) or [None] * len(rec["rollout_s"]), rec["rollout_s"], comp)
-    if t is not None and s
+    for t, s, c, step in zip(rec.get(key) or [None] * n, rec["rollout_s"], comp, numbers)
+    if t is not None and s and step >= from_step
   ]
-  if skip_first and len(pairs) > 1:
+  if skip_first and len(pairs) > 1 and not from_step:
     pairs = pairs[1:]
   return sum(t for t, _ in pairs) / sum(s for _, s in pairs) if pairs else None
 
@@ -215,9 +228,17 @@ def throughput_table(records: list[dict]) -> str:
     f"steps 2.., compile time excluded | ratio to {names[0]} | all steps (the first compiles) | ratio to "
     f"{names[0]} | slot occupancy (decode steps) | slot occupancy (rollout wall time) | staleness (tokens, mean) | "
     f"tokens sampled per rollout second, steps 2.. | ratio to {names[0]} | response tokens per trajectory (mean "
-    "over steps) |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "over steps) |"
   )
+  # Partial runs reach their steady state once the carried run is full (every step then hands back groups started
+  # up to K steps before; with train.staleness_ramp the run fills over steps 1..K+1): the same steps of every arm.
+  full_from = max(max_staleness(r) for r in records) + 2
+  if full_from > 2:
+    out += (
+      f" trajectories per rollout second, steps {full_from}.. (every run full) | ratio to {names[0]} | tokens per "
+      f"rollout second, steps {full_from}.. | ratio to {names[0]} |"
+    )
+  out += "\n" + "|---" * (out.count("|") - 1) + "|\n"
   for name in names:
     rs = by[name]
     cells = []
@@ -238,8 +259,16 @@ def throughput_table(records: list[dict]) -> str:
     out += (
       f"| {name} | {len(rs)} | {' | '.join(cells)} | {' | '.join(occ)} | {_fmt(*_ci(stale), digits=2)} | "
       f"{_fmt(*_ci([t for t in toks.values() if t]), digits=1)} | {_fmt(*_ci(tok_ratio), digits=2)} | "
-      f"{_fmt(*_ci(length), digits=1)} |\n"
+      f"{_fmt(*_ci(length), digits=1)} |"
     )
+    if full_from > 2:
+      for key in ("trajectories", "decode_tokens"):
+        v = {s: trajectories_per_rollout_s(r, key=key, from_step=full_from) for s, r in rs.items()}
+        b = {s: trajectories_per_rollout_s(r, key=key, from_step=full_from) for s, r in base.items()}
+        ratio = [v[s] / b[s] for s in rs if v[s] and b.get(s)]
+        digits = 3 if key == "trajectories" else 1
+        out += f" {_fmt(*_ci([x for x in v.values() if x]), digits=digits)} | {_fmt(*_ci(ratio), digits=2)} |"
+    out += "\n"
   return out
 
 
@@ -363,6 +392,18 @@ def plot(records: list[dict], path: str) -> None:
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3, axis="y")
   fig.savefig(path, dpi=110)
+
+
+def tables_from(path: str) -> str:
+  """The report's two tables from a saved results.json (its 'records'), or an error naming the file."""
+  try:
+    with open(path) as f:
+      records = json.load(f)["records"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise SystemExit(f"{path}: not a results.json of bench/compare_algorithms.py ({type(e).__name__}: {e}).") from e
+  if not records:
+    return f"{path}: no finished RL run in its records."
+  return table(records) + "\n" + throughput_table(records)
 
 
 def write(out: str, runs: list[dict], spec: dict) -> list[str]:

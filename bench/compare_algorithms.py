@@ -309,6 +309,9 @@ def define_flags() -> None:
   flags.DEFINE_string("out", None, "Output folder (local).")
   flags.DEFINE_bool("keep_checkpoints", False, "Keep each finished RL run's checkpoints (about 3 GB each).")
   flags.DEFINE_bool("report_only", False, "Only re-read the finished runs and rewrite the report.")
+  flags.DEFINE_string(
+    "records", None, "Print the report's tables from a saved results.json (e.g. docs/results/*.json); runs nothing."
+  )
   flags.DEFINE_string("child", None, "Internal: run the config in this run folder.")
 
 
@@ -317,6 +320,9 @@ def main(argv):
   F = flags.FLAGS
   if F.child:
     child(F.child)
+    return
+  if F.records:
+    print(report.tables_from(F.records))
     return
   if not F.out:
     raise app.UsageError("--out=DIR is required.")

@@ -155,6 +155,37 @@ def test_throughput_table_gives_ratios_on_the_same_seeds():
   ), table
 
 
+def test_steady_state_columns_count_the_same_steps_once_every_run_is_full(tmp_path):
+  """With a partial arm of max_staleness K (from its record, else its label), the table adds the rates over steps
+  K+2.. of every arm (the carried run is full there), trajectories and sampled tokens, with their ratios; without one
+  it adds nothing. --records prints the tables of a saved results.json; a wrong file is named."""
+  import _compare_report as report
+
+  def rec(algo, traj, secs, toks, **kw):
+    return dict(algorithm=algo, seed=0, trajectories=traj, rollout_s=secs, decode_tokens=toks,
+                slot_occupancy=[0.5] * 5, staleness_mean=[0.0] * 5, **kw)  # fmt: skip
+
+  sync = rec("sync", [16] * 5, [60.0, 20.0, 20.0, 20.0, 20.0], [1600] * 5)
+  partial = rec("config+train.max_staleness=2", [16, 16, 16, 32, 32], [60.0, 10.0, 10.0, 16.0, 16.0], [1600] * 5)
+  assert report.max_staleness(partial) == 2 and report.max_staleness(sync) == 0
+  assert report.max_staleness(dict(partial, max_staleness=1)) == 1  # the record's own value first
+  assert report.trajectories_per_rollout_s(partial, from_step=4) == 2.0  # 64 / 32
+  assert report.trajectories_per_rollout_s(sync, from_step=4) == 0.8
+  table = report.throughput_table([sync, partial])
+  header, rule = table.splitlines()[:2]
+  assert "steps 4.. (every run full)" in header and rule.count("---") == header.count("|") - 1
+  assert table.splitlines()[3].endswith(
+    "| 2.000 [2.000, 2.000] | 2.50 [2.50, 2.50] | 100.0 [100.0, 100.0] | 1.25 [1.25, 1.25] |"
+  )
+  assert "every run full" not in report.throughput_table([sync, dict(partial, algorithm="other")])
+  saved = os.path.join(ROOT, "docs", "results", "partial_rollouts_ramp_10_steps.json")  # staleness up to 3
+  out = subprocess.run([sys.executable, SCRIPT, f"--records={saved}"], capture_output=True, text=True, check=True)
+  assert "steps 5.. (every run full)" in out.stdout and "| config+train.max_staleness=0 | 3 |" in out.stdout
+  (tmp_path / "bad.json").write_text("[1, 2]")
+  with pytest.raises(SystemExit, match="bad.json: not a results.json"):
+    report.tables_from(str(tmp_path / "bad.json"))
+
+
 def test_a_runs_record_and_table_carry_pass_at_k_and_the_per_token_entropy_split(tmp_path):
   """read_run on a hand-written metrics.jsonl: the greedy and sampled evaluations of one step are one evaluation,
   pass@k lands in before_pass / after_pass, a step without tool results has no after-tool entropy, and the table
