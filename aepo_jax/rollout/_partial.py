@@ -27,6 +27,13 @@ a step's slowest trajectories finish. What makes it safe for the objective:
   call admits one batch (a synchronous step), and each later call one more than it hands back until the run is
   full: the update of call t then trains on groups started at call t - max_staleness or later, as in the steady
   state, at the cost of less overlap over the first max_staleness calls.
+- A floor on each call's work (`call_floor`, a fraction): once its groups are ready, a call goes on decoding until
+  it has sampled call_floor x the mean tokens per call so far in the run (or nothing is left to decode). In
+  admission order a call whose oldest groups were already complete would otherwise return after little more than
+  the new groups' prefill, and the run falls into a cycle of one long call that decodes every batch in flight
+  (with its tail) and max_staleness short ones: a synchronous step over max_staleness + 1 batches. The floor
+  spreads the decoding over the calls, so younger groups are further on when they become the oldest (their tokens
+  a version older on average). 0 (default): return once ready.
 - The KV cache of a carried trajectory is kept as computed by the older weights (as PipelineRL does; AReaL
   recomputes it): the new tokens' sampling log-probs are those of what actually sampled them, which the off-policy
   correction needs.
@@ -83,6 +90,7 @@ class PartialRollouts:
     max_staleness: int,
     order: str = "completion",
     ramp: bool = False,
+    call_floor: float = 0.0,
   ):
     if groups_per_call < 1 or max_staleness < 1:
       raise ValueError(
@@ -91,6 +99,9 @@ class PartialRollouts:
       )
     if order not in self.ORDERS:
       raise ValueError(f"PartialRollouts: order={order!r}; use one of {self.ORDERS} (train.hand_back).")
+    if not call_floor >= 0:
+      raise ValueError(f"PartialRollouts: call_floor={call_floor!r} must be >= 0 (train.call_floor; 0: no floor).")
+    self.call_floor = float(call_floor)
     self.loop, self.policy, self.order, self.ramp = loop, policy, order, bool(ramp)
     self.groups_per_call, self.max_staleness = int(groups_per_call), int(max_staleness)
     # Groups alive at once: at most those of the last max_staleness + 1 versions (the bound), one table of them.
@@ -99,6 +110,8 @@ class PartialRollouts:
     self.groups: dict = {}  # prompt slot -> _Group
     self._admitted = 0
     self.calls = 0  # calls returned since the run started (ramp: the run fills one more batch per call)
+    self.tokens = 0  # tokens sampled by those calls (call_floor: their mean)
+    self._floor = 0.0  # the current call's floor, in tokens
 
   # -------------------------------------------------------------------------------------------- state
   def carried(self) -> tuple:
@@ -118,7 +131,7 @@ class PartialRollouts:
   def drop(self) -> int:
     """Forget everything carried over (the engine state with it); returns the trajectories dropped."""
     n = 0 if self.run is None else sum(not r.done for r in self.run.records)
-    self.run, self.groups, self.calls = None, {}, 0
+    self.run, self.groups, self.calls, self.tokens = None, {}, 0, 0
     return n
 
   def _start(self, params, seed: int) -> _Run:
@@ -165,7 +178,8 @@ class PartialRollouts:
     loop._should_stop, loop._on_finished = should_stop, on_finished
     try:
       self._admit(run, prompts, payloads, version, seed)
-      loop._drive(run, self.policy, until=lambda r: self._ready(r, version))
+      floor = self._floor = self.call_floor * self.tokens / self.calls if self.calls else 0.0
+      loop._drive(run, self.policy, until=lambda r: self._ready(r, version) and self._worked(r, tokens0, floor))
     except RolloutInterrupted:
       self.drop()
       raise
@@ -173,6 +187,7 @@ class PartialRollouts:
       loop._should_stop = loop._on_finished = None
     slots = self._choose(run)
     self.calls += 1
+    self.tokens += run.decoded_tokens - tokens0
     return self._hand_back(run, slots, version, run.decoded_tokens - tokens0, run.slot_steps - steps0)
 
   def _admit(self, run: _Run, prompts, payloads, version: int, seed: int) -> None:
@@ -211,6 +226,10 @@ class PartialRollouts:
     forced = {q for q, g in self.groups.items() if g.version <= version - self.max_staleness}
     return len(done) >= self.groups_per_call and forced <= done
 
+  def _worked(self, run: _Run, tokens0: int, floor: float) -> bool:
+    """The call has sampled its floor of tokens, or every group in the run is complete (nothing left to decode)."""
+    return run.decoded_tokens - tokens0 >= floor or self._complete(run) >= set(self.groups)
+
   def _choose(self, run: _Run) -> list:
     return self._oldest(self._complete(run))
 
@@ -243,6 +262,7 @@ class PartialRollouts:
         "rollout/carried_groups": float(groups_left),
         "rollout/carried_trajectories": float(traj_left),
         "rollout/dropped_stale": 0.0,
+        "rollout/call_floor_tokens": self._floor,
       }
     )
     traj: Trajectories = assemble(records, pad_id=self.loop.pad_id, decode=self.loop.tokenizer.decode, stats=stats)

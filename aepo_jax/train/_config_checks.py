@@ -291,6 +291,10 @@ def validate(config, *, num_devices: Optional[int] = None, check_registries: boo
     f"train.max_staleness={t.max_staleness!r}: an integer >= 0 (0 = synchronous steps).",
   )
   need(
+    isinstance(t.call_floor, (int, float)) and not isinstance(t.call_floor, bool) and t.call_floor >= 0,
+    f"train.call_floor={t.call_floor!r}: a number >= 0 (a fraction of the mean tokens per step; 0 = no floor).",
+  )
+  need(
     isinstance(t.staleness_ramp, bool),
     f"train.staleness_ramp={t.staleness_ramp!r}: True or False (fill the partial-rollout run one batch per step).",
   )

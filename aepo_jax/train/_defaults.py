@@ -242,6 +242,10 @@ def base_config() -> ml_collections.ConfigDict:
   # step's groups in flight each step until max_staleness + 1), so the first updates train on groups the latest
   # weights started rather than max_staleness + 1 batches the initial policy started. False = all at the first step.
   c.train.staleness_ramp = False
+  # With max_staleness > 0: a step's rollout, once its groups are ready, goes on decoding until it has sampled this
+  # fraction of the mean tokens per step so far (0 = return once ready). Spreads the decoding over the steps where
+  # admission order would otherwise run one long step and max_staleness short ones (PartialRollouts(call_floor)).
+  c.train.call_floor = 0.0
   c.train.nan_limit = 3  # non-finite losses skipped before a clear stop
   c.train.eval_every = 0  # 0 = only before and after RL
   c.train.log_every = 1

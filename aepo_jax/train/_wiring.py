@@ -188,6 +188,7 @@ class Rollout:
         max_staleness=self.config.train.max_staleness,
         order=self.config.train.hand_back,
         ramp=self.config.train.staleness_ramp,
+        call_floor=self.config.train.call_floor,
       )
     prompts = []
     while len(prompts) < self.partial.wanted():

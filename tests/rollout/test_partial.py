@@ -281,3 +281,36 @@ def test_a_ramped_run_fills_one_batch_per_call_and_trains_on_groups_the_latest_w
   assert ramped.drop() == unfinished and ramped.calls == 0 and ramped.wanted() == gpc  # a restart ramps again
   plain = PartialRollouts(_loop(), policy, groups_per_call=gpc, max_staleness=staleness)
   assert plain.wanted() == gpc * (staleness + 1)
+
+
+def test_a_call_floor_keeps_decoding_past_the_ready_groups(params):  # noqa: F811
+  """call_floor=1 in admission order: every call after the first samples at least the mean tokens per call before it
+  unless nothing is left to decode (every group in the run complete), its groups still complete, exact, oldest first
+  and within the bound; the same calls without a floor include one that returns below that mean."""
+
+  def calls(floor):
+    loop = _loop()
+    policy = rollout_policy("arpo", n=4, initial_rollouts=2, mode="corrected")
+    partial = PartialRollouts(
+      loop, policy, groups_per_call=len(PROMPTS), max_staleness=2, order="admission", ramp=True, call_floor=floor
+    )
+    out, admitted = [], []
+    for v in range(6):
+      k = partial.wanted()
+      admitted += [(v, i) for i in range(k)]
+      tr, payloads, m = partial(params, (PROMPTS * k)[:k], admitted[-k:], version=v, seed=11 + v)
+      assert payloads == admitted[3 * v : 3 * v + 3]  # admission order kept
+      check_trajectories(params, tr)
+      assert all(v - g <= 2 for g, _ in payloads) and m["rollout/staleness_max"] <= 2
+      complete = partial._complete(partial.run) >= set(partial.groups)
+      out.append((m["rollout/decode_tokens"], m["rollout/call_floor_tokens"], complete, payloads))
+    return out
+
+  floored = calls(1.0)
+  for i, (tokens, floor, complete, _) in enumerate(floored):
+    assert floor == (0.0 if i == 0 else pytest.approx(np.mean([t for t, *_ in floored[:i]])))
+    assert tokens >= floor or complete, (i, tokens, floor)
+  plain = calls(0.0)
+  assert any(t < np.mean([x for x, *_ in plain[:i]]) for i, (t, *_) in enumerate(plain) if i)
+  with pytest.raises(ValueError, match="call_floor=-0.5"):
+    PartialRollouts(_loop(), rollout_policy("none", n=4), groups_per_call=3, max_staleness=1, call_floor=-0.5)

@@ -214,3 +214,8 @@ def test_partial_rollout_settings_are_checked():
   assert "train.hand_back='fifo' is not registered (known: completion, admission)" in _error(c, num_devices=8)
   c.train.hand_back = "admission"
   validate(c, num_devices=8)
+  c.train.staleness_ramp = True
+  c.train.call_floor = -0.5
+  assert "train.call_floor=-0.5: a number >= 0" in _error(c, num_devices=8)
+  c.train.call_floor = 0.75
+  validate(c, num_devices=8)
