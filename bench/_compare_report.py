@@ -216,6 +216,15 @@ def trajectories_per_rollout_s(
   return sum(t for t, _ in pairs) / sum(s for _, s in pairs) if pairs else None
 
 
+def _rate_cells(rs: dict, base: dict, digits: int = 3, **kw) -> str:
+  """'rate | ratio': the mean over seeds of `trajectories_per_rollout_s(run, **kw)` and of its ratio to the base
+  arm's run of the same seed, each with its interval (seeds without a rate left out)."""
+  rate = {s: trajectories_per_rollout_s(r, **kw) for s, r in rs.items()}
+  base_rate = {s: trajectories_per_rollout_s(r, **kw) for s, r in base.items()}
+  ratio = [rate[s] / base_rate[s] for s in rs if rate[s] and base_rate.get(s)]
+  return f"{_fmt(*_ci([x for x in rate.values() if x]), digits=digits)} | {_fmt(*_ci(ratio), digits=2)}"
+
+
 def throughput_table(records: list[dict]) -> str:
   """Rollout throughput per algorithm, and its ratio to the first algorithm's on the same seeds."""
   by = defaultdict(dict)
@@ -241,33 +250,25 @@ def throughput_table(records: list[dict]) -> str:
   out += "\n" + "|---" * (out.count("|") - 1) + "|\n"
   for name in names:
     rs = by[name]
-    cells = []
-    for skip, compiles in ((True, True), (True, False), (False, True)):
-      tps = {s: trajectories_per_rollout_s(r, skip, compiles) for s, r in rs.items()}
-      ratio = [tps[s] / trajectories_per_rollout_s(base[s], skip, compiles) for s in rs if s in base and tps[s]]
-      cells += [_fmt(*_ci(list(tps.values()))), _fmt(*_ci(ratio), digits=2)]
+    cells = [
+      _rate_cells(rs, base, skip_first=skip, compiles=compiles)
+      for skip, compiles in ((True, True), (True, False), (False, True))
+    ]
     occ = [
       _fmt(*_ci([_mean_over_steps(r, k) for r in rs.values()]), digits=2) for k in ("slot_occupancy", "occupancy_wall")
     ]
     stale = [_mean_over_steps(r, "staleness_mean") for r in rs.values()]
     # What the trajectory rate hides: a run whose trajectories got shorter (fewer tool calls) completes more a second
     # at the same sampling speed.
-    toks = {s: trajectories_per_rollout_s(r, key="decode_tokens") for s, r in rs.items()}
-    base_toks = {s: trajectories_per_rollout_s(r, key="decode_tokens") for s, r in base.items()}
-    tok_ratio = [toks[s] / base_toks[s] for s in rs if toks[s] and base_toks.get(s)]
+    toks = _rate_cells(rs, base, digits=1, key="decode_tokens")
     length = [_mean_over_steps(r, "response_len") for r in rs.values()]
     out += (
-      f"| {name} | {len(rs)} | {' | '.join(cells)} | {' | '.join(occ)} | {_fmt(*_ci(stale), digits=2)} | "
-      f"{_fmt(*_ci([t for t in toks.values() if t]), digits=1)} | {_fmt(*_ci(tok_ratio), digits=2)} | "
+      f"| {name} | {len(rs)} | {' | '.join(cells)} | {' | '.join(occ)} | {_fmt(*_ci(stale), digits=2)} | {toks} | "
       f"{_fmt(*_ci(length), digits=1)} |"
     )
     if full_from > 2:
-      for key in ("trajectories", "decode_tokens"):
-        v = {s: trajectories_per_rollout_s(r, key=key, from_step=full_from) for s, r in rs.items()}
-        b = {s: trajectories_per_rollout_s(r, key=key, from_step=full_from) for s, r in base.items()}
-        ratio = [v[s] / b[s] for s in rs if v[s] and b.get(s)]
-        digits = 3 if key == "trajectories" else 1
-        out += f" {_fmt(*_ci([x for x in v.values() if x]), digits=digits)} | {_fmt(*_ci(ratio), digits=2)} |"
+      out += f" {_rate_cells(rs, base, from_step=full_from)} |"
+      out += f" {_rate_cells(rs, base, digits=1, key='decode_tokens', from_step=full_from)} |"
     out += "\n"
   return out
 
@@ -403,6 +404,10 @@ def tables_from(path: str) -> str:
     raise SystemExit(f"{path}: not a results.json of bench/compare_algorithms.py ({type(e).__name__}: {e}).") from e
   if not records:
     return f"{path}: no finished RL run in its records."
+  return _tables(records)
+
+
+def _tables(records: list[dict]) -> str:
   return table(records) + "\n" + throughput_table(records)
 
 
@@ -415,7 +420,7 @@ def write(out: str, runs: list[dict], spec: dict) -> list[str]:
   paths.append(path)
   md = os.path.join(out, "results.md")
   with open(md, "w") as f:
-    f.write(table(records) + "\n" + throughput_table(records) if records else "no finished RL run yet\n")
+    f.write(_tables(records) if records else "no finished RL run yet\n")
   paths.append(md)
   if records:
     os.makedirs(os.path.join(out, "plots"), exist_ok=True)

@@ -111,7 +111,6 @@ class PartialRollouts:
     self._admitted = 0
     self.calls = 0  # calls returned since the run started (ramp: the run fills one more batch per call)
     self.tokens = 0  # tokens sampled by those calls (call_floor: their mean)
-    self._floor = 0.0  # the current call's floor, in tokens
 
   # -------------------------------------------------------------------------------------------- state
   def carried(self) -> tuple:
@@ -176,9 +175,9 @@ class PartialRollouts:
     run.tool_overlap, run.decisions = [], []  # per call: the statistics of this step, and no growth over a run
     run.new_phase()
     loop._should_stop, loop._on_finished = should_stop, on_finished
+    floor = self.call_floor * self.tokens / self.calls if self.calls else 0.0  # tokens this call samples at least
     try:
       self._admit(run, prompts, payloads, version, seed)
-      floor = self._floor = self.call_floor * self.tokens / self.calls if self.calls else 0.0
       loop._drive(run, self.policy, until=lambda r: self._ready(r, version) and self._worked(r, tokens0, floor))
     except RolloutInterrupted:
       self.drop()
@@ -188,7 +187,7 @@ class PartialRollouts:
     slots = self._choose(run)
     self.calls += 1
     self.tokens += run.decoded_tokens - tokens0
-    return self._hand_back(run, slots, version, run.decoded_tokens - tokens0, run.slot_steps - steps0)
+    return self._hand_back(run, slots, version, run.decoded_tokens - tokens0, run.slot_steps - steps0, floor)
 
   def _admit(self, run: _Run, prompts, payloads, version: int, seed: int) -> None:
     slots = [q for q in range(self.capacity) if q not in self.groups][: len(prompts)]
@@ -233,7 +232,7 @@ class PartialRollouts:
   def _choose(self, run: _Run) -> list:
     return self._oldest(self._complete(run))
 
-  def _hand_back(self, run: _Run, slots: list, version: int, decoded: int, slot_steps: int) -> tuple:
+  def _hand_back(self, run: _Run, slots: list, version: int, decoded: int, slot_steps: int, floor: float) -> tuple:
     rank = {q: i for i, q in enumerate(slots)}
     records = sorted((r for r in run.records if r.prompt in rank), key=lambda r: (rank[r.prompt], r.index))
     held = [s for s, i in run.slot_rec.items() if run.records[i].prompt in rank]
@@ -262,7 +261,7 @@ class PartialRollouts:
         "rollout/carried_groups": float(groups_left),
         "rollout/carried_trajectories": float(traj_left),
         "rollout/dropped_stale": 0.0,
-        "rollout/call_floor_tokens": self._floor,
+        "rollout/call_floor_tokens": float(floor),
       }
     )
     traj: Trajectories = assemble(records, pad_id=self.loop.pad_id, decode=self.loop.tokenizer.decode, stats=stats)
