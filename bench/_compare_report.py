@@ -197,19 +197,24 @@ def max_staleness(rec: dict) -> int:
 
 
 def trajectories_per_rollout_s(
-  rec: dict, skip_first: bool = True, compiles: bool = True, key: str = "trajectories", from_step: int = 0
+  rec: dict,
+  skip_first: bool = True,
+  compiles: bool = True,
+  key: str = "trajectories",
+  from_step: int = 0,
+  to_step: int | None = None,
 ) -> float | None:
   """Completed trajectories (key='decode_tokens': sampled tokens) per second of rollout time over a run's steps (the
   first step, which compiles the engine, left out when there are others); compiles=False: less the rollout's
   compile time (a later step's first call of a new shape), the steady state of a long run (runs without the metric
-  count it as 0); from_step: only steps numbered from_step or later (1-based)."""
+  count it as 0); from_step / to_step: only steps numbered from_step to to_step (1-based, both included)."""
   n = len(rec["rollout_s"])
   comp = rec.get("rollout_compile_s") or [None] * n
   numbers = rec.get("steps") or list(range(1, n + 1))
   pairs = [
     (t, s - (0.0 if compiles or c is None else c))
     for t, s, c, step in zip(rec.get(key) or [None] * n, rec["rollout_s"], comp, numbers)
-    if t is not None and s and step >= from_step
+    if t is not None and s and step >= from_step and (to_step is None or step <= to_step)
   ]
   if skip_first and len(pairs) > 1 and not from_step:
     pairs = pairs[1:]
@@ -395,8 +400,54 @@ def plot(records: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
-def tables_from(path: str) -> str:
-  """The report's two tables from a saved results.json (its 'records'), or an error naming the file."""
+def parse_windows(text: str) -> list[tuple[int, int]]:
+  """'5-12,13-20' -> [(5, 12), (13, 20)]: RL step windows, 1-based, both ends included; a bad one is named."""
+  windows = []
+  for part in filter(None, (p.strip() for p in (text or "").split(","))):
+    m = re.fullmatch(r"(\d+)-(\d+)", part)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+      raise SystemExit(f"--windows: {part!r} is not a step window FIRST-LAST (1 <= FIRST <= LAST), e.g. 5-12,13-20.")
+    windows.append((int(m.group(1)), int(m.group(2))))
+  return windows
+
+
+def window_table(records: list[dict], windows: list[tuple[int, int]]) -> str:
+  """Per arm and step window: trajectories and sampled tokens per rollout second over those steps, as ratios to the
+  first arm's run of the same seed, seed by seed and their mean (the per-seed figures a short window scatters)."""
+  by = defaultdict(dict)
+  for r in records:
+    by[r["algorithm"]][r["seed"]] = r
+  names = list(by)
+  base = by[names[0]]
+  seeds = sorted(base)
+  head = " / ".join(f"seed {s}" for s in seeds)
+  out = (
+    f"| algorithm | steps | trajectories per rollout second vs {names[0]} ({head}) | mean | sampled tokens per "
+    f"rollout second vs {names[0]} ({head}) | mean |\n|---|---|---|---|---|---|\n"
+  )
+
+  def ratios(rs, key, first, last):
+    vals = []
+    for s in seeds:
+      kw = dict(key=key, from_step=first, to_step=last)
+      a, b = (trajectories_per_rollout_s(r[s], **kw) if s in r else None for r in (rs, base))
+      vals.append(a / b if a and b else None)
+    got = [v for v in vals if v is not None]
+    cells = " / ".join("n/a" if v is None else f"{v:.2f}" for v in vals)
+    return f"{cells} | {sum(got) / len(got):.2f}" if got else f"{cells} | n/a"
+
+  for name in names:
+    for first, last in windows:
+      out += (
+        f"| {name} | {first}-{last} | {ratios(by[name], 'trajectories', first, last)} | "
+        f"{ratios(by[name], 'decode_tokens', first, last)} |\n"
+      )
+  return out
+
+
+def tables_from(path: str, windows: list[tuple[int, int]] = ()) -> str:
+  """The report's two tables from a saved results.json (its 'records'), or an error naming the file; with windows,
+  also the per-seed table of those step windows (window_table)."""
   try:
     with open(path) as f:
       records = json.load(f)["records"]
@@ -404,7 +455,7 @@ def tables_from(path: str) -> str:
     raise SystemExit(f"{path}: not a results.json of bench/compare_algorithms.py ({type(e).__name__}: {e}).") from e
   if not records:
     return f"{path}: no finished RL run in its records."
-  return _tables(records)
+  return _tables(records) + ("\n" + window_table(records, windows) if windows else "")
 
 
 def _tables(records: list[dict]) -> str:

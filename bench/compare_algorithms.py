@@ -5,6 +5,8 @@ intervals over seeds) and PNG plots.
   python bench/compare_algorithms.py --config=configs/cpu_default.py --algorithms=grpo,arpo,aepo \
       --seeds=0,1,2 --steps=5 --out=/tmp/compare
   python bench/compare_algorithms.py --out=/tmp/compare --report_only      # re-read the runs, rewrite the report
+  python bench/compare_algorithms.py --records=docs/results/partial_rollouts_ramp_20_steps.json \
+      --windows=5-12,13-20      # a saved sweep's tables, plus per-seed ratios over those RL steps; runs nothing
 
 Resumable: each finished run leaves `summary.json` in its folder and is never rerun; an interrupted one continues
 from its own checkpoints (the trainer's exact resume). Rerunning with more seeds or algorithms adds runs; another
@@ -312,6 +314,11 @@ def define_flags() -> None:
   flags.DEFINE_string(
     "records", None, "Print the report's tables from a saved results.json (e.g. docs/results/*.json); runs nothing."
   )
+  flags.DEFINE_string(
+    "windows",
+    "",
+    "With --records: also the per-seed ratios to the first arm over these RL step windows, e.g. 5-12,13-20.",
+  )
   flags.DEFINE_string("child", None, "Internal: run the config in this run folder.")
 
 
@@ -322,7 +329,7 @@ def main(argv):
     child(F.child)
     return
   if F.records:
-    print(report.tables_from(F.records))
+    print(report.tables_from(F.records, report.parse_windows(F.windows)))
     return
   if not F.out:
     raise app.UsageError("--out=DIR is required.")

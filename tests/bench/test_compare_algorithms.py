@@ -186,6 +186,31 @@ def test_steady_state_columns_count_the_same_steps_once_every_run_is_full(tmp_pa
     report.tables_from(str(tmp_path / "bad.json"))
 
 
+def test_step_windows_give_per_seed_ratios_over_those_steps_only():
+  """--windows=A-B,..: per arm and window, the trajectory and token rates over steps A..B (both included) as ratios
+  to the first arm's run of the same seed, seed by seed and their mean; a missing seed is n/a; bad windows named."""
+  import _compare_report as report
+
+  def rec(algo, seed, traj, secs, toks):
+    return dict(algorithm=algo, seed=seed, trajectories=traj, rollout_s=secs, decode_tokens=toks)
+
+  records = [
+    rec("sync", 0, [16] * 4, [20.0] * 4, [800] * 4),
+    rec("sync", 1, [16] * 4, [40.0] * 4, [800] * 4),
+    rec("partial", 0, [8, 16, 32, 16], [10.0, 10.0, 20.0, 5.0], [400, 800, 1600, 800]),
+  ]
+  assert report.trajectories_per_rollout_s(records[2], from_step=2, to_step=3) == 48 / 30
+  rows = report.window_table(records, report.parse_windows("2-3, 4-4")).splitlines()
+  assert rows[0].startswith("| algorithm | steps | trajectories per rollout second vs sync (seed 0 / seed 1) |")
+  # seed 0, steps 2-3: 48 / 30 s against 32 / 40 s = 2.00x; tokens 2400 / 30 against 1600 / 40 = 2.00x
+  assert rows[4] == "| partial | 2-3 | 2.00 / n/a | 2.00 | 2.00 / n/a | 2.00 |"
+  assert rows[5] == "| partial | 4-4 | 4.00 / n/a | 4.00 | 4.00 / n/a | 4.00 |"  # 16 / 5 s against 16 / 20 s
+  for bad in ("5", "3-2", "0-4", "a-b"):
+    with pytest.raises(SystemExit, match="--windows"):
+      report.parse_windows(bad)
+  assert report.parse_windows("") == []
+
+
 def test_a_runs_record_and_table_carry_pass_at_k_and_the_per_token_entropy_split(tmp_path):
   """read_run on a hand-written metrics.jsonl: the greedy and sampled evaluations of one step are one evaluation,
   pass@k lands in before_pass / after_pass, a step without tool results has no after-tool entropy, and the table
