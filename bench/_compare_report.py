@@ -221,22 +221,33 @@ def trajectories_per_rollout_s(
   return sum(t for t, _ in pairs) / sum(s for _, s in pairs) if pairs else None
 
 
-def _rate_cells(rs: dict, base: dict, digits: int = 3, **kw) -> str:
-  """'rate | ratio': the mean over seeds of `trajectories_per_rollout_s(run, **kw)` and of its ratio to the base
-  arm's run of the same seed, each with its interval (seeds without a rate left out)."""
-  rate = {s: trajectories_per_rollout_s(r, **kw) for s, r in rs.items()}
-  base_rate = {s: trajectories_per_rollout_s(r, **kw) for s, r in base.items()}
-  ratio = [rate[s] / base_rate[s] for s in rs if rate[s] and base_rate.get(s)]
-  return f"{_fmt(*_ci([x for x in rate.values() if x]), digits=digits)} | {_fmt(*_ci(ratio), digits=2)}"
-
-
-def throughput_table(records: list[dict]) -> str:
-  """Rollout throughput per algorithm, and its ratio to the first algorithm's on the same seeds."""
+def _by_arm(records: list[dict]) -> tuple:
+  """{arm: {seed: record}} in the records' order, its arm names, and the first arm's runs (every ratio's base)."""
   by = defaultdict(dict)
   for r in records:
     by[r["algorithm"]][r["seed"]] = r
   names = list(by)
-  base = by[names[0]]
+  return by, names, by[names[0]]
+
+
+def _rates(rs: dict, base: dict, **kw) -> tuple:
+  """`trajectories_per_rollout_s(run, **kw)` per seed, and its ratio to the base arm's run of the same seed (only
+  seeds where both have a rate)."""
+  rate = {s: trajectories_per_rollout_s(r, **kw) for s, r in rs.items()}
+  base_rate = {s: trajectories_per_rollout_s(r, **kw) for s, r in base.items()}
+  return rate, {s: rate[s] / base_rate[s] for s in rs if rate[s] and base_rate.get(s)}
+
+
+def _rate_cells(rs: dict, base: dict, digits: int = 3, **kw) -> str:
+  """'rate | ratio': the mean over seeds of `trajectories_per_rollout_s(run, **kw)` and of its ratio to the base
+  arm's run of the same seed, each with its interval (seeds without a rate left out)."""
+  rate, ratio = _rates(rs, base, **kw)
+  return f"{_fmt(*_ci([x for x in rate.values() if x]), digits=digits)} | {_fmt(*_ci(list(ratio.values())), digits=2)}"
+
+
+def throughput_table(records: list[dict]) -> str:
+  """Rollout throughput per algorithm, and its ratio to the first algorithm's on the same seeds."""
+  by, names, base = _by_arm(records)
   out = (
     f"| algorithm | seeds | trajectories per rollout second, steps 2.. | ratio to {names[0]} (same seeds) | "
     f"steps 2.., compile time excluded | ratio to {names[0]} | all steps (the first compiles) | ratio to "
@@ -413,34 +424,38 @@ def parse_windows(text: str) -> list[tuple[int, int]]:
 
 def window_table(records: list[dict], windows: list[tuple[int, int]]) -> str:
   """Per arm and step window: trajectories and sampled tokens per rollout second over those steps, as ratios to the
-  first arm's run of the same seed, seed by seed and their mean (the per-seed figures a short window scatters)."""
-  by = defaultdict(dict)
-  for r in records:
-    by[r["algorithm"]][r["seed"]] = r
-  names = list(by)
-  base = by[names[0]]
+  first arm's run of the same seed, seed by seed and their mean (the per-seed figures a short window scatters), and
+  the mean staleness per token (`rollout/staleness_mean`) over those steps, seed by seed."""
+  by, names, base = _by_arm(records)
   seeds = sorted(base)
   head = " / ".join(f"seed {s}" for s in seeds)
   out = (
     f"| algorithm | steps | trajectories per rollout second vs {names[0]} ({head}) | mean | sampled tokens per "
-    f"rollout second vs {names[0]} ({head}) | mean |\n|---|---|---|---|---|---|\n"
+    f"rollout second vs {names[0]} ({head}) | mean | staleness per token, mean over the steps ({head}) |\n"
+    + "|---" * 7
+    + "|\n"
   )
 
-  def ratios(rs, key, first, last):
-    vals = []
-    for s in seeds:
-      kw = dict(key=key, from_step=first, to_step=last)
-      a, b = (trajectories_per_rollout_s(r[s], **kw) if s in r else None for r in (rs, base))
-      vals.append(a / b if a and b else None)
-    got = [v for v in vals if v is not None]
-    cells = " / ".join("n/a" if v is None else f"{v:.2f}" for v in vals)
-    return f"{cells} | {sum(got) / len(got):.2f}" if got else f"{cells} | n/a"
+  def per_seed(values: dict, digits: int = 2) -> str:
+    return " / ".join("n/a" if values.get(s) is None else f"{values[s]:.{digits}f}" for s in seeds)
+
+  def ratio_cells(rs: dict, **kw) -> str:
+    _, ratio = _rates(rs, base, **kw)
+    return f"{per_seed(ratio)} | " + (f"{np.mean(list(ratio.values())):.2f}" if ratio else "n/a")
+
+  def staleness(rec: dict, first: int, last: int):
+    numbers = rec.get("steps") or range(1, len(rec["rollout_s"]) + 1)
+    v = [x for x, t in zip(rec.get("staleness_mean") or [], numbers) if first <= t <= last and x is not None]
+    return float(np.mean(v)) if v else None
 
   for name in names:
+    rs = by[name]
     for first, last in windows:
+      kw = dict(from_step=first, to_step=last)
+      stale = {s: staleness(r, first, last) for s, r in rs.items()}
       out += (
-        f"| {name} | {first}-{last} | {ratios(by[name], 'trajectories', first, last)} | "
-        f"{ratios(by[name], 'decode_tokens', first, last)} |\n"
+        f"| {name} | {first}-{last} | {ratio_cells(rs, **kw)} | {ratio_cells(rs, key='decode_tokens', **kw)} | "
+        f"{per_seed(stale)} |\n"
       )
   return out
 

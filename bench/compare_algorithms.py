@@ -331,6 +331,8 @@ def main(argv):
   if F.records:
     print(report.tables_from(F.records, report.parse_windows(F.windows)))
     return
+  if F.windows:
+    raise app.UsageError("--windows only reads saved records: give --records=results.json with it.")
   if not F.out:
     raise app.UsageError("--out=DIR is required.")
   out = os.path.abspath(F.out)

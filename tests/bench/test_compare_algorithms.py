@@ -188,27 +188,31 @@ def test_steady_state_columns_count_the_same_steps_once_every_run_is_full(tmp_pa
 
 def test_step_windows_give_per_seed_ratios_over_those_steps_only():
   """--windows=A-B,..: per arm and window, the trajectory and token rates over steps A..B (both included) as ratios
-  to the first arm's run of the same seed, seed by seed and their mean; a missing seed is n/a; bad windows named."""
+  to the first arm's run of the same seed, seed by seed and their mean, and the mean staleness per token over those
+  steps; a missing seed is n/a; bad windows named; --windows without --records refused."""
   import _compare_report as report
 
-  def rec(algo, seed, traj, secs, toks):
-    return dict(algorithm=algo, seed=seed, trajectories=traj, rollout_s=secs, decode_tokens=toks)
+  def rec(algo, seed, traj, secs, toks, **kw):
+    return dict(algorithm=algo, seed=seed, trajectories=traj, rollout_s=secs, decode_tokens=toks, **kw)
 
   records = [
     rec("sync", 0, [16] * 4, [20.0] * 4, [800] * 4),
     rec("sync", 1, [16] * 4, [40.0] * 4, [800] * 4),
-    rec("partial", 0, [8, 16, 32, 16], [10.0, 10.0, 20.0, 5.0], [400, 800, 1600, 800]),
+    rec("partial", 0, [8, 16, 32, 16], [10.0, 10.0, 20.0, 5.0], [400, 800, 1600, 800], staleness_mean=[0, 1, 2, 3.0]),
   ]
   assert report.trajectories_per_rollout_s(records[2], from_step=2, to_step=3) == 48 / 30
   rows = report.window_table(records, report.parse_windows("2-3, 4-4")).splitlines()
   assert rows[0].startswith("| algorithm | steps | trajectories per rollout second vs sync (seed 0 / seed 1) |")
-  # seed 0, steps 2-3: 48 / 30 s against 32 / 40 s = 2.00x; tokens 2400 / 30 against 1600 / 40 = 2.00x
-  assert rows[4] == "| partial | 2-3 | 2.00 / n/a | 2.00 | 2.00 / n/a | 2.00 |"
-  assert rows[5] == "| partial | 4-4 | 4.00 / n/a | 4.00 | 4.00 / n/a | 4.00 |"  # 16 / 5 s against 16 / 20 s
+  assert rows[1].count("---") == rows[0].count("|") - 1
+  # seed 0, steps 2-3: 48 / 30 s against 32 / 40 s = 2.00x; tokens 2400 / 30 against 1600 / 40 = 2.00x; staleness 1.5
+  assert rows[4] == "| partial | 2-3 | 2.00 / n/a | 2.00 | 2.00 / n/a | 2.00 | 1.50 / n/a |"
+  assert rows[5] == "| partial | 4-4 | 4.00 / n/a | 4.00 | 4.00 / n/a | 4.00 | 3.00 / n/a |"  # 16 / 5 s vs 16 / 20 s
   for bad in ("5", "3-2", "0-4", "a-b"):
     with pytest.raises(SystemExit, match="--windows"):
       report.parse_windows(bad)
   assert report.parse_windows("") == []
+  out = subprocess.run([sys.executable, SCRIPT, "--windows=5-12"], capture_output=True, text=True)
+  assert out.returncode != 0 and "give --records=results.json with it" in out.stderr
 
 
 def test_a_runs_record_and_table_carry_pass_at_k_and_the_per_token_entropy_split(tmp_path):
