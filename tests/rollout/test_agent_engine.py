@@ -63,9 +63,9 @@ def _engine(max_slots, **engine_kw):
   )
 
 
-def _agent(engine, tool=lambda code: "2", chunk=8):
+def _agent(engine, tool=lambda code: "2", chunk=8, **agent_kw):
   tools = ToolSet({"python": tool}, call_limit=10, retry_count=1, max_workers=8)
-  cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=chunk, tool_tags=("python",))
+  cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=chunk, tool_tags=("python",), **agent_kw)
   return AgentLoop(engine, VocabTokenizer(), tools, cfg)
 
 
@@ -140,8 +140,8 @@ def test_multi_turn_arpo_on_real_engine(params, mode):
   assert branches > 0
 
 
-def _paged_loop(num_pages, max_slots=8):
-  return _agent(_engine(max_slots, kv_layout="paged", page_size=8, num_pages=num_pages))
+def _paged_loop(num_pages, max_slots=8, **agent_kw):
+  return _agent(_engine(max_slots, kv_layout="paged", page_size=8, num_pages=num_pages), **agent_kw)
 
 
 @pytest.mark.slow
@@ -159,9 +159,12 @@ def test_paged_engine_gives_the_dense_engines_rollouts(params):
 
 @pytest.mark.slow
 def test_a_small_page_pool_stalls_and_preempts_but_every_trajectory_completes(params):
-  """20 pages of 8 tokens for 8 slots whose trajectories reach 51 tokens (7 pages): slots run out of pages mid-
-  segment, wait, get preempted and re-prefilled; the rollout still has its budget and exact log-probs."""
-  loop = _paged_loop(num_pages=21)
+  """12 pages of 8 tokens for 8 slots whose trajectories reach 51 tokens (7 pages): slots run out of pages mid-
+  segment, wait, get preempted and re-prefilled; the rollout still has its budget and exact log-probs. Tool results
+  enter after the next decode chunk ('next_chunk'), so whether a slot waits for pages while no tool is due does not
+  hang on how fast the tool thread answers (with 'when_ready' and 20 pages a loaded CI worker once saw stalls but no
+  preemption; here seeds 0 and 1 give 5 and 3 preemptions)."""
+  loop = _paged_loop(num_pages=13, tool_results="next_chunk")
   stalls = preempted = 0
   for seed in range(2):
     tr = loop.rollout(params, PROMPTS, rollout_policy("arpo", n=4, initial_rollouts=2, mode="faithful"), seed=seed)

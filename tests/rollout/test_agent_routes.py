@@ -42,7 +42,7 @@ def params():
   return p
 
 
-def _loop(**engine_kw):
+def _loop(tool_results="when_ready", **engine_kw):
   engine = Engine(
     CONFIG,
     max_slots=8,
@@ -55,7 +55,9 @@ def _loop(**engine_kw):
     **engine_kw,
   )
   tools = ToolSet({"python": lambda code: "2"}, call_limit=10, retry_count=1, max_workers=8)
-  cfg = AgentConfig(max_response_len=48, max_tool_calls=3, chunk_steps=8, tool_tags=("python",))
+  cfg = AgentConfig(
+    max_response_len=48, max_tool_calls=3, chunk_steps=8, tool_tags=("python",), tool_results=tool_results
+  )
   return AgentLoop(engine, VocabTokenizer(), tools, cfg)
 
 
@@ -123,8 +125,10 @@ def test_a_tree_rollout_carries_each_tokens_experts_and_replaying_them_gives_the
 @pytest.mark.slow
 def test_preempted_and_re_prefilled_trajectories_keep_replayable_routes(params):
   """A paged pool too small for every slot: trajectories are preempted and re-prefilled from the host; the routes
-  they come back with are those of the KV their last tokens attended to, and still replay the sampler's log-probs."""
-  loop = _loop(kv_layout="paged", page_size=8, num_pages=21)
+  they come back with are those of the KV their last tokens attended to, and still replay the sampler's log-probs.
+  Tool results enter after the next decode chunk, so the preemptions do not hang on the tool thread's speed (seeds 0
+  and 1: 5 and 2 preemptions with 12 pages)."""
+  loop = _loop(tool_results="next_chunk", kv_layout="paged", page_size=8, num_pages=13)
   preempted = 0
   for seed in range(2):
     tr = loop.rollout(params, PROMPTS, rollout_policy("arpo", n=4, initial_rollouts=2, mode="faithful"), seed=seed)
