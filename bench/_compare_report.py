@@ -120,8 +120,17 @@ def _fmt(m, lo, hi, digits=3) -> str:
   return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
-def _mean_over_steps(rec, key, last=None):
-  v = [x for x in rec.get(key) or [] if x is not None]
+def _step_numbers(rec: dict) -> list[int]:
+  """The RL step (1-based) of each per-step entry of a run's record."""
+  return rec.get("steps") or list(range(1, len(rec["rollout_s"]) + 1))
+
+
+def _mean_over_steps(rec, key, last=None, window=None):
+  """Mean of a per-step metric over the run (last: its last N entries; window: steps (first, last), both included)."""
+  v = rec.get(key) or []
+  if window:
+    v = [x for x, t in zip(v, _step_numbers(rec)) if window[0] <= t <= window[1]]
+  v = [x for x in v if x is not None]
   if last:
     v = v[-last:]
   return float(np.mean(v)) if v else None
@@ -210,7 +219,7 @@ def trajectories_per_rollout_s(
   count it as 0); from_step / to_step: only steps numbered from_step to to_step (1-based, both included)."""
   n = len(rec["rollout_s"])
   comp = rec.get("rollout_compile_s") or [None] * n
-  numbers = rec.get("steps") or list(range(1, n + 1))
+  numbers = _step_numbers(rec)
   pairs = [
     (t, s - (0.0 if compiles or c is None else c))
     for t, s, c, step in zip(rec.get(key) or [None] * n, rec["rollout_s"], comp, numbers)
@@ -443,16 +452,11 @@ def window_table(records: list[dict], windows: list[tuple[int, int]]) -> str:
     _, ratio = _rates(rs, base, **kw)
     return f"{per_seed(ratio)} | " + (f"{np.mean(list(ratio.values())):.2f}" if ratio else "n/a")
 
-  def staleness(rec: dict, first: int, last: int):
-    numbers = rec.get("steps") or range(1, len(rec["rollout_s"]) + 1)
-    v = [x for x, t in zip(rec.get("staleness_mean") or [], numbers) if first <= t <= last and x is not None]
-    return float(np.mean(v)) if v else None
-
   for name in names:
     rs = by[name]
     for first, last in windows:
       kw = dict(from_step=first, to_step=last)
-      stale = {s: staleness(r, first, last) for s, r in rs.items()}
+      stale = {s: _mean_over_steps(r, "staleness_mean", window=(first, last)) for s, r in rs.items()}
       out += (
         f"| {name} | {first}-{last} | {ratio_cells(rs, **kw)} | {ratio_cells(rs, key='decode_tokens', **kw)} | "
         f"{per_seed(stale)} |\n"
