@@ -4,7 +4,8 @@ attention, training attention).
 A kernel is compiled on first use with the system C++ compiler (`$CXX`, default g++; a few seconds) into
 `~/.cache/aepo_jax/kernels` (`$AEPO_JAX_KERNEL_CACHE`), keyed by its source, the flags and the jaxlib version, and
 its handlers are registered as XLA FFI targets for the CPU platform. The kernels need x86-64 with AVX2 and FMA;
-`AEPO_JAX_CPU_KERNELS=0` turns all of them off. Any failure is reported as a reason string, never raised: callers
+`AEPO_JAX_CPU_KERNELS=0` turns all of them off; `$AEPO_JAX_KERNEL_CXXFLAGS` adds compiler flags (for example
+`-fsanitize=address -g` with libasan preloaded, to check the kernels' memory accesses). Any failure is reported as a reason string, never raised: callers
 fall back to XLA's own ops and log why.
 """
 
@@ -38,6 +39,11 @@ def cpu_flags() -> set:
   return set()
 
 
+def flags() -> tuple:
+  """The compiler flags: FLAGS, then any in $AEPO_JAX_KERNEL_CXXFLAGS (later flags win, so `-O1` there lowers -O3)."""
+  return FLAGS + tuple(os.environ.get("AEPO_JAX_KERNEL_CXXFLAGS", "").split())
+
+
 def build(src: Path) -> Path:
   """Compiles `src` into the kernel cache (once per source, flags and jaxlib version) and returns the .so path."""
   import jax
@@ -47,7 +53,7 @@ def build(src: Path) -> Path:
   headers = [h.read_bytes() for h in sorted(SHARED_INCLUDE.glob("*.h"))]
   key = hashlib.sha256(
     b"\0".join(
-      [src.read_bytes(), *headers, " ".join((cxx,) + FLAGS).encode(), jax.__version__.encode(), str(include).encode()]
+      [src.read_bytes(), *headers, " ".join((cxx,) + flags()).encode(), jax.__version__.encode(), str(include).encode()]
     )
   ).hexdigest()[:16]
   out_dir = kernel_cache_dir()
@@ -58,7 +64,7 @@ def build(src: Path) -> Path:
   fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
   os.close(fd)
   try:
-    cmd = [cxx, *FLAGS, f"-I{include}", f"-I{SHARED_INCLUDE}", str(src), "-o", tmp]
+    cmd = [cxx, *flags(), f"-I{include}", f"-I{SHARED_INCLUDE}", str(src), "-o", tmp]
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except FileNotFoundError:
