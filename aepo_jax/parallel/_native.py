@@ -4,9 +4,15 @@ attention, training attention).
 A kernel is compiled on first use with the system C++ compiler (`$CXX`, default g++; a few seconds) into
 `~/.cache/aepo_jax/kernels` (`$AEPO_JAX_KERNEL_CACHE`), keyed by its source, the flags and the jaxlib version, and
 its handlers are registered as XLA FFI targets for the CPU platform. The kernels need x86-64 with AVX2 and FMA;
-`AEPO_JAX_CPU_KERNELS=0` turns all of them off; `$AEPO_JAX_KERNEL_CXXFLAGS` adds compiler flags (for example
-`-fsanitize=address -g` with libasan preloaded, to check the kernels' memory accesses). Any failure is reported as a reason string, never raised: callers
-fall back to XLA's own ops and log why.
+`AEPO_JAX_CPU_KERNELS=0` turns all of them off. `$AEPO_JAX_KERNEL_CXXFLAGS` adds compiler flags, for example to check
+the kernels' memory accesses with AddressSanitizer (a separate kernel cache keeps the normal builds):
+
+  AEPO_JAX_KERNEL_CACHE=/tmp/kasan AEPO_JAX_KERNEL_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g -O1" \
+  LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so.6)" \
+  ASAN_OPTIONS=detect_leaks=0 python -m pytest tests/model/test_cpu_decode.py
+
+(libstdc++ preloaded too: without it ASan aborts in jaxlib's first C++ exception.) Any failure is reported as a
+reason string, never raised: callers fall back to XLA's own ops and log why.
 """
 
 from __future__ import annotations

@@ -114,6 +114,21 @@ def test_off_switch_and_missing_compiler_are_explained(monkeypatch, tmp_path):
   assert not list(tmp_path.iterdir())  # no half-written library left behind
 
 
+def test_extra_compiler_flags_build_a_separate_library(monkeypatch, tmp_path):
+  """$AEPO_JAX_KERNEL_CXXFLAGS goes on the compiler's command line after the defaults and into the cache key, so a
+  sanitizer build never replaces the normal one; `-DAEPO_UNUSED=1` changes nothing in the code."""
+  monkeypatch.setenv("AEPO_JAX_KERNEL_CACHE", str(tmp_path))
+  monkeypatch.delenv("AEPO_JAX_KERNEL_CXXFLAGS", raising=False)
+  plain = _native.build(_cpu_decode._SRC)
+  monkeypatch.setenv("AEPO_JAX_KERNEL_CXXFLAGS", " -DAEPO_UNUSED=1  -O2 ")
+  assert _native.flags() == _native.FLAGS + ("-DAEPO_UNUSED=1", "-O2")
+  extra = _native.build(_cpu_decode._SRC)
+  assert extra != plain and plain.exists() and extra.exists()
+  monkeypatch.setenv("AEPO_JAX_KERNEL_CXXFLAGS", "--no-such-flag-aepo")
+  with pytest.raises(RuntimeError, match="no-such-flag-aepo"):
+    _native.build(_cpu_decode._SRC)
+
+
 def _ulp_spread(f, params, seeds=3):
   """The largest change of each output of `f(params)` when every parameter is moved by one ulp (relative eps,
   random sign), over a few draws, never below one ulp of the output's largest entry."""
