@@ -9,8 +9,9 @@ engine call (add = prompt prefill, extend = tool results, copy_slots = forks, de
 timed with `jax.block_until_ready` on what it returns, exclusive of the calls nested in it (the CPU decode kernel's
 weight transposes at a new policy version are their own line), and so is every wait for a tool with no slot
 decoding. Per arm, over the rollout calls after the first (compiles excluded): seconds per call in each, tokens,
-decode steps and rows a step; then each arm's sampled tokens per rollout second against the first arm's, measured in
-this run. The rest of a call ("host") is the agent loop's Python: parsing, tokenising results, bookkeeping.
+decode steps and calls, the rows sampling a step and the rows computed a step (the row sizes `Engine._decode_rows`
+chose; every row computes through the call's steps); then each arm's sampled tokens per rollout second against the
+first arm's, measured in this run. The rest of a call ("host") is the agent loop's Python: parsing, tokenising results, bookkeeping.
 
 Caveat: blocking after each call serialises the host's Python with the device's work, which JAX's asynchronous
 dispatch would otherwise overlap (on CPU both share the same cores, so little is lost); the trainer's own
@@ -86,10 +87,24 @@ def _tokens(op):  # add / extend (self, params, state, slots, token_lists, ...)
   return lambda args, kwargs, out: {"tokens_" + op: sum(len(t) for t in args[4])}
 
 
+_ROWS = []  # the rows of the last decode call, as Engine._decode_rows chose them (None: every slot)
+
+
 def _decode_count(args, kwargs, out):
   valid = np.asarray(jax.device_get(out[1].valid), bool)  # [S, steps]
   steps = int(valid.any(axis=0).sum())
-  return {"tokens_decode": int(valid.sum()), "decode_steps": steps}
+  rows = _ROWS[-1] if _ROWS and _ROWS[-1] is not None else valid.shape[0]
+  _ROWS.clear()
+  return {"tokens_decode": int(valid.sum()), "decode_steps": steps, "decode_calls": 1, "row_steps": rows * steps}
+
+
+def _recording_rows(fn):
+  def wrapper(*args, **kwargs):
+    rows = fn(*args, **kwargs)
+    _ROWS.append(None if rows is None else int(rows.shape[0]))
+    return rows
+
+  return wrapper
 
 
 def install(timeline: Timeline) -> None:
@@ -99,6 +114,7 @@ def install(timeline: Timeline) -> None:
   for op in OPS:
     count = {"add": _tokens("add"), "extend": _tokens("extend"), "decode": _decode_count}.get(op)
     setattr(cls, op, timeline.timed(op, getattr(cls, op), count))
+  cls._decode_rows = _recording_rows(cls._decode_rows)
   pw = _compiled.prepared_weights
   pw.get = timeline.timed("weights_transpose", pw.get)
   # concurrent.futures.wait is the agent loop's only blocking wait on tools (process-wide patch: a bench process)
@@ -160,6 +176,8 @@ def report(results: dict) -> str:
     ("tokens_decode", "sampled tokens per call"),
     ("decode_steps", "decode steps per call"),
     ("rows", "rows per decode step"),
+    ("decode_calls", "decode calls (chunks) per call"),
+    ("rows_run", "rows computed per decode step (the calls' row sizes)"),
     ("ms_step", "ms per decode step"),
     ("tokens_add", "prompt tokens prefilled per call"),
     ("tokens_extend", "tool-result tokens prefilled per call"),
@@ -170,6 +188,7 @@ def report(results: dict) -> str:
   for m in results.values():
     m["other_ops_s"] = sum(m.get(op + "_s", 0.0) for op in OTHER_OPS)
     m["rows"] = m.get("tokens_decode", 0.0) / max(m.get("decode_steps", 0.0), 1.0)
+    m["rows_run"] = m.get("row_steps", 0.0) / max(m.get("decode_steps", 0.0), 1.0)
     m["ms_step"] = 1e3 * m.get("decode_s", 0.0) / max(m.get("decode_steps", 0.0), 1.0)
     pre = m.get("tokens_add", 0.0) + m.get("tokens_extend", 0.0)
     m["ms_prefill_token"] = 1e3 * (m.get("add_s", 0.0) + m.get("extend_s", 0.0)) / max(pre, 1.0)

@@ -43,6 +43,8 @@ def test_report_rows_follow_from_the_recorded_ones():
       "extend_s": 1.0,
       "tokens_decode": 600,
       "decode_steps": 100,
+      "decode_calls": 8,
+      "row_steps": 800,
       "tokens_add": 300,
       "tokens_extend": 100,
     },
@@ -53,6 +55,8 @@ def test_report_rows_follow_from_the_recorded_ones():
       "extend_s": 1.0,
       "tokens_decode": 400,
       "decode_steps": 100,
+      "decode_calls": 12,
+      "row_steps": 1200,
       "tokens_extend": 100,
     },
   ]
@@ -63,6 +67,8 @@ def test_report_rows_follow_from_the_recorded_ones():
   text = MOD.report({"a": dict(m, calls=2), "b": dict(faster, calls=2)})
   assert "| rows per decode step | 5 | 5 |" in text
   assert "| ms per decode step | 50 | 50 |" in text
+  assert "| decode calls (chunks) per call | 10 | 10 |" in text
+  assert "| rows computed per decode step (the calls' row sizes) | 10 | 10 |" in text  # 1000 row-steps / 100 steps
   # 1.5 s over 250 tokens a call: a call without a count (the second has no prompt tokens) counts 0
   assert "| ms per prefilled token (add + extend) | 6 | 6 |" in text
   assert "| sampled tokens per rollout second, vs arm 0 | 1.00x | 2.00x |" in text
