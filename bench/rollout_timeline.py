@@ -11,7 +11,8 @@ weight transposes at a new policy version are their own line), and so is every w
 decoding. Per arm, over the rollout calls after the first (compiles excluded): seconds per call in each, tokens,
 decode steps and calls, the rows sampling a step and the rows computed a step (the row sizes `Engine._decode_rows`
 chose; every row computes through the call's steps); then each arm's sampled tokens per rollout second against the
-first arm's, measured in this run. The rest of a call ("host") is the agent loop's Python: parsing, tokenising results, bookkeeping.
+first arm's, measured in this run. The rest of a call ("host") is the agent loop's Python: parsing, tokenising
+results, bookkeeping.
 
 Caveat: blocking after each call serialises the host's Python with the device's work, which JAX's asynchronous
 dispatch would otherwise overlap (on CPU both share the same cores, so little is lost); the trainer's own
@@ -87,21 +88,20 @@ def _tokens(op):  # add / extend (self, params, state, slots, token_lists, ...)
   return lambda args, kwargs, out: {"tokens_" + op: sum(len(t) for t in args[4])}
 
 
-_ROWS = []  # the rows of the last decode call, as Engine._decode_rows chose them (None: every slot)
+_LAST_ROWS = {"rows": None}  # rows of the decode call in progress, as Engine._decode_rows chose them (None: every slot)
 
 
 def _decode_count(args, kwargs, out):
   valid = np.asarray(jax.device_get(out[1].valid), bool)  # [S, steps]
   steps = int(valid.any(axis=0).sum())
-  rows = _ROWS[-1] if _ROWS and _ROWS[-1] is not None else valid.shape[0]
-  _ROWS.clear()
+  rows = _LAST_ROWS.pop("rows", None) or valid.shape[0]
   return {"tokens_decode": int(valid.sum()), "decode_steps": steps, "decode_calls": 1, "row_steps": rows * steps}
 
 
 def _recording_rows(fn):
   def wrapper(*args, **kwargs):
     rows = fn(*args, **kwargs)
-    _ROWS.append(None if rows is None else int(rows.shape[0]))
+    _LAST_ROWS["rows"] = None if rows is None else int(rows.shape[0])
     return rows
 
   return wrapper

@@ -13,10 +13,6 @@ from aepo_jax.parallel import _memory_maps
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps is Linux's")
 
 
-def _jit_cache_size(f):
-  return f._cache_size()
-
-
 def test_counts_entries_and_clears_caches_only_past_the_threshold():
   used, limit = _memory_maps.memory_maps()
   assert 0 < used < limit
@@ -37,11 +33,11 @@ def test_counts_entries_and_clears_caches_only_past_the_threshold():
 
   f = jax.jit(lambda x: x * 3 + 1)
   f(jnp.ones(5))
-  assert _jit_cache_size(f) == 1
+  assert f._cache_size() == 1
   assert not _memory_maps.release_compiled_programs(1.0)  # below the limit: nothing cleared
-  assert _jit_cache_size(f) == 1
+  assert f._cache_size() == 1
   assert _memory_maps.release_compiled_programs(1e-9)  # past it: JAX's caches cleared
-  assert _jit_cache_size(f) == 0
+  assert f._cache_size() == 0
   assert f(jnp.ones(5)).tolist() == [4.0] * 5  # compiles again
   with pytest.raises(ValueError, match="fraction"):
     _memory_maps.release_compiled_programs(0.0)
