@@ -32,6 +32,11 @@ def on_tpu_vm() -> bool:
   forced = _forced_platform()
   if forced and forced != "tpu":
     return False
+  return tpu_host_markers()
+
+
+def tpu_host_markers() -> bool:
+  """A Cloud TPU VM's or GKE TPU node's env markers or TPU device files are here (whatever JAX_PLATFORMS says)."""
   if any(os.environ.get(k) for k in _TPU_ENV):
     return True
   return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))

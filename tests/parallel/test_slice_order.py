@@ -67,6 +67,23 @@ def test_rows_each_host_holds_follow_the_batch_sharding(name, shape, rows, expec
     assert held[p] == sorted(mine)
 
 
+def test_describing_a_slice_off_a_tpu_vm_prints_no_libtpu_error():
+  """libtpu started without a TPU VM's metadata prints an error block that looks like a failure; topology_devices
+  gives it the slice's type while it loads, then restores the environment."""
+  _need_libtpu()
+  code = (
+    "import os; from aepo_jax import parallel; chips = parallel.topology_devices('v5e:2x2'); "
+    "print(len(chips), [k for k in ('TPU_ACCELERATOR_TYPE', 'TPU_WORKER_HOSTNAMES') if k in os.environ])"
+  )
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "CLOUD_TPU", "MEGASCALE"))}
+  done = subprocess.run(
+    [sys.executable, "-c", code], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.split() == ["4", "[]"], done.stdout
+  assert "Failed to find host bounds" not in done.stderr and "INVALID_ARGUMENT" not in done.stderr, done.stderr
+
+
 def test_emulation_refuses_a_run_that_is_not_the_slice():
   _need_libtpu()
   try:
