@@ -8,43 +8,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# One persistent XLA compilation cache for the pytest sessions one shell runs: the pytest process (or xdist's
-# controller) finds or makes the folder of its parent process before any worker starts, and the workers and every
-# subprocess a test launches (main jobs, hosts of the multi-process tests) inherit it through the environment. Many
-# tests compile the same tiny-model programs, often in separate processes, and the README's test command runs the
-# fast tier and then the slow tier from one shell (a file's slow tests build the engines and steps its fast tests
-# built): this compiles each program once. The cache is keyed by the program, the XLA flags, the devices and the
-# jax version, so a hit is the executable a compile would give. The folder is named by the parent's process id and
-# start time; one whose shell has exited is removed by the next session. Set JAX_COMPILATION_CACHE_DIR to choose the
-# folder; JAX_ENABLE_COMPILATION_CACHE=false switches the cache off (as tests/train/test_resume.py does for its
-# bit-identity runs).
-
-
-def _shell_compilation_cache() -> str:
-  """The cache folder of this process's parent (the shell): made if missing; those of exited shells removed."""
-  import glob
+# One persistent XLA compilation cache for the whole test session: the pytest process (or xdist's controller) makes
+# a fresh folder before any worker starts, and the workers and every subprocess a test launches (main jobs, hosts of
+# the multi-process tests) inherit it through the environment. Many tests compile the same tiny-model programs, often
+# in separate processes; this compiles each once per session. The cache is keyed by the program, the XLA flags and
+# the devices, so a hit is the executable a compile would give. A fresh folder per session: results never depend on
+# an earlier run. Set JAX_COMPILATION_CACHE_DIR to choose the folder (kept); JAX_ENABLE_COMPILATION_CACHE=false
+# switches the cache off (as tests/train/test_resume.py does for its bit-identity runs).
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
   import shutil
   import tempfile
 
-  def started(pid):  # the process's start time (clock ticks after boot), None once it has exited
-    try:
-      with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-      return None
-
-  prefix = os.path.join(tempfile.gettempdir(), "aepo_jax_test_xla_cache.shell-")
-  for old in glob.glob(prefix + "*"):
-    pid, _, start = old[len(prefix) :].partition("-")
-    if pid.isdigit() and started(int(pid)) != start:
-      shutil.rmtree(old, ignore_errors=True)
-  path = f"{prefix}{os.getppid()}-{started(os.getppid())}"
-  os.makedirs(path, exist_ok=True)
-  return path
-
-
-if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _shell_compilation_cache()
+  _cache_dir = tempfile.mkdtemp(prefix="aepo_jax_test_xla_cache.")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
 if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
