@@ -111,6 +111,14 @@ _OUTPUT = flags.DEFINE_string(
   "--compare: the output prefix.",
   **_F,
 )
+_COMPILE_CACHE = flags.DEFINE_string(
+  "compile_cache",
+  "auto",
+  "Persistent XLA compilation cache: a rerun (or resume) reads the engine's programs back instead of compiling them "
+  "again. auto: <output>/compile_cache ($JAX_COMPILATION_CACHE_DIR, where set, stands instead); a folder (local or "
+  "gs://); '' = none.",
+  **_F,
+)
 _SEARCH_BACKEND = flags.DEFINE_string(
   "search_backend",
   None,
@@ -447,6 +455,12 @@ def main(argv=None) -> int:
     limit = question_limit(_LIMIT.value, _PROTOCOL.value)
     if _LIMIT.value is None and limit:
       print(f"--protocol=official: at most {limit} questions per benchmark (--limit=0 for all)", file=sys.stderr)
+    from aepo_jax.parallel import CompileCacheError, use_compile_cache
+
+    try:
+      use_compile_cache(_COMPILE_CACHE.value, output, name="--compile_cache")
+    except CompileCacheError as e:
+      raise eval_lib.EvalInputError(str(e)) from None
     summary = eval_lib.run_evaluation(
       plan, output, settings=settings, ks=ks, limit=limit, show_progress=_PROGRESS.value
     )

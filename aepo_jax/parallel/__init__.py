@@ -17,8 +17,15 @@ on_tpu_vm() / platform_is_cpu()                        what a launcher is about 
 initialize_distributed(...) -> (process_index, process_count)   jax.distributed for multi-host; no-op on one
 any_host(flag) / every_host(flag) / allgather_json(obj)  small agreements across processes (host values)
 use_cpu_xla_flags()                                    the XLA:CPU flags this code is tuned for (before JAX starts)
+use_compile_cache(setting, workdir) / compile_cache_stats()   a run's persistent compilation cache, and its hits
 """
 
+from aepo_jax.parallel._compile_cache import (
+  CompileCacheError,
+  compile_cache_folder,
+  compile_cache_stats,
+  use_compile_cache,
+)
 from aepo_jax.parallel._distributed import (
   allgather_json,
   any_host,

@@ -258,6 +258,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.saved_logits_mb = 1024.0
   # Peak dense TFLOP/s of one chip, for perf/mfu; 0 = the known TPU/GPU kinds' table (no MFU on CPU).
   c.train.peak_tflops = 0.0
+  # The persistent XLA compilation cache (aepo_jax/parallel/_compile_cache.py): a restart, a resume or the next run
+  # reads the programs back instead of compiling them again. 'auto': <workdir>/compile_cache on TPU and GPU, none on
+  # CPU ($JAX_COMPILATION_CACHE_DIR, where set, stands instead); a folder (local or gs://); '' = none.
+  c.train.compile_cache = "auto"
 
   c.sft = ml_collections.ConfigDict()
   c.sft.enabled = False

@@ -92,6 +92,11 @@ def _run(config, mode: str) -> dict:
   workdir = config.workdir
   _check_shared_workdir(config)
   _checkpoint.check_writable(workdir)
+  try:
+    compile_cache = parallel.use_compile_cache(config.train.get("compile_cache", "auto"), workdir)
+  except parallel.CompileCacheError as e:
+    raise _config.ConfigError(str(e)) from None
+  cache_before = parallel.compile_cache_stats()
   _fingerprint.check_resume(config)  # the checkpoints here are this run's (model, data, objective, seeds)
   is_chief = jax.process_index() == 0
   if is_chief:
@@ -119,6 +124,16 @@ def _run(config, mode: str) -> dict:
       raise
   if params is not None:
     summary["params"] = params
+  if compile_cache:
+    stats = {k: v - cache_before[k] for k, v in parallel.compile_cache_stats().items()}
+    summary.update({f"compile_cache/{k}": v for k, v in stats.items()})
+    log.info(
+      "compilation cache %s: %d of %d programs read from it (~%.0f s of compiling saved)",
+      compile_cache,
+      stats["hits"],
+      stats["requests"],
+      stats["saved_s"],
+    )
   writer.close()
   return summary
 

@@ -38,6 +38,7 @@ def test_help_shows_every_flag_with_its_default():
     ("batch_size", "'8'"),
     ("seed", "'0'"),
     ("data_family", "'qa'"),
+    ("compile_cache", "'auto'"),
   ):
     section = out.stdout.split(f"--{flag}:", 1)[1].split("\n  --", 1)[0]
     assert f"(default: {default})" in section, (flag, section)

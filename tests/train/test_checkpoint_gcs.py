@@ -1,4 +1,4 @@
-"""gs:// checkpoints and metrics against `gcp-storage-emulator` on loopback (recipe: docs/environment.md).
+"""gs:// checkpoints, metrics and the compilation cache against `gcp-storage-emulator` on loopback (recipe: docs/environment.md).
 
 The `gcs_emulator` fixture starts the emulator itself and yields the environment that points tensorstore
 (array data) and gcsfs (metadata, JSONL) at it; test_resume.py uses it for the gs:// resume test.
@@ -240,3 +240,32 @@ def test_refused_probe_says_refused(monkeypatch):
 
   monkeypatch.setattr(urllib.request, "urlopen", urlopen)
   assert "Connection refused" in _no_answer("http://127.0.0.1:9", 5)
+
+
+COMPILE = """
+import json, sys
+import jax, jax.numpy as jnp
+from aepo_jax.parallel import compile_cache_stats, use_compile_cache
+print(json.dumps(dict(folder=use_compile_cache(sys.argv[1], "unused"))))
+jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3.0)(jnp.ones((29, 7))).block_until_ready()
+print(json.dumps(compile_cache_stats()))
+"""
+
+
+def test_compilation_cache_on_gcs(gcs_emulator):
+  """train.compile_cache=gs://...: the first process writes the program there, the second reads it back."""
+  import json
+  import sys
+
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  folder = f"gs://{BUCKET}/compile_cache"
+  runs = []
+  for _ in range(2):
+    out = subprocess.run([sys.executable, "-c", COMPILE, folder], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[0]) == {"folder": folder}
+    runs.append(json.loads(lines[-1]))
+  assert runs[0]["requests"] >= 1 and runs[0]["hits"] == 0, runs  # the jit, and jnp.ones' own programs
+  assert runs[1]["requests"] == runs[1]["hits"] == runs[0]["requests"], runs
