@@ -16,10 +16,12 @@ shortened cpu_default job). That job, run twice on this 2-core CPU (2026-12-08):
 programs back; 80 s with JAX's 1 s threshold.
 
 On several hosts JAX writes entries from process 0 only (to spare shared storage the contention) and every host
-reads: a cache on storage all hosts see (a gs:// workdir, or one the hosts share) serves the programs the hosts share
-(the update, the log-probs, the policy's copy onto the rollout devices) to all of them, and host 0's engine programs
-to host 0. Another host's engine runs on its own devices, so those programs have keys of their own that nobody
-writes: such a host compiles its engine again at a restart.
+reads: on a TPU slice a cache on storage all hosts see (a gs:// workdir, or one the hosts share) serves the programs
+the hosts share (the update, the log-probs, the policy's copy onto the rollout devices; same slice topology and
+device assignment, so the same key on every host) to all of them, and host 0's engine programs to host 0. Another
+host's engine runs on its own devices, so those programs have keys of their own that nobody writes: such a host
+compiles its engine again at a restart. (CPU processes standing in for hosts each hash their own CPU topology into
+every key: there only process 0 reads anything back.)
 
 The cache is trusted code: whoever can write to the folder can run code in the run (JAX's warning); keep it where the
 checkpoints are, which the run trusts the same way.
