@@ -94,8 +94,9 @@ def use_compile_cache(setting: str, workdir: str, name: str = "train.compile_cac
 
 
 def compile_cache_stats() -> dict:
-  """Programs looked up in the persistent cache, found there, and the compile seconds those hits saved (JAX's
-  estimate: the entry's compile time less the read), since `use_compile_cache` was first called in this process."""
+  """Programs looked up in the persistent cache, found there, and the compile seconds those hits saved by JAX's
+  estimate (each entry's compile time in whole seconds, less the read: a run of sub-second compiles shows ~0), since
+  `use_compile_cache` was first called in this process."""
   with _lock:
     return dict(_stats)
 

@@ -259,8 +259,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Peak dense TFLOP/s of one chip, for perf/mfu; 0 = the known TPU/GPU kinds' table (no MFU on CPU).
   c.train.peak_tflops = 0.0
   # The persistent XLA compilation cache (aepo_jax/parallel/_compile_cache.py): a restart, a resume or the next run
-  # reads the programs back instead of compiling them again. 'auto': <workdir>/compile_cache on TPU and GPU, none on
-  # CPU ($JAX_COMPILATION_CACHE_DIR, where set, stands instead); a folder (local or gs://); '' = none.
+  # reads the programs back instead of compiling them again. 'auto': <workdir>/compile_cache ($JAX_COMPILATION_CACHE_DIR,
+  # where set, stands instead); a folder (local or gs://; one for a sweep's runs); '' = none.
   c.train.compile_cache = "auto"
 
   c.sft = ml_collections.ConfigDict()

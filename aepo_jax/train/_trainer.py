@@ -127,13 +127,7 @@ def _run(config, mode: str) -> dict:
   if compile_cache:
     stats = {k: v - cache_before[k] for k, v in parallel.compile_cache_stats().items()}
     summary.update({f"compile_cache/{k}": v for k, v in stats.items()})
-    log.info(
-      "compilation cache %s: %d of %d programs read from it (~%.0f s of compiling saved)",
-      compile_cache,
-      stats["hits"],
-      stats["requests"],
-      stats["saved_s"],
-    )
+    log.info("compilation cache %s: %d of %d programs read from it", compile_cache, stats["hits"], stats["requests"])
   writer.close()
   return summary
 
