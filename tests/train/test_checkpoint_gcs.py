@@ -1,4 +1,5 @@
-"""gs:// checkpoints, metrics and the compilation cache against `gcp-storage-emulator` on loopback (recipe: docs/environment.md).
+"""gs:// checkpoints, metrics and the compilation cache against `gcp-storage-emulator` on loopback (recipe:
+docs/environment.md).
 
 The `gcs_emulator` fixture starts the emulator itself and yields the environment that points tensorstore
 (array data) and gcsfs (metadata, JSONL) at it; test_resume.py uses it for the gs:// resume test.
